@@ -1,0 +1,13 @@
+"""kiln: compile eager PyTorch and ONNX models to static .kiln files and run them without PyTorch.
+
+The public API is small: build or capture an IR ``Graph``, optimize it, save it, load and run it.
+Only numpy is imported here; frontends, serializers and backends load lazily when used.
+"""
+from kiln.errors import FormatError, InputError, KilnError, ShapeInferenceError, UnknownOpError, VerifyError
+from kiln.ir import (IR_VERSION, OPSET_VERSION, DType, Graph, Node, TensorType, Value, evaluate,
+                     verify)
+from kiln.version import __version__
+
+__all__ = ["__version__", "IR_VERSION", "OPSET_VERSION", "DType", "Graph", "Node", "TensorType", "Value",
+           "evaluate", "verify", "KilnError", "FormatError", "InputError", "ShapeInferenceError",
+           "UnknownOpError", "VerifyError"]

@@ -1,0 +1,30 @@
+"""The exceptions kiln raises for failures a user can cause.
+
+Every one of them is a :class:`KilnError`, so ``except kiln.KilnError`` catches them all,
+and each message names what was wrong and where (the node, the input, the file offset).
+"""
+from __future__ import annotations
+
+
+class KilnError(Exception):
+    """Base class of every error kiln raises on purpose."""
+
+
+class VerifyError(KilnError):
+    """A graph breaks an IR invariant (SSA, types, order, schema)."""
+
+
+class ShapeInferenceError(KilnError):
+    """Shape/type inference found inputs an op cannot accept."""
+
+
+class UnknownOpError(KilnError):
+    """An op name (or version) that the registry does not know."""
+
+
+class FormatError(KilnError):
+    """A model file is malformed, truncated, corrupt or of an unsupported version."""
+
+
+class InputError(KilnError):
+    """Inputs given to a program do not match its signature."""

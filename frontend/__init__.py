@@ -1,0 +1,1 @@
+"""kiln.frontend: see DESIGN.md (built by a later issue)."""

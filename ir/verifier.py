@@ -1,0 +1,135 @@
+"""``verify(graph)``: the checkpoint before and after every pass.
+
+Checks SSA (one definition per value, unique names across subgraphs), topological order and
+scoping (a node reads only values defined earlier in its graph or in an enclosing graph),
+schemas (op known at the graph's opset, input/output counts, attribute kinds, input dtypes),
+types (every value typed, initializers matching their arrays, optionally that re-running
+inference agrees with the recorded types) and that use lists mirror node inputs.
+Raises VerifyError listing every problem, each naming its node.
+"""
+from __future__ import annotations
+
+from kiln.errors import KilnError, VerifyError
+from kiln.ir.graph import Graph, Node, Value, normalize_attrs
+from kiln.ir.registry import InferContext, normalize_inferred
+from kiln.ir.types import TensorType, dims_compatible
+
+_MAX_REPORTED = 20
+
+
+def verify(graph: Graph, *, require_types: bool = True, check_inference: bool = True) -> None:
+    """Raise VerifyError if ``graph`` breaks an IR invariant; return None if it is sound."""
+    problems: list[str] = []
+    _Verifier(problems, require_types, check_inference).graph(graph, visible=set(), names=set())
+    if problems:
+        more = f"\n  ... and {len(problems) - _MAX_REPORTED} more" if len(problems) > _MAX_REPORTED else ""
+        raise VerifyError(f"graph '{graph.name}' is invalid:\n  " + "\n  ".join(problems[:_MAX_REPORTED]) + more)
+
+
+class _Verifier:
+    def __init__(self, problems: list[str], require_types: bool, check_inference: bool):
+        self.problems = problems
+        self.require_types = require_types
+        self.check_inference = check_inference
+
+    def fail(self, msg: str) -> None:
+        self.problems.append(msg)
+
+    def define(self, v: Value, g: Graph, visible: set, names: set, what: str) -> None:
+        if v.name in names:
+            self.fail(f"value name '{v.name}' ({what}) is defined more than once")
+        names.add(v.name)
+        visible.add(v)
+        if v.graph is not g:
+            self.fail(f"value '{v.name}' ({what}) belongs to graph '{v.graph.name}', not '{g.name}'")
+        if self.require_types and v.type is None:
+            self.fail(f"value '{v.name}' ({what}) has no type")
+
+    def graph(self, g: Graph, visible: set, names: set) -> None:
+        visible = set(visible)
+        for v in g.inputs:
+            self.define(v, g, visible, names, f"input of graph '{g.name}'")
+        for name, v in g.initializers.items():
+            self.define(v, g, visible, names, "initializer")
+            if name != v.name:
+                self.fail(f"initializer key '{name}' differs from its value name '{v.name}'")
+            if v.const is None:
+                self.fail(f"initializer '{v.name}' has no data")
+            elif v.type is not None and v.type != TensorType.of(v.const):
+                self.fail(f"initializer '{v.name}' is typed {v.type} but holds {TensorType.of(v.const)}")
+        for node in g.nodes:
+            self.node(node, g, visible, names)
+        for v in g.outputs:
+            if v not in visible:
+                self.fail(f"output '{v.name}' of graph '{g.name}' is not defined in scope")
+
+    def node(self, node: Node, g: Graph, visible: set, names: set) -> None:
+        where = node.describe()
+        if node.graph is not g:
+            self.fail(f"{where} belongs to graph '{node.graph.name}', not '{g.name}'")
+        try:
+            schema = node.schema
+        except KilnError as e:
+            self.fail(f"{where}: {e}")
+            return
+        n_in = len(node.inputs)
+        if n_in < schema.min_inputs or (schema.max_inputs is not None and n_in > schema.max_inputs):
+            self.fail(f"{where}: has {n_in} inputs, {schema.qualified_name} takes "
+                      f"{schema.min_inputs}..{schema.max_inputs if schema.max_inputs is not None else 'n'}")
+        for i, v in enumerate(node.inputs):
+            self.node_input(node, schema, i, v, visible)
+        try:
+            normalize_attrs(schema, node.attrs, node.op)
+        except KilnError as e:
+            self.fail(f"{where}: {e}")
+        for sg in node.subgraphs():
+            if sg.parent is not g:
+                self.fail(f"{where}: subgraph '{sg.name}' does not name graph '{g.name}' as its parent")
+            self.graph(sg, visible, names)
+        for v in node.outputs:
+            self.define(v, g, visible, names, f"output of {where}")
+            if v.producer is not node:
+                self.fail(f"{where}: output '{v.name}' does not point back to its producer")
+        if self.check_inference and all(v.type is not None for v in node.outputs):
+            self.inference_agrees(node, schema)
+
+    def node_input(self, node: Node, schema, i: int, v, visible: set) -> None:
+        where = node.describe()
+        if v is None:
+            try:
+                optional = schema.input_param(i).optional
+            except IndexError:
+                optional = False
+            if not optional:
+                self.fail(f"{where}: required input {i} is missing")
+            return
+        if v not in visible:
+            self.fail(f"{where}: input {i} '{v.name}' is not defined before this node (or not in scope)")
+        if (node, i) not in v._uses:
+            self.fail(f"{where}: input {i} '{v.name}' does not list the node among its uses")
+        try:
+            param = schema.input_param(i)
+        except IndexError:
+            return
+        if v.type is not None and v.type.dtype not in param.types:
+            allowed = ", ".join(sorted(str(t) for t in param.types))
+            self.fail(f"{where}: input {i} ('{param.name}') is {v.type.dtype}; allowed: {allowed}")
+
+    def inference_agrees(self, node: Node, schema) -> None:
+        types = [None if v is None else v.type for v in node.inputs]
+        consts = [None if v is None else v.const for v in node.inputs]
+        try:
+            ctx = InferContext(node, schema, types, consts)
+            inferred = normalize_inferred(ctx, schema.infer(ctx))
+        except Exception as e:  # noqa: BLE001 - any inference failure is a verify failure
+            self.fail(f"{node.describe()}: shape inference fails: {e}")
+            return
+        for v, t in zip(node.outputs, inferred):
+            if t is None or v.type is None:
+                continue
+            if t.dtype is not v.type.dtype:
+                self.fail(f"{node.describe()}: output '{v.name}' is typed {v.type}, inference gives {t}")
+            elif t.shape is not None and v.type.shape is not None and (
+                    len(t.shape) != len(v.type.shape)
+                    or not all(dims_compatible(a, b) for a, b in zip(t.shape, v.type.shape))):
+                self.fail(f"{node.describe()}: output '{v.name}' is typed {v.type}, inference gives {t}")

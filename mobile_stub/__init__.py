@@ -1,0 +1,1 @@
+"""kiln.mobile_stub: see DESIGN.md (built by a later issue)."""

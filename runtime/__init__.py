@@ -1,0 +1,1 @@
+"""kiln.runtime: see DESIGN.md (built by a later issue)."""

@@ -1,0 +1,1 @@
+"""kiln.serializer: see DESIGN.md (built by a later issue)."""

@@ -1,0 +1,1 @@
+"""kiln.server: see DESIGN.md (built by a later issue)."""

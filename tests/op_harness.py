@@ -1,0 +1,69 @@
+"""Test helper for ops: build a one-node graph, infer its types, evaluate its reference
+implementation, and compare with an independent oracle.
+
+``check_op`` also checks that inference and reference agree (dtype and shape of every
+output), and, with ``symbolic_batch=True``, that the first dim of the inputs can be the
+symbol ``batch`` and inference keeps it.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from kiln.ir import Graph, TensorType, evaluate, verify
+from kiln.ir.passes.shape_inference import infer_shapes
+
+
+def build_single(op: str, inputs: Sequence[Optional[np.ndarray]], attrs: Optional[dict] = None, *,
+                 const_inputs: Sequence[int] = (), num_outputs: Optional[int] = None,
+                 symbolic_batch: bool = False, domain: str = "") -> tuple[Graph, list[np.ndarray]]:
+    """A graph with one node; inputs listed in ``const_inputs`` become initializers."""
+    g = Graph("test")
+    values = []
+    feeds = []
+    for i, a in enumerate(inputs):
+        if a is None:
+            values.append(None)
+        elif i in const_inputs:
+            values.append(g.add_initializer(f"c{i}", np.asarray(a)))
+        else:
+            a = np.asarray(a)
+            shape = list(a.shape)
+            if symbolic_batch and shape:
+                shape[0] = "batch"
+            values.append(g.add_input(f"x{i}", a.dtype, shape))
+            feeds.append(a)
+    node = g.add_node(op, values, attrs or {}, num_outputs=num_outputs, domain=domain)
+    g.outputs = list(node.outputs)
+    infer_shapes(g)
+    verify(g)
+    return g, feeds
+
+
+def check_op(op: str, inputs: Sequence[Optional[np.ndarray]], expected: Any = None, attrs: Optional[dict] = None,
+             *, const_inputs: Sequence[int] = (), num_outputs: Optional[int] = None, rtol: float = 1e-5,
+             atol: float = 1e-6, symbolic_batch: bool = False, domain: str = "") -> list[np.ndarray]:
+    """Run ``op`` on ``inputs``; check inference/reference agreement and, if given, the expected outputs."""
+    g, feeds = build_single(op, inputs, attrs, const_inputs=const_inputs, num_outputs=num_outputs,
+                            symbolic_batch=symbolic_batch, domain=domain)
+    outs = evaluate(g, feeds)
+    for v, o in zip(g.outputs, outs):
+        assert v.type is not None, f"{op}: output {v.name} has no inferred type"
+        assert o.dtype == v.type.dtype.numpy, f"{op}: reference gives {o.dtype}, inference says {v.type.dtype}"
+        assert v.type.shape is not None and len(v.type.shape) == o.ndim, \
+            f"{op}: reference gives shape {o.shape}, inference says {v.type}"
+        for want, got in zip(v.type.shape, o.shape):
+            assert want is None or isinstance(want, str) or want == got, \
+                f"{op}: reference gives shape {o.shape}, inference says {v.type}"
+    if expected is not None:
+        exp = list(expected) if isinstance(expected, (list, tuple)) else [expected]
+        assert len(exp) == len(outs)
+        for o, e in zip(outs, exp):
+            e = np.asarray(e)
+            assert o.shape == e.shape, f"{op}: shape {o.shape} != expected {e.shape}"
+            if o.dtype.kind in "fc":
+                np.testing.assert_allclose(o.astype(np.float64), e.astype(np.float64), rtol=rtol, atol=atol)
+            else:
+                np.testing.assert_array_equal(o, e)
+    return outs
