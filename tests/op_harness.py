@@ -22,6 +22,7 @@ def build_single(op: str, inputs: Sequence[Optional[np.ndarray]], attrs: Optiona
     g = Graph("test")
     values = []
     feeds = []
+    lead = next((np.asarray(a) for i, a in enumerate(inputs) if a is not None and i not in const_inputs), None)
     for i, a in enumerate(inputs):
         if a is None:
             values.append(None)
@@ -30,7 +31,9 @@ def build_single(op: str, inputs: Sequence[Optional[np.ndarray]], attrs: Optiona
         else:
             a = np.asarray(a)
             shape = list(a.shape)
-            if symbolic_batch and shape:
+            # The leading dim becomes the symbol "batch" on every input that shares the first
+            # input's rank and leading size.
+            if symbolic_batch and shape and a.ndim == lead.ndim and a.shape[0] == lead.shape[0]:
                 shape[0] = "batch"
             values.append(g.add_input(f"x{i}", a.dtype, shape))
             feeds.append(a)

@@ -1,2 +1,3 @@
-"""The registered op set. Importing this package registers every op (one module per family)."""
-from kiln.ir.ops import elementwise  # noqa: F401
+"""The registered op set. Importing this package registers every op, one module per family."""
+from kiln.ir.ops import (  # noqa: F401
+    activation, control, elementwise, linalg, logic, nn, normalization, reduce, shape, tensor)

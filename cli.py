@@ -1,0 +1,108 @@
+"""The ``kiln`` command. Each sub-command imports what it needs only when it runs, so
+``kiln --help`` stays fast and works with the core install alone.
+
+Sub-commands are registered in ``COMMANDS`` (name -> (help, add_arguments, run)); later
+stages add export, run, serve, ... the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import platform
+import sys
+from typing import Callable, Optional, Sequence
+
+from kiln.errors import KilnError
+from kiln.version import __version__
+
+# Optional packages kiln can use, and what each enables.
+OPTIONAL_BACKENDS = [
+    ("torch", "torch", "frontend: trace/script PyTorch models"),
+    ("onnx", "onnx", "ONNX import/export"),
+    ("onnxruntime", "onnxruntime", "ONNX Runtime execution backend"),
+    ("fastapi", "fastapi", "HTTP server"),
+    ("uvicorn", "uvicorn", "HTTP server"),
+    ("cupy", "cupy-cuda12x", "GPU runtime"),
+    ("ml_dtypes", "ml_dtypes", "bfloat16 tensors"),
+]
+
+
+def _dist_version(module: str, dist: str) -> Optional[str]:
+    if importlib.util.find_spec(module) is None:
+        return None
+    for name in (dist, module):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "installed"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from kiln.ir import IR_VERSION, ONNX_OPSET_BASE, OPSET_VERSION, all_schemas
+
+    schemas = all_schemas()
+    print(f"kiln {__version__}")
+    print(f"python {platform.python_version()} ({sys.executable})")
+    print(f"numpy {np.__version__}, flatbuffers {_dist_version('flatbuffers', 'flatbuffers') or 'missing'}")
+    print(f"IR version {IR_VERSION}, opset {OPSET_VERSION} (ONNX-named ops follow ai.onnx opset {ONNX_OPSET_BASE})")
+    print(f"registered ops: {len(schemas)}")
+    print("optional backends:")
+    for module, dist, purpose in OPTIONAL_BACKENDS:
+        ver = _dist_version(module, dist)
+        state = f"yes ({ver})" if ver else "no"
+        print(f"  {module:<12} {state:<22} {purpose}")
+    if args.ops:
+        print("ops:")
+        for s in schemas:
+            ins = ", ".join(p.name + ("?" if p.optional else "") + ("..." if p.variadic else "") for p in s.inputs)
+            attrs = ", ".join(s.attrs)
+            print(f"  {s.qualified_name}({ins})" + (f" [{attrs}]" if attrs else ""))
+    return 0
+
+
+def _add_info_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ops", action="store_true", help="also list every registered op with its inputs and attributes")
+
+
+Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+COMMANDS: dict[str, Command] = {
+    "info": ("print versions, IR/opset versions and which optional backends are installed",
+             _add_info_args, cmd_info),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kiln",
+        description="Compile neural networks to .kiln files and run them without PyTorch.")
+    parser.add_argument("--version", action="version", version=f"kiln {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help_text, add_args, run) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_args(p)
+        p.set_defaults(_run=run)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return args._run(args)
+    except KilnError as e:
+        print(f"kiln {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
