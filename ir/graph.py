@@ -264,15 +264,18 @@ class Graph:
 
     def add_initializer(self, name: str, array: Any) -> Value:
         """A named constant. ``array`` is kept as is when it is already a numpy array (no copy)."""
-        arr = array if isinstance(array, np.ndarray) else np.asarray(array)
-        v = self._new_value(name, TensorType.of(arr), name)
-        v.const = arr
-        self.initializers[v.name] = v
-        return v
+        return self._initializer(name, array, name)
 
     def add_constant(self, array: Any, hint: str = "const") -> Value:
         """An initializer with a fresh name derived from ``hint``."""
-        return self.add_initializer(self.fresh_name(hint), array)
+        return self._initializer(None, array, hint)
+
+    def _initializer(self, name: Optional[str], array: Any, hint: str) -> Value:
+        arr = array if isinstance(array, np.ndarray) else np.asarray(array)
+        v = self._new_value(name, TensorType.of(arr), hint)
+        v.const = arr
+        self.initializers[v.name] = v
+        return v
 
     def add_node(self, op: str, inputs: Sequence[Optional[Value]] = (), attrs: Optional[dict] = None, *,
                  domain: str = ONNX_DOMAIN, num_outputs: Optional[int] = None, name: Optional[str] = None,

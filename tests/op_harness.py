@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from kiln.ir import Graph, TensorType, evaluate, verify
+from kiln.ir import Graph, dtype, evaluate, verify
 from kiln.ir.passes.shape_inference import infer_shapes
 
 
@@ -65,7 +65,7 @@ def check_op(op: str, inputs: Sequence[Optional[np.ndarray]], expected: Any = No
         for o, e in zip(outs, exp):
             e = np.asarray(e)
             assert o.shape == e.shape, f"{op}: shape {o.shape} != expected {e.shape}"
-            if o.dtype.kind in "fc":
+            if dtype(o.dtype).is_float:  # bfloat16 (ml_dtypes) is not numpy kind 'f'
                 np.testing.assert_allclose(o.astype(np.float64), e.astype(np.float64), rtol=rtol, atol=atol)
             else:
                 np.testing.assert_array_equal(o, e)

@@ -1,3 +1,4 @@
 """The registered op set. Importing this package registers every op, one module per family."""
 from kiln.ir.ops import (  # noqa: F401
-    activation, control, elementwise, linalg, logic, nn, normalization, reduce, shape, tensor)
+    activation, control, elementwise, indexing, layout, linalg, logic, nn, normalization, pool, reduce, shape,
+    tensor)

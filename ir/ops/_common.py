@@ -42,3 +42,15 @@ def infer_broadcast_bool(ctx: InferContext) -> TensorType:
 
 def same_shape(ctx: InferContext, dtype: DType) -> TensorType:
     return TensorType(dtype, ctx.input(0).shape)
+
+
+def compute_dtype(dt: "np.dtype") -> "np.dtype":
+    """The numpy dtype a float reference computes in: float64 stays float64, narrower floats
+    (float16, bfloat16, float32) widen to float32 so the result rounds once, on the cast back.
+    Integer dtypes are returned unchanged."""
+    import numpy as np
+
+    dt = np.dtype(dt)
+    if dt == np.float64 or dt.kind in "iub":
+        return dt
+    return np.dtype(np.float32)

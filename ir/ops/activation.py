@@ -1,0 +1,131 @@
+"""Activation functions (ONNX opset-18 semantics, plus Gelu from ONNX opset 20).
+
+Float formulas are evaluated in float64 and rounded once to the input dtype (see
+:func:`kiln.ir.ops.elementwise.float_map`), written in forms that cannot overflow
+(``logaddexp`` for softplus, ``expm1`` for the exponential linear units).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kiln.ir.dtypes import DType
+from kiln.ir.ops._common import FLOAT, SIGNED_NUMERIC, infer_same
+from kiln.ir.ops.elementwise import erf64, float_map
+from kiln.ir.registry import Attr, AttrKind, In, InferContext, op
+from kiln.ir.types import TensorType, dims_compatible, merge_dim
+
+# ONNX Selu defaults: the constants of Klambauer et al. rounded to float32.
+SELU_ALPHA = 1.67326319217681884765625
+SELU_GAMMA = 1.05070102214813232421875
+PRELU_TYPES = FLOAT | {DType.INT32, DType.INT64}
+GELU_APPROXIMATIONS = ("none", "tanh")
+
+
+@op("Relu", inputs=[In("X", SIGNED_NUMERIC)], outputs=["Y"], infer=infer_same)
+def relu(x):
+    return np.maximum(x, x.dtype.type(0))
+
+
+@op("LeakyRelu", inputs=[In("X", FLOAT)], outputs=["Y"], attrs=[Attr("alpha", AttrKind.FLOAT, 0.01)],
+    infer=infer_same)
+def leaky_relu(x, alpha=0.01):
+    return float_map(lambda v: np.where(v >= 0, v, alpha * v), x)
+
+
+@op("Elu", inputs=[In("X", FLOAT)], outputs=["Y"], attrs=[Attr("alpha", AttrKind.FLOAT, 1.0)], infer=infer_same)
+def elu(x, alpha=1.0):
+    return float_map(lambda v: np.where(v >= 0, v, alpha * np.expm1(v)), x)
+
+
+@op("Selu", inputs=[In("X", FLOAT)], outputs=["Y"],
+    attrs=[Attr("alpha", AttrKind.FLOAT, SELU_ALPHA), Attr("gamma", AttrKind.FLOAT, SELU_GAMMA)], infer=infer_same)
+def selu(x, alpha=SELU_ALPHA, gamma=SELU_GAMMA):
+    return float_map(lambda v: gamma * np.where(v > 0, v, alpha * np.expm1(v)), x)
+
+
+def _infer_gelu(ctx: InferContext) -> TensorType:
+    if ctx.attrs["approximate"] not in GELU_APPROXIMATIONS:
+        ctx.fail(f"approximate must be one of {GELU_APPROXIMATIONS}, not {ctx.attrs['approximate']!r}")
+    return ctx.input(0)
+
+
+def _gelu64(v: np.ndarray, approximate: str) -> np.ndarray:
+    if approximate == "tanh":
+        inner = math.sqrt(2.0 / math.pi) * (v + 0.044715 * v ** 3)
+        return 0.5 * v * (1.0 + np.tanh(inner))
+    if approximate == "none":
+        return 0.5 * v * (1.0 + erf64(v / math.sqrt(2.0)))
+    raise ValueError(f"Gelu approximate must be one of {GELU_APPROXIMATIONS}, not {approximate!r}")
+
+
+# Gelu is an ONNX opset-20 op. kiln registers it in its own opset (with opset-20 semantics)
+# because exported transformers use it, and a fused Gelu beats its five-op Erf expansion.
+@op("Gelu", inputs=[In("X", FLOAT)], outputs=["Y"], attrs=[Attr("approximate", AttrKind.STRING, "none")],
+    infer=_infer_gelu)
+def gelu(x, approximate="none"):
+    """Gaussian error linear unit: x * Phi(x), exact (erf) or with the tanh approximation."""
+    return float_map(lambda v: _gelu64(v, approximate), x)
+
+
+def _hard_sigmoid64(v: np.ndarray, alpha: float, beta: float) -> np.ndarray:
+    return np.clip(alpha * v + beta, 0.0, 1.0)
+
+
+@op("HardSigmoid", inputs=[In("X", FLOAT)], outputs=["Y"],
+    attrs=[Attr("alpha", AttrKind.FLOAT, 0.2), Attr("beta", AttrKind.FLOAT, 0.5)], infer=infer_same)
+def hard_sigmoid(x, alpha=0.2, beta=0.5):
+    return float_map(lambda v: _hard_sigmoid64(v, alpha, beta), x)
+
+
+@op("HardSwish", inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
+def hard_swish(x):
+    """x * HardSigmoid(x) with alpha = 1/6, beta = 0.5."""
+    return float_map(lambda v: v * _hard_sigmoid64(v, 1.0 / 6.0, 0.5), x)
+
+
+def _softplus64(v: np.ndarray) -> np.ndarray:
+    # log(1 + exp(v)) without overflow for large v.
+    return np.logaddexp(0.0, v)
+
+
+@op("Softplus", inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
+def softplus(x):
+    return float_map(_softplus64, x)
+
+
+@op("Softsign", inputs=[In("input", FLOAT)], outputs=["output"], infer=infer_same)
+def softsign(x):
+    return float_map(lambda v: v / (1.0 + np.abs(v)), x)
+
+
+@op("Mish", inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
+def mish(x):
+    return float_map(lambda v: v * np.tanh(_softplus64(v)), x)
+
+
+def _infer_prelu(ctx: InferContext) -> TensorType:
+    """Output has X's type; slope must broadcast *to* X (unidirectionally)."""
+    x, slope = ctx.input(0), ctx.input(1)
+    if slope.dtype is not x.dtype:
+        ctx.fail(f"slope is {slope.dtype} but X is {x.dtype}")
+    if x.shape is None or slope.shape is None:
+        return x
+    if len(slope.shape) > len(x.shape):
+        ctx.fail(f"slope {slope} has a higher rank than X {x}")
+    padded = (1,) * (len(x.shape) - len(slope.shape)) + slope.shape
+    out = []
+    for xd, sd in zip(x.shape, padded):
+        if sd != 1 and not dims_compatible(xd, sd):
+            ctx.fail(f"slope {slope} does not broadcast to X {x}")
+        out.append(xd if sd == 1 else merge_dim(xd, sd))
+    return TensorType(x.dtype, out)
+
+
+@op("PRelu", inputs=[In("X", PRELU_TYPES), In("slope", PRELU_TYPES)], outputs=["Y"], infer=_infer_prelu)
+def prelu(x, slope):
+    """x where x >= 0, slope * x elsewhere; slope broadcasts to x's shape."""
+    if x.dtype.kind in "iu":
+        return np.where(x < 0, x * slope, x).astype(x.dtype)
+    return float_map(lambda v, s: np.where(v < 0, s * v, v), x, slope)

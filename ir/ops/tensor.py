@@ -1,0 +1,171 @@
+"""Tensor-creation ops: Identity, Constant, ConstantOfShape, Range, Dropout (ONNX opset 18).
+
+Cast lives in ``logic.py``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from kiln.errors import KilnError
+from kiln.ir.dtypes import DType
+from kiln.ir.ops._common import ALL, BOOL, FLOAT, infer_same
+from kiln.ir.ops._dims import INT64, same_values, scalar_input, unknown_dims
+from kiln.ir.registry import Attr, AttrKind, In, InferContext, op
+from kiln.ir.types import TensorType
+
+
+@op("Identity", inputs=[In("input", ALL)], outputs=["output"], infer=infer_same, propagate=same_values(infer_same))
+def identity(x):
+    return x
+
+
+# --------------------------------------------------------------------------- Constant
+
+_CONSTANT_ATTRS = ("value", "value_float", "value_floats", "value_int", "value_ints")
+
+
+def _constant_array(attrs: dict) -> np.ndarray:
+    """The tensor a Constant node holds; exactly one of its value attributes must be set."""
+    given = [k for k in _CONSTANT_ATTRS if attrs.get(k) is not None]
+    if len(given) != 1:
+        raise ValueError(f"exactly one of {', '.join(_CONSTANT_ATTRS)} must be set, got {given or 'none'}")
+    key = given[0]
+    v = attrs[key]
+    if key == "value":
+        return np.asarray(v)
+    # value_float(s) are float32 and value_int(s) int64, as in ONNX.
+    return np.asarray(v, dtype=np.float32 if key.startswith("value_float") else np.int64)
+
+
+def _infer_constant(ctx: InferContext) -> TensorType:
+    try:
+        return TensorType.of(_constant_array(ctx.attrs))
+    except (ValueError, KilnError) as e:
+        ctx.fail(str(e))
+
+
+def _propagate_constant(ctx: InferContext) -> Optional[tuple]:
+    arr = _constant_array(ctx.attrs)
+    if arr.dtype.kind not in "iu" or arr.ndim > 1:
+        return None
+    return tuple(int(v) for v in arr.reshape(-1))
+
+
+@op("Constant", inputs=[], outputs=["output"],
+    attrs=[Attr("value", AttrKind.TENSOR, None), Attr("value_float", AttrKind.FLOAT, None),
+           Attr("value_floats", AttrKind.FLOATS, None), Attr("value_int", AttrKind.INT, None),
+           Attr("value_ints", AttrKind.INTS, None)],
+    infer=_infer_constant, propagate=_propagate_constant)
+def constant(**attrs):
+    return _constant_array(attrs)
+
+
+# --------------------------------------------------------------------------- ConstantOfShape
+
+
+def _fill_value(value: Optional[np.ndarray]) -> np.ndarray:
+    """The 1-element fill tensor; ONNX's default is float32 0."""
+    return np.zeros(1, np.float32) if value is None else np.asarray(value).reshape(-1)
+
+
+def _infer_constant_of_shape(ctx: InferContext) -> TensorType:
+    value = _fill_value(ctx.attrs["value"])
+    if value.size != 1:
+        ctx.fail(f"value must hold exactly one element, got {value.size}")
+    dtype = TensorType.of(value).dtype
+    dims = ctx.symbolic(0)
+    if dims is None:
+        return TensorType(dtype, unknown_dims(ctx, 0))
+    if any(isinstance(d, int) and d < 0 for d in dims):
+        ctx.fail(f"shape {list(dims)} has a negative dim")
+    return TensorType(dtype, dims)
+
+
+@op("ConstantOfShape", inputs=[In("input", INT64)], outputs=["output"],
+    attrs=[Attr("value", AttrKind.TENSOR, None)], infer=_infer_constant_of_shape)
+def constant_of_shape(shape, *, value=None):
+    fill = _fill_value(value)
+    return np.full([int(d) for d in shape], fill[0], dtype=fill.dtype)
+
+
+# --------------------------------------------------------------------------- Range
+
+_RANGE_TYPES = frozenset({DType.FLOAT32, DType.FLOAT64, DType.INT16, DType.INT32, DType.INT64})
+
+
+def range_length(start: float, limit: float, delta: float) -> int:
+    """ONNX: max(ceil((limit - start) / delta), 0); exact integer arithmetic for ints."""
+    if delta == 0:
+        raise ValueError("delta must not be 0")
+    if all(isinstance(v, int) for v in (start, limit, delta)):
+        return max(-((start - limit) // delta), 0)
+    return max(math.ceil((limit - start) / delta), 0)
+
+
+def _range_dim(ctx: InferContext, dtype: DType):
+    """The output length from constant inputs; Range(0, n, 1) keeps a symbolic n."""
+    if dtype.is_int:
+        vals = [ctx.symbolic(i) for i in range(3)]
+        if any(v is None for v in vals):
+            return None
+        start, limit, delta = (v[0] for v in vals)
+        if start == 0 and delta == 1 and isinstance(limit, str):
+            return limit
+        if not all(isinstance(v, int) for v in (start, limit, delta)):
+            return None
+    else:
+        consts = [ctx.const(i) for i in range(3)]
+        if any(c is None for c in consts):
+            return None
+        start, limit, delta = (float(c.reshape(-1)[0]) for c in consts)
+    if delta == 0:
+        ctx.fail("delta must not be 0")
+    return range_length(start, limit, delta)
+
+
+def _infer_range(ctx: InferContext) -> TensorType:
+    types = [scalar_input(ctx, i, name) for i, name in enumerate(("start", "limit", "delta"))]
+    dtype = types[0].dtype
+    if any(t.dtype is not dtype for t in types):
+        ctx.fail(f"start, limit and delta must share a dtype, got {', '.join(str(t.dtype) for t in types)}")
+    return TensorType(dtype, (_range_dim(ctx, dtype),))
+
+
+@op("Range", inputs=[In("start", _RANGE_TYPES), In("limit", _RANGE_TYPES), In("delta", _RANGE_TYPES)],
+    outputs=["output"], infer=_infer_range)
+def range_(start, limit, delta):
+    dtype = np.asarray(start).dtype
+    if dtype.kind in "iu":
+        s, lim, d = (int(np.asarray(v).reshape(-1)[0]) for v in (start, limit, delta))
+        return (s + np.arange(range_length(s, lim, d), dtype=np.int64) * d).astype(dtype)
+    s, lim, d = (float(np.asarray(v).reshape(-1)[0]) for v in (start, limit, delta))
+    return (s + np.arange(range_length(s, lim, d), dtype=np.float64) * d).astype(dtype)
+
+
+# --------------------------------------------------------------------------- Dropout
+
+
+def _infer_dropout(ctx: InferContext) -> list[TensorType]:
+    x = ctx.input(0)
+    if ctx.has_input(1):
+        scalar_input(ctx, 1, "ratio")
+    if ctx.has_input(2):
+        scalar_input(ctx, 2, "training_mode")
+        mode = ctx.const(2)
+        if mode is not None and bool(mode.reshape(-1)[0]):
+            ctx.fail("training_mode=True is not supported: kiln runs Dropout for inference only")
+    mask = TensorType(DType.BOOL, x.shape)
+    return [x, mask][:ctx.num_outputs]
+
+
+@op("Dropout", inputs=[In("data", FLOAT), In("ratio", FLOAT, optional=True), In("training_mode", BOOL, optional=True)],
+    outputs=["output", In("mask", BOOL, optional=True)], attrs=[Attr("seed", AttrKind.INT, None)],
+    infer=_infer_dropout)
+def dropout(data, ratio=None, training_mode=None, *, seed=None):
+    if training_mode is not None and bool(np.asarray(training_mode).reshape(-1)[0]):
+        # A ValueError (not a KilnError) so that the evaluator's message names the node.
+        raise ValueError("training_mode=True is not supported: kiln runs Dropout for inference only")
+    return data, np.ones(data.shape, dtype=bool)

@@ -1,0 +1,144 @@
+"""Pad, DepthToSpace and SpaceToDepth against torch (F.pad, pixel_shuffle) and index loops."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from op_harness import build_single, check_op
+
+from kiln.errors import ShapeInferenceError
+
+
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch")
+
+
+def arange(shape, dtype=np.float32) -> np.ndarray:
+    n = int(np.prod(shape, dtype=np.int64))
+    return np.arange(n).reshape(shape).astype(dtype)
+
+
+def i64(*v) -> np.ndarray:
+    return np.array(v, dtype=np.int64)
+
+
+def inferred(op, inputs, attrs=None, **kw) -> list:
+    kw.setdefault("symbolic_batch", True)
+    g, _ = build_single(op, inputs, attrs, **kw)
+    return [v.type.shape for v in g.outputs]
+
+
+# --------------------------------------------------------------------------- Pad
+
+TORCH_MODES = {"constant": "constant", "reflect": "reflect", "edge": "replicate"}
+
+
+def torch_pad(torch, x, pads, axes, mode, value=0.0):
+    """ONNX pads ([begins..., ends...] over axes) done one axis at a time with torch's F.pad,
+    which pads the last axis of a (rows, length) view."""
+    F = torch.nn.functional
+    t = torch.from_numpy(x)
+    n = len(axes)
+    for j, a in enumerate(axes):
+        moved = t.movedim(a, -1)
+        flat = moved.reshape(-1, moved.shape[-1])
+        if mode == "constant":
+            flat = F.pad(flat, (pads[j], pads[j + n]), value=value)
+        else:
+            flat = F.pad(flat.unsqueeze(0), (pads[j], pads[j + n]), mode=TORCH_MODES[mode]).squeeze(0)
+        t = flat.reshape(*moved.shape[:-1], flat.shape[-1]).movedim(-1, a)
+    return t.numpy()
+
+
+@pytest.mark.parametrize("mode", ["constant", "reflect", "edge"])
+@pytest.mark.parametrize("pads, axes", [((1, 2, 0, 1), None), ((2, 0, 1, 2), (1, 2)), ((1, 3), (-1,)),
+                                        ((0, 0, 0, 0), (0, 2))])
+def test_pad_modes(torch, mode, pads, axes):
+    x = arange((2, 3, 4), np.float64)
+    axes_list = list(axes) if axes is not None else [0, 1]
+    if axes is None:
+        pads = pads[:2] + (0,) + pads[2:] + (0,)
+        axes_list = [0, 1, 2]
+    axes_list = [a % 3 for a in axes_list]
+    expected = torch_pad(torch, x, pads, axes_list, mode)
+    inputs = [x, i64(*pads)] if axes is None else [x, i64(*pads), None, i64(*axes)]
+    check_op("Pad", inputs, expected, {"mode": mode}, const_inputs=[1, 3])
+
+
+@pytest.mark.parametrize("dtype, value", [(np.float32, 2.5), (np.int32, -7), (np.float16, 0.0)])
+def test_pad_constant_value_and_crop(torch, dtype, value):
+    x = arange((3, 5), dtype)
+    pads = (1, -2, -1, 3)  # grow axis 0 at the front, crop it at the back; the reverse on axis 1
+    expected = torch_pad(torch, x, pads, [0, 1], "constant", value)
+    check_op("Pad", [x, i64(*pads), np.array(value, dtype)], expected, const_inputs=[1, 2])
+
+
+def test_pad_hand_values():
+    x = np.array([[1, 2, 3]], np.int64)
+    check_op("Pad", [x, i64(0, 2, 0, 1)], np.array([[3, 2, 1, 2, 3, 2]]), {"mode": "reflect"}, const_inputs=[1])
+    check_op("Pad", [x, i64(0, 2, 0, 1)], np.array([[1, 1, 1, 2, 3, 3]]), {"mode": "edge"}, const_inputs=[1])
+
+
+def test_pad_inference():
+    x = arange((2, 3, 4))
+    assert inferred("Pad", [x, i64(0, 1, 0, 2), None, i64(0, 2)], const_inputs=[1, 3]) == [("batch", 3, 7)]
+    assert inferred("Pad", [x, i64(1, 1)], const_inputs=[]) == [(None, None, None)]
+    assert inferred("Pad", [x, i64(1, 1), None, i64(1)], const_inputs=[3]) == [("batch", None, 4)]
+    with pytest.raises(ShapeInferenceError, match=r"node 'pad' \(Pad\).*2 values per padded axis"):
+        build_single("Pad", [x, i64(1, 1)], const_inputs=[1])
+    with pytest.raises(ShapeInferenceError, match="crop more"):
+        build_single("Pad", [x, i64(0, -2, 0, 0, -2, 0)], const_inputs=[1])
+    with pytest.raises(ShapeInferenceError, match="mode 'wrap'"):
+        build_single("Pad", [x, i64(0, 0, 0, 0, 0, 0)], {"mode": "wrap"}, const_inputs=[1])
+    with pytest.raises(ShapeInferenceError, match="constant_value is int64"):
+        build_single("Pad", [x, i64(0, 0, 0, 0, 0, 0), np.array(1, np.int64)], const_inputs=[1, 2])
+
+
+# --------------------------------------------------------------------------- DepthToSpace / SpaceToDepth
+
+
+def depth_to_space_loops(x, b, mode) -> np.ndarray:
+    n, c, h, w = x.shape
+    depth = c // (b * b)
+    out = np.empty((n, depth, h * b, w * b), x.dtype)
+    for d in range(depth):
+        for i in range(b):
+            for j in range(b):
+                src = (i * b + j) * depth + d if mode == "DCR" else d * b * b + i * b + j
+                out[:, d, i::b, j::b] = x[:, src]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["DCR", "CRD"])
+@pytest.mark.parametrize("b", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [np.float32, np.int64])
+def test_depth_to_space(mode, b, dtype):
+    x = arange((2, 2 * b * b, 3, 2), dtype)
+    check_op("DepthToSpace", [x], depth_to_space_loops(x, b, mode), {"blocksize": b, "mode": mode},
+             symbolic_batch=True)
+
+
+def test_depth_to_space_crd_is_pixel_shuffle(torch):
+    x = arange((1, 8, 3, 3))
+    check_op("DepthToSpace", [x], torch.nn.functional.pixel_shuffle(torch.from_numpy(x), 2).numpy(),
+             {"blocksize": 2, "mode": "CRD"})
+
+
+@pytest.mark.parametrize("b", [1, 2, 3])
+def test_space_to_depth_inverts_dcr(b):
+    y = arange((2, 3, 2 * b, 3 * b), np.float16)
+    x = check_op("SpaceToDepth", [y], None, {"blocksize": b}, symbolic_batch=True)[0]
+    assert x.shape == (2, 3 * b * b, 2, 3)
+    np.testing.assert_array_equal(depth_to_space_loops(x, b, "DCR"), y)
+
+
+def test_space_depth_inference():
+    x = arange((1, 8, 4, 6))
+    assert inferred("DepthToSpace", [x], {"blocksize": 2}) == [("batch", 2, 8, 12)]
+    assert inferred("SpaceToDepth", [x], {"blocksize": 2}) == [("batch", 32, 2, 3)]
+    with pytest.raises(ShapeInferenceError, match="not divisible by 9"):
+        build_single("DepthToSpace", [x], {"blocksize": 3})
+    with pytest.raises(ShapeInferenceError, match="height of size 4 is not divisible by 3"):
+        build_single("SpaceToDepth", [x], {"blocksize": 3})
+    with pytest.raises(ShapeInferenceError, match="must be 4-D"):
+        build_single("SpaceToDepth", [arange((8, 4, 6))], {"blocksize": 2})

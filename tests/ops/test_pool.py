@@ -1,0 +1,177 @@
+"""MaxPool, AveragePool, GlobalAveragePool and GlobalMaxPool: references against torch
+(float64) or explicit loops, inference with symbolic dims, and inference failures."""
+import itertools
+
+import numpy as np
+import pytest
+from op_harness import build_single, check_op
+
+from kiln.errors import ShapeInferenceError
+from kiln.ir import Graph
+from kiln.ir.passes.shape_inference import infer_shapes
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+TOL = {np.float16: dict(rtol=1e-2, atol=1e-2), np.float32: dict(rtol=1e-5, atol=1e-6),
+       np.float64: dict(rtol=1e-12, atol=1e-12)}
+
+
+def rand(rng, shape, dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def t64(a):
+    return torch.from_numpy(np.asarray(a, np.float64))
+
+
+def infer_type(op, x_shape, attrs=None, num_outputs=None):
+    g = Graph("t")
+    x = g.add_input("x", "float32", x_shape)
+    node = g.add_node(op, [x], attrs or {}, num_outputs=num_outputs)
+    g.outputs = list(node.outputs)
+    infer_shapes(g)
+    return g.outputs[0].type
+
+
+def loop_pool_2d(x, out_hw, k, s, begin, end, reduce, count_include_pad=False):
+    """Pooling written as loops over output positions; pads ``begin``/``end`` count only
+    for AveragePool's divisor with count_include_pad; anything past them never counts."""
+    n, c, h, w = x.shape
+    y = np.zeros((n, c) + tuple(out_hw), np.float64)
+    for i, j in itertools.product(range(out_hw[0]), range(out_hw[1])):
+        r0, c0 = i * s[0] - begin[0], j * s[1] - begin[1]
+        rows = [r for r in range(r0, r0 + k[0]) if 0 <= r < h]
+        cols = [q for q in range(c0, c0 + k[1]) if 0 <= q < w]
+        win = x[:, :, rows][:, :, :, cols].astype(np.float64)
+        if reduce == "max":
+            y[:, :, i, j] = win.max(axis=(2, 3))
+            continue
+        if count_include_pad:
+            n_rows = len([r for r in range(r0, r0 + k[0]) if -begin[0] <= r < h + end[0]])
+            n_cols = len([q for q in range(c0, c0 + k[1]) if -begin[1] <= q < w + end[1]])
+            y[:, :, i, j] = win.sum(axis=(2, 3)) / (n_rows * n_cols)
+        else:
+            y[:, :, i, j] = win.mean(axis=(2, 3))
+    return y
+
+
+# --------------------------------------------------------------------------- MaxPool
+
+MAX_CASES = [
+    # (spatial, kernel, strides, pads, dilations, ceil_mode)
+    ((8, 9), (2, 2), (2, 2), (0, 0), (1, 1), 0),
+    ((8, 9), (3, 3), (2, 2), (1, 1), (1, 1), 0),
+    ((8, 9), (3, 3), (2, 2), (1, 1), (1, 1), 1),
+    ((9, 10), (3, 2), (2, 3), (1, 0), (2, 1), 1),
+    ((7, 7), (3, 3), (1, 1), (0, 0), (2, 2), 0),
+    ((10, 6), (2, 2), (3, 3), (0, 0), (1, 1), 1),
+    ((11,), (3,), (2,), (1,), (1,), 1),
+    ((5, 6, 7), (2, 3, 2), (2, 2, 2), (1, 1, 0), (1, 1, 1), 1),
+]
+
+
+@pytest.mark.parametrize("spatial,k,s,p,d,ceil", MAX_CASES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_max_pool_matches_torch(rng, spatial, k, s, p, d, ceil, dtype):
+    x = rand(rng, (2, 3) + spatial, dtype)
+    expected = MAX[len(k)](t64(x), k, s, p, d, ceil_mode=bool(ceil)).numpy()
+    attrs = dict(kernel_shape=k, strides=s, pads=p + p, dilations=d, ceil_mode=ceil)
+    check_op("MaxPool", [x], expected, attrs, symbolic_batch=True, rtol=0, atol=0)
+
+
+def test_max_pool_asymmetric_pads(rng):
+    x = rand(rng, (1, 2, 7, 6))
+    padded = F.pad(t64(x), (2, 0, 0, 1), value=-np.inf)
+    expected = F.max_pool2d(padded, (3, 3), (2, 2)).numpy()
+    check_op("MaxPool", [x], expected, dict(kernel_shape=(3, 3), strides=(2, 2), pads=(0, 2, 1, 0)))
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8])
+def test_max_pool_ints_pads_never_win(rng, dtype):
+    x = rng.integers(np.iinfo(dtype).min, np.iinfo(dtype).max, (2, 3, 6, 5), endpoint=True).astype(dtype)
+    x[0, 0] = np.iinfo(dtype).min  # a plane of minimum values: a padded zero must not win
+    expected = loop_pool_2d(x, (3, 3), (3, 3), (2, 2), (1, 1), (1, 1), "max").astype(dtype)
+    check_op("MaxPool", [x], expected, dict(kernel_shape=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1)))
+
+
+@pytest.mark.parametrize("auto_pad,begin,end", [("SAME_UPPER", (0, 1), (1, 2)), ("SAME_LOWER", (1, 2), (0, 1))])
+def test_max_pool_auto_pad(rng, auto_pad, begin, end):
+    # X 7x8, kernel 2x5, stride 2: 4x4 outputs; rows need 3*2+2 = 8 (pad 1), cols 3*2+5 = 11 (pad 3).
+    x = rand(rng, (1, 2, 7, 8))
+    expected = loop_pool_2d(x, (4, 4), (2, 5), (2, 2), begin, end, "max")
+    check_op("MaxPool", [x], expected, dict(kernel_shape=(2, 5), strides=(2, 2), auto_pad=auto_pad))
+
+
+def test_max_pool_indices_output_is_rejected():
+    with pytest.raises(ShapeInferenceError, match=r"\(MaxPool\).*Indices output of MaxPool is not supported"):
+        build_single("MaxPool", [np.zeros((1, 1, 4, 4), np.float32)], dict(kernel_shape=(2, 2)), num_outputs=2)
+
+
+def test_pool_symbolic_dims():
+    attrs = dict(kernel_shape=(3, 3), strides=(2, 2), pads=(1, 1, 1, 1), ceil_mode=1)
+    assert infer_type("MaxPool", ("batch", 3, 8, 9), attrs).shape == ("batch", 3, 5, 5)
+    assert infer_type("AveragePool", ("batch", 3, "h", 9), attrs).shape == ("batch", 3, None, 5)
+    assert infer_type("MaxPool", ("batch", 3, "h", 9), dict(kernel_shape=(1, 1))).shape == ("batch", 3, "h", 9)
+    assert infer_type("GlobalMaxPool", ("batch", 3, "h", "w")).shape == ("batch", 3, 1, 1)
+
+
+@pytest.mark.parametrize("op,x_shape,attrs,match", [
+    ("MaxPool", (1, 2, 8, 8), dict(kernel_shape=(3,)), "must have rank 3"),
+    ("MaxPool", (1, 2, 2, 8), dict(kernel_shape=(3, 3)), "smaller than the window extent 3"),
+    ("MaxPool", (1, 2, 8, 8), dict(kernel_shape=(3, 3), dilations=(1,)), "dilations has 1 values"),
+    ("AveragePool", (1, 2, 8, 8), dict(kernel_shape=(3, 3), pads=(1, 1, -1, 1)), "pads must be >= 0"),
+    ("AveragePool", (1, 2, 8, 8), dict(kernel_shape=(0, 3)), "kernel_shape must be >= 1"),
+    ("GlobalAveragePool", (1, 2), {}, "rank >= 3"),
+])
+def test_pool_bad_inputs_fail(op, x_shape, attrs, match):
+    with pytest.raises(ShapeInferenceError, match=rf"\({op}\).*{match}"):
+        build_single(op, [np.zeros(x_shape, np.float32)], attrs)
+
+
+# --------------------------------------------------------------------------- AveragePool
+
+AVG_CASES = [
+    # (spatial, kernel, strides, pads, ceil_mode)
+    ((8, 9), (2, 2), (2, 2), (0, 0), 0),
+    ((8, 9), (3, 3), (2, 2), (1, 1), 0),
+    ((8, 9), (3, 3), (2, 2), (1, 1), 1),
+    ((9, 10), (3, 2), (2, 3), (1, 1), 1),
+    ((10, 6), (2, 2), (3, 3), (0, 0), 1),
+    ((11,), (4,), (3,), (2,), 1),
+    ((5, 6, 7), (2, 3, 2), (2, 2, 2), (1, 1, 0), 1),
+]
+
+
+@pytest.mark.parametrize("spatial,k,s,p,ceil", AVG_CASES)
+@pytest.mark.parametrize("include_pad", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_average_pool_matches_torch(rng, spatial, k, s, p, ceil, include_pad, dtype):
+    x = rand(rng, (2, 3) + spatial, dtype)
+    expected = AVG[len(k)](t64(x), k, s, p, ceil_mode=bool(ceil), count_include_pad=bool(include_pad)).numpy()
+    attrs = dict(kernel_shape=k, strides=s, pads=p + p, ceil_mode=ceil, count_include_pad=include_pad)
+    check_op("AveragePool", [x], expected, attrs, symbolic_batch=True, **TOL[dtype])
+
+
+@pytest.mark.parametrize("include_pad", [0, 1])
+@pytest.mark.parametrize("ceil", [0, 1])
+def test_average_pool_asymmetric_pads(rng, include_pad, ceil):
+    x = rand(rng, (1, 2, 7, 6), np.float64)
+    attrs = dict(kernel_shape=(3, 3), strides=(2, 2), pads=(0, 2, 1, 0), ceil_mode=ceil, count_include_pad=include_pad)
+    # Rows: 7 + 0 + 1 - 3 = 5 -> 3 windows (ceil 4, starts at 6 < 7); cols: 6 + 2 - 3 = 5 -> 3 (ceil 4).
+    out_hw = (4, 4) if ceil else (3, 3)
+    expected = loop_pool_2d(x, out_hw, (3, 3), (2, 2), (0, 2), (1, 0), "avg", include_pad)
+    check_op("AveragePool", [x], expected, attrs, **TOL[np.float64])
+
+
+# --------------------------------------------------------------------------- global pools
+
+@pytest.mark.parametrize("shape", [(2, 3, 5), (2, 3, 4, 5), (1, 2, 3, 4, 5)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_global_pools_match_torch(rng, shape, dtype):
+    x = rand(rng, shape, dtype)
+    axes = tuple(range(2, len(shape)))
+    check_op("GlobalAveragePool", [x], t64(x).mean(dim=axes, keepdim=True).numpy(), symbolic_batch=True, **TOL[dtype])
+    check_op("GlobalMaxPool", [x], t64(x).amax(dim=axes, keepdim=True).numpy(), symbolic_batch=True, rtol=0, atol=0)
