@@ -17,3 +17,9 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(0)
+
+
+@pytest.fixture
+def torch():
+    """PyTorch as an oracle; tests using it skip cleanly where torch is not installed."""
+    return pytest.importorskip("torch")

@@ -70,3 +70,15 @@ def check_op(op: str, inputs: Sequence[Optional[np.ndarray]], expected: Any = No
             else:
                 np.testing.assert_array_equal(o, e)
     return outs
+
+
+def i64(*v: int) -> np.ndarray:
+    """An int64 vector: shapes, axes, starts/ends given as op inputs."""
+    return np.array(v, dtype=np.int64)
+
+
+def inferred(op: str, inputs: Sequence[Optional[np.ndarray]], attrs: Optional[dict] = None, **kw: Any) -> list:
+    """The inferred output shapes of a one-node graph (symbolic batch on by default)."""
+    kw.setdefault("symbolic_batch", True)
+    g, _ = build_single(op, inputs, attrs, **kw)
+    return [v.type.shape for v in g.outputs]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from op_harness import build_single, check_op
+from op_harness import build_single, check_op, i64, inferred
 
 from kiln.errors import ShapeInferenceError
 from kiln.ir import Graph, evaluate, verify
@@ -17,9 +17,6 @@ INT64_MAX = np.iinfo(np.int64).max
 INT64_MIN = np.iinfo(np.int64).min
 
 
-@pytest.fixture
-def torch():
-    return pytest.importorskip("torch")
 
 
 def arange(shape, dtype=np.float32) -> np.ndarray:
@@ -27,14 +24,8 @@ def arange(shape, dtype=np.float32) -> np.ndarray:
     return np.arange(n).reshape(shape).astype(dtype)
 
 
-def i64(*v) -> np.ndarray:
-    return np.array(v, dtype=np.int64)
 
 
-def inferred(op, inputs, attrs=None, **kw) -> list:
-    kw.setdefault("symbolic_batch", True)
-    g, _ = build_single(op, inputs, attrs, **kw)
-    return [v.type.shape for v in g.outputs]
 
 
 # --------------------------------------------------------------------------- Slice

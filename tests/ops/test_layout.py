@@ -3,14 +3,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from op_harness import build_single, check_op
+from op_harness import build_single, check_op, i64, inferred
 
 from kiln.errors import ShapeInferenceError
 
 
-@pytest.fixture
-def torch():
-    return pytest.importorskip("torch")
 
 
 def arange(shape, dtype=np.float32) -> np.ndarray:
@@ -18,14 +15,8 @@ def arange(shape, dtype=np.float32) -> np.ndarray:
     return np.arange(n).reshape(shape).astype(dtype)
 
 
-def i64(*v) -> np.ndarray:
-    return np.array(v, dtype=np.int64)
 
 
-def inferred(op, inputs, attrs=None, **kw) -> list:
-    kw.setdefault("symbolic_batch", True)
-    g, _ = build_single(op, inputs, attrs, **kw)
-    return [v.type.shape for v in g.outputs]
 
 
 # --------------------------------------------------------------------------- Pad

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from op_harness import build_single, check_op
+from op_harness import build_single, check_op, i64, inferred
 
 from kiln.errors import ShapeInferenceError
 from kiln.ir import Graph, evaluate, verify
@@ -15,9 +15,6 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.float32, np.float16, np.int64, BF16, np.bool_]
 
 
-@pytest.fixture
-def torch():
-    return pytest.importorskip("torch")
 
 
 def arange(shape, dtype=np.float32) -> np.ndarray:
@@ -25,15 +22,8 @@ def arange(shape, dtype=np.float32) -> np.ndarray:
     return (np.arange(n) % 7).reshape(shape).astype(dtype)
 
 
-def i64(*v) -> np.ndarray:
-    return np.array(v, dtype=np.int64)
 
 
-def inferred(op, inputs, attrs=None, **kw) -> list:
-    """The inferred output shapes of a one-node graph (symbolic batch on by default)."""
-    kw.setdefault("symbolic_batch", True)
-    g, _ = build_single(op, inputs, attrs, **kw)
-    return [v.type.shape for v in g.outputs]
 
 
 # --------------------------------------------------------------------------- Reshape

@@ -4,7 +4,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from op_harness import build_single, check_op
+from op_harness import build_single, check_op, i64
 
 from kiln.errors import ShapeInferenceError
 from kiln.ir import Graph, evaluate, verify
@@ -12,13 +12,8 @@ from kiln.ir.evaluator import EvaluationError
 from kiln.ir.passes import infer_shapes
 
 
-@pytest.fixture
-def torch():
-    return pytest.importorskip("torch")
 
 
-def i64(*v) -> np.ndarray:
-    return np.array(v, dtype=np.int64)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8, np.bool_, ml_dtypes.bfloat16])
