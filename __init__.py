@@ -6,8 +6,9 @@ Only numpy is imported here; frontends, serializers and backends load lazily whe
 from kiln.errors import FormatError, InputError, KilnError, ShapeInferenceError, UnknownOpError, VerifyError
 from kiln.ir import (IR_VERSION, OPSET_VERSION, DType, Graph, Node, TensorType, Value, evaluate,
                      verify)
+from kiln.serializer import load_graph, load_graph_from_bytes, save
 from kiln.version import __version__
 
 __all__ = ["__version__", "IR_VERSION", "OPSET_VERSION", "DType", "Graph", "Node", "TensorType", "Value",
            "evaluate", "verify", "KilnError", "FormatError", "InputError", "ShapeInferenceError",
-           "UnknownOpError", "VerifyError"]
+           "UnknownOpError", "VerifyError", "save", "load_graph", "load_graph_from_bytes"]
