@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import os
 import platform
 import sys
 from typing import Callable, Optional, Sequence
@@ -68,10 +69,39 @@ def _add_info_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ops", action="store_true", help="also list every registered op with its inputs and attributes")
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from kiln.serializer.inspect import format_summary, inspect_file
+
+    summary, graph = inspect_file(args.model, verify=args.verify)
+    if args.json:
+        if args.graph:
+            summary["ir"] = str(graph)
+        print(json.dumps(summary, indent=2))
+        return 0
+    text = format_summary(summary)
+    if args.graph:
+        text += "\n\n" + str(graph)
+    print(text)
+    return 0
+
+
+def _add_inspect_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="the .kiln file")
+    p.add_argument("--graph", action="store_true", help="also print the graph (IR) after the summary")
+    p.add_argument("--json", action="store_true",
+                   help="print the summary as JSON (with --graph, the printed IR is its 'ir' key)")
+    p.add_argument("--verify", action="store_true",
+                   help="checksum the whole data segment even when it is large (default: up to 64 MiB)")
+
+
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 COMMANDS: dict[str, Command] = {
     "info": ("print versions, IR/opset versions and which optional backends are installed",
              _add_info_args, cmd_info),
+    "inspect": ("summarize a .kiln file: header, versions, producer, inputs/outputs, op histogram, parameters",
+                _add_inspect_args, cmd_inspect),
 }
 
 
@@ -95,7 +125,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args._run(args)
+        code = args._run(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader went away (``kiln inspect m.kiln --graph | head``): exit quietly. Point
+        # stdout at /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except KilnError as e:
         print(f"kiln {args.command}: error: {e}", file=sys.stderr)
         return 1

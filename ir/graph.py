@@ -135,9 +135,11 @@ class Node:
         return self.schema.attrs[name].default
 
     def subgraphs(self) -> Iterator["Graph"]:
-        for v in self.attrs.values():
-            if isinstance(v, Graph):
-                yield v
+        """Graph-valued attributes in attribute-name order (a canonical order: walks, value
+        numbering and saved files do not depend on the order attributes were set in)."""
+        for k in sorted(self.attrs):
+            if isinstance(self.attrs[k], Graph):
+                yield self.attrs[k]
 
     def describe(self) -> str:
         """How errors name this node: ``node 'conv_3' (Conv) at layer1.0.conv1``."""

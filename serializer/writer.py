@@ -27,16 +27,18 @@ _CHUNK = 64 << 20  # write and checksum big tensors in 64 MiB pieces
 
 
 class _Constants:
-    """The data segment being planned: each distinct array (by identity) once, 64-byte aligned."""
+    """The data segment being planned, 64-byte aligned. Arrays that are views of the same memory
+    (same address, dtype, shape and strides, e.g. one weight shared by two initializers, or a
+    graph loaded from a file) are stored once, so they stay shared after a round trip."""
 
     def __init__(self) -> None:
         self.arrays: list[np.ndarray] = []
         self.offsets: list[int] = []
-        self._by_id: dict[int, int] = {}
+        self._by_id: dict[tuple, int] = {}
         self.size = 0
 
     def add(self, arr: np.ndarray) -> tuple[int, int]:
-        key = id(arr)
+        key = (arr.__array_interface__["data"][0], arr.dtype.str, arr.shape, arr.strides)
         if key not in self._by_id:
             data = _little_endian(arr)
             offset = align(self.size, TENSOR_ALIGNMENT)
