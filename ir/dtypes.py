@@ -86,12 +86,18 @@ def _numpy_dtype(d: DType) -> np.dtype:
     return np.dtype(_SHORT[d])
 
 
+# numpy dtype -> DType, filled as dtypes are seen (a hot path when loading and checking graphs).
+_BY_NUMPY: dict = {}
+
+
 def dtype(x: "DType | str | np.dtype | type") -> DType:
     """Coerce a DType, a name (``"float32"``), a numpy dtype or a numpy scalar type to DType."""
     if isinstance(x, DType):
         return x
     if isinstance(x, str) and x in _BY_SHORT:
         return _BY_SHORT[x]
+    if isinstance(x, np.dtype) and x in _BY_NUMPY:
+        return _BY_NUMPY[x]
     try:
         npd = np.dtype(x)
     except TypeError:
@@ -99,4 +105,7 @@ def dtype(x: "DType | str | np.dtype | type") -> DType:
     name = "bfloat16" if npd.name == "bfloat16" else npd.name
     if name not in _BY_SHORT:
         raise KilnError(f"unsupported dtype {npd}; kiln supports {', '.join(sorted(_SHORT.values()))}")
-    return _BY_SHORT[name]
+    result = _BY_SHORT[name]
+    if isinstance(x, np.dtype):
+        _BY_NUMPY[x] = result
+    return result

@@ -14,7 +14,7 @@ then brings any older graph (e.g. one read from an old file) up to date.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 from kiln.errors import KilnError
 
@@ -50,8 +50,8 @@ def register_upgrader(op: str, *, from_version: int, domain: str = "") -> Callab
     return deco
 
 
-def upgrade_graph(graph: "Graph", to_version: int = OPSET_VERSION) -> bool:
-    """Upgrade ``graph`` (and its subgraphs) in place to opset ``to_version``.
+def upgrade_graph(graph: "Graph", to_version: Optional[int] = None) -> bool:
+    """Upgrade ``graph`` (and its subgraphs) in place to opset ``to_version`` (default: this kiln's).
 
     Returns whether anything changed. Raises KilnError for a graph newer than this kiln.
     """
@@ -59,6 +59,7 @@ def upgrade_graph(graph: "Graph", to_version: int = OPSET_VERSION) -> bool:
         raise KilnError(
             f"graph uses kiln opset {graph.opset_version}, but this kiln ({_kiln_version()}) "
             f"supports opset <= {OPSET_VERSION}; upgrade kiln to load it")
+    to_version = OPSET_VERSION if to_version is None else to_version
     changed = False
     while graph.opset_version < to_version:
         v = graph.opset_version

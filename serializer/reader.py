@@ -3,7 +3,7 @@
 Constants come back as read-only numpy views into the mapped file (no copy). Nothing taken
 from the file is executed or imported: op names are looked up in the registry, and every
 offset, size, index and code is checked first (header: format.parse_header; FlatBuffer:
-fbverify.verify_flatbuffer; values, dtypes, shapes and data ranges: here), so a bad file
+fbread.read_flatbuffer; values, dtypes, shapes and data ranges: here), so a bad file
 raises FormatError saying what and where.
 """
 from __future__ import annotations
@@ -18,13 +18,12 @@ import numpy as np
 
 from kiln.errors import FormatError, KilnError
 from kiln.ir.dtypes import DType
-from kiln.ir.graph import Graph, Value, normalize_attrs
+from kiln.ir.graph import Graph, Value
 from kiln.ir.registry import AttrKind, get_schema
 from kiln.ir.types import TensorType
 from kiln.ir.verifier import verify
 from kiln.ir.versions import IR_VERSION, OPSET_VERSION, upgrade_graph
-from kiln.serializer.fb.Model import Model
-from kiln.serializer.fbverify import verify_flatbuffer
+from kiln.serializer.fbread import read_flatbuffer
 from kiln.serializer.format import TENSOR_ALIGNMENT, Header, parse_header
 
 # Data segments at most this large are checksummed on every load; bigger ones only when
@@ -75,12 +74,12 @@ def _decode(buf: memoryview, size: int, check_data: Optional[bool], upgrade: boo
         if zlib.crc32(data) != header.data_crc32:
             raise FormatError(f"weights are corrupt: data segment checksum mismatch over bytes "
                               f"{header.data_offset}..{header.data_offset + header.data_size}")
-    verify_flatbuffer(fb, base=header.flatbuffer_offset)
+    model = read_flatbuffer(fb, base=header.flatbuffer_offset)
     try:
-        graph = _Decoder(fb, data, header).model()
+        graph = _Decoder(model, data, header).model()
     except FormatError:
         raise
-    except (KilnError, ValueError, UnicodeDecodeError) as e:
+    except (KilnError, ValueError) as e:
         raise FormatError(f"invalid model: {e}") from None
     try:
         verify(graph)
@@ -92,57 +91,58 @@ def _decode(buf: memoryview, size: int, check_data: Optional[bool], upgrade: boo
 
 
 class _Decoder:
-    def __init__(self, fb: bytes, data: memoryview, header: Header):
-        self.fb = fb
+    """Builds the Graph from the checked, decoded FlatBuffer (plain dicts, see fbread.py)."""
+
+    def __init__(self, model: dict, data: memoryview, header: Header):
+        self.m = model
         self.data = data
         self.header = header
         self.values: list[Optional[Value]] = []
         self.infos: list[tuple[str, TensorType]] = []
 
     def model(self) -> Graph:
-        m = Model.GetRootAs(self.fb, 0)
-        ir, opset = m.IrVersion(), m.OpsetVersion()
+        m = self.m
+        ir, opset = m["ir_version"], m["opset_version"]
         if ir > IR_VERSION or opset > OPSET_VERSION:
             raise FormatError(
-                f"the file was written by a newer kiln ({_text(m.ProducerName())} {_text(m.ProducerVersion())}) "
+                f"the file was written by a newer kiln ({m['producer_name'] or '?'} {m['producer_version'] or '?'}) "
                 f"with IR version {ir} and opset {opset}; this kiln reads IR version <= {IR_VERSION} and "
                 f"opset <= {OPSET_VERSION}: upgrade kiln (pip install -U kiln) to load it")
         if ir < 1 or opset < 1:
             raise FormatError(f"bad versions in file: IR version {ir}, opset {opset}")
-        self.infos = [self.value_info(m.Values(i), i) for i in range(m.ValuesLength())]
+        self.infos = [self.value_info(vi, i) for i, vi in enumerate(m["values"] or ())]
         self.values = [None] * len(self.infos)
-        fg = m.Graph()
-        graph = Graph(_text(fg.Name()) or "main", opset_version=opset)
+        fg = m["graph"]
+        graph = Graph(fg["name"] or "main", opset_version=opset)
         graph.ir_version = ir
-        graph.metadata.producer_name = _text(m.ProducerName())
-        graph.metadata.producer_version = _text(m.ProducerVersion())
-        graph.metadata.doc_string = _text(m.DocString())
-        graph.metadata.props = {_text(kv.Key()): _text(kv.Value()) for kv in
-                                (m.Metadata(i) for i in range(m.MetadataLength()))}
+        graph.metadata.producer_name = m["producer_name"] or ""
+        graph.metadata.producer_version = m["producer_version"] or ""
+        graph.metadata.doc_string = m["doc_string"] or ""
+        graph.metadata.props = _key_values(m["metadata"])
         self.graph_body(fg, graph, "graph", 0)
         return graph
 
-    def value_info(self, vi, i: int) -> tuple[str, TensorType]:
-        where = f"values[{i}]"
-        t = vi.Type()
+    def value_info(self, vi: dict, i: int) -> tuple[str, TensorType]:
+        t = vi["type"]
         if t is None:
-            raise FormatError(f"{where} has no type")
-        dt = self.dtype(t.Dtype(), where)
-        if t.UnknownRank():
-            return _text(vi.Name()), TensorType(dt, None)
+            raise FormatError(f"values[{i}] ('{vi['name']}') has no type")
+        dt = self.dtype(t["dtype"], f"values[{i}]")
+        if t["unknown_rank"]:
+            return vi["name"], TensorType(dt, None)
+        symbols = iter(t["symbols"] or ())
         dims = []
-        for j in range(t.ShapeLength()):
-            d = t.Shape(j)
-            sym = d.Symbol()
-            if sym is not None:
-                dims.append(_text(sym))
-            elif d.Size() >= 0:
-                dims.append(d.Size())
-            elif d.Size() == -1:
+        for j, d in enumerate(t["shape"] or ()):
+            if d >= 0:
+                dims.append(d)
+            elif d == -1:
                 dims.append(None)
+            elif d == -2:
+                dims.append(next(symbols, None))
+                if dims[-1] is None:
+                    raise FormatError(f"values[{i}].type.shape[{j}] is symbolic but has no name in symbols")
             else:
-                raise FormatError(f"{where}.type.shape[{j}] has size {d.Size()}")
-        return _text(vi.Name()), TensorType(dt, dims)
+                raise FormatError(f"values[{i}].type.shape[{j}] has size {d}")
+        return vi["name"], TensorType(dt, dims)
 
     def dtype(self, code: int, where: str) -> DType:
         if code not in _CODES:
@@ -160,8 +160,6 @@ class _Decoder:
     def define(self, i: int, v: Value, where: str) -> None:
         if self.values[i] is not None:
             raise FormatError(f"{where}: value {i} ('{v.name}') is defined twice")
-        if v.type is None:
-            v.type = self.infos[i][1]
         self.values[i] = v
 
     def index(self, i: int, where: str) -> int:
@@ -169,15 +167,15 @@ class _Decoder:
             raise FormatError(f"{where}: value index {i} is out of range (the file has {len(self.infos)} values)")
         return i
 
-    def tensor(self, td, where: str) -> np.ndarray:
-        dt = self.dtype(td.Dtype(), where)
-        shape = [int(d) for d in td.ShapeAsNumpy()] if td.ShapeLength() else []
+    def tensor(self, td: dict, where: str) -> np.ndarray:
+        dt = self.dtype(td["dtype"], where)
+        shape = list(td["shape"] or ())
         if any(d < 0 for d in shape):
             raise FormatError(f"{where}: negative dim in shape {shape}")
         count = 1
         for d in shape:
             count *= d
-        offset, nbytes = td.Offset(), td.Nbytes()
+        offset, nbytes = td["offset"], td["nbytes"]
         if count * dt.itemsize != nbytes:
             raise FormatError(f"{where}: shape {shape} of {dt} needs {count * dt.itemsize} bytes, "
                               f"the file says {nbytes}")
@@ -187,82 +185,72 @@ class _Decoder:
         arr = np.frombuffer(self.data, dtype=dt.numpy.newbyteorder("<"), count=count, offset=offset)
         return arr.reshape(shape)
 
-    def graph_body(self, fg, graph: Graph, where: str, depth: int) -> None:
+    def graph_body(self, fg: dict, graph: Graph, where: str, depth: int) -> None:
         if depth > MAX_GRAPH_DEPTH:
             raise FormatError(f"{where}: subgraphs nested deeper than {MAX_GRAPH_DEPTH}")
-        for k in range(fg.InputsLength()):
-            i = self.index(int(fg.Inputs(k)), f"{where}.inputs[{k}]")
-            name, t = self.infos[i]
-            self.define(i, graph.add_input(name, t.dtype, t.shape), f"{where}.inputs[{k}]")
-        for k in range(fg.InitializersLength()):
-            init = fg.Initializers(k)
+        for k, i in enumerate(fg["inputs"] or ()):
+            w = f"{where}.inputs[{k}]"
+            name, t = self.infos[self.index(i, w)]
+            self.define(i, graph.add_input(name, t.dtype, t.shape), w)
+        for k, init in enumerate(fg["initializers"] or ()):
             w = f"{where}.initializers[{k}]"
-            i = self.index(init.Value(), w)
-            v = graph.add_initializer(self.infos[i][0], self.tensor(init.Data(), w))
-            self.define(i, v, w)
-        for k in range(fg.NodesLength()):
-            self.node(fg.Nodes(k), graph, f"{where}.nodes[{k}]", depth)
-        graph.outputs = [self.value(int(fg.Outputs(k)), f"{where}.outputs[{k}]") for k in range(fg.OutputsLength())]
+            i = self.index(init["value"], w)
+            arr = self.tensor(init["data"], w)
+            if TensorType.of(arr) != self.infos[i][1]:
+                raise FormatError(f"{w}: '{self.infos[i][0]}' is typed {self.infos[i][1]} but its data is "
+                                  f"{TensorType.of(arr)}")
+            self.define(i, graph.add_initializer(self.infos[i][0], arr), w)
+        for k, fn in enumerate(fg["nodes"] or ()):
+            self.node(fn, graph, f"{where}.nodes[{k}]", depth)
+        graph.outputs = [self.value(i, f"{where}.outputs[{k}]") for k, i in enumerate(fg["outputs"] or ())]
 
-    def node(self, fn, graph: Graph, where: str, depth: int) -> None:
-        op, domain = _text(fn.Op()), _text(fn.Domain())
+    def node(self, fn: dict, graph: Graph, where: str, depth: int) -> None:
+        op, domain = fn["op"], fn["domain"] or ""
         where = f"{where} ({op})"
         schema = get_schema(op, domain, graph.opset_version)
-        inputs = [None if int(fn.Inputs(k)) == -1 else self.value(int(fn.Inputs(k)), f"{where}.inputs[{k}]")
-                  for k in range(fn.InputsLength())]
-        outs = [self.index(int(fn.Outputs(k)), f"{where}.outputs[{k}]") for k in range(fn.OutputsLength())]
+        inputs = [None if i == -1 else self.value(i, f"{where}.inputs[{k}]") for k, i in enumerate(fn["inputs"] or ())]
+        outs = [self.index(i, f"{where}.outputs[{k}]") for k, i in enumerate(fn["outputs"] or ())]
         attrs = {}
-        for k in range(fn.AttributesLength()):
-            a = fn.Attributes(k)
-            name = _text(a.Name())
-            attrs[name] = self.attribute(a, graph, f"{where}.attributes[{k}] '{name}'", depth)
-        spec_kinds = {k: s.kind for k, s in schema.attrs.items()}
-        for name, value in attrs.items():
-            if name in spec_kinds and spec_kinds[name] is not value[0]:
-                raise FormatError(f"{where}: attribute '{name}' is {value[0].value}, op {op} wants "
-                                  f"{spec_kinds[name].value}")
-        node = graph.add_node(op, inputs, normalize_attrs(schema, {k: v for k, (_, v) in attrs.items()}, op),
-                              domain=domain, name=_text(fn.Name()) or None,
+        for k, a in enumerate(fn["attributes"] or ()):
+            name = a["name"]
+            kind, value = self.attribute(a, graph, f"{where}.attributes[{k}] '{name}'", depth)
+            spec = schema.attrs.get(name)
+            if spec is not None and spec.kind is not kind:
+                raise FormatError(f"{where}: attribute '{name}' is {kind.value}, op {op} wants {spec.kind.value}")
+            attrs[name] = value
+        node = graph.add_node(op, inputs, attrs, domain=domain, name=fn["name"] or None,
                               output_names=[self.infos[i][0] for i in outs],
                               output_types=[self.infos[i][1] for i in outs])
-        node.meta = {_text(kv.Key()): _text(kv.Value()) for kv in (fn.Meta(i) for i in range(fn.MetaLength()))}
+        if fn["meta"]:
+            node.meta = _key_values(fn["meta"])
         for i, v in zip(outs, node.outputs):
             self.define(i, v, where)
 
-    def attribute(self, a, graph: Graph, where: str, depth: int) -> tuple:
-        code = a.Kind()
-        if code not in _ATTR_KINDS:
-            raise FormatError(f"{where}: unknown attribute kind {code}")
-        kind = _ATTR_KINDS[code]
-        if kind is AttrKind.INT:
-            return kind, a.I()
-        if kind is AttrKind.FLOAT:
-            return kind, a.F()
-        if kind is AttrKind.STRING:
-            return kind, _text(a.S())
-        if kind is AttrKind.INTS:
-            return kind, tuple(int(x) for x in a.IntsAsNumpy()) if a.IntsLength() else ()
-        if kind is AttrKind.FLOATS:
-            return kind, tuple(float(x) for x in a.FloatsAsNumpy()) if a.FloatsLength() else ()
-        if kind is AttrKind.STRINGS:
-            return kind, tuple(_text(a.Strings(i)) for i in range(a.StringsLength()))
+    def attribute(self, a: dict, graph: Graph, where: str, depth: int) -> tuple:
+        kind = _ATTR_KINDS.get(a["kind"])
+        if kind is None:
+            raise FormatError(f"{where}: unknown attribute kind {a['kind']}")
+        if kind in _SIMPLE_ATTRS:
+            value = a[_SIMPLE_ATTRS[kind]]
+            if value is None:
+                raise FormatError(f"{where}: {kind.value} attribute without a value")
+            return kind, tuple(value) if isinstance(value, (list, tuple)) else value
         if kind is AttrKind.TENSOR:
-            if a.Tensor() is None:
+            if a["tensor"] is None:
                 raise FormatError(f"{where}: tensor attribute without data")
-            return kind, self.tensor(a.Tensor(), where)
-        sub = a.Graph()
+            return kind, self.tensor(a["tensor"], where)
+        sub = a["graph"]
         if sub is None:
             raise FormatError(f"{where}: graph attribute without a graph")
-        g = Graph(_text(sub.Name()) or "body", parent=graph)
+        g = Graph(sub["name"] or "body", parent=graph)
         graph._node_names.used.add(g.name)
         self.graph_body(sub, g, where, depth + 1)
         return kind, g
 
 
-def _text(b: Optional[bytes]) -> str:
-    if b is None:
-        return ""
-    try:
-        return b.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise FormatError(f"a string in the file is not valid UTF-8: {bytes(b[:40])!r}") from e
+_SIMPLE_ATTRS = {AttrKind.INT: "i", AttrKind.FLOAT: "f", AttrKind.STRING: "s", AttrKind.INTS: "ints",
+                 AttrKind.FLOATS: "floats", AttrKind.STRINGS: "strings"}
+
+
+def _key_values(pairs: Optional[list]) -> dict:
+    return {kv["key"]: kv["value"] or "" for kv in pairs or ()}

@@ -18,12 +18,13 @@ import numpy as np
 from kiln.ir.dtypes import DType, dtype as as_dtype
 from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.registry import AttrKind
-from kiln.serializer.fb import (Attribute, Dim, Graph as FbGraph, Initializer, KeyValue, Model, Node as FbNode,
+from kiln.serializer.fb import (Attribute, Graph as FbGraph, Initializer, KeyValue, Model, Node as FbNode,
                                 TensorData, TensorType, ValueInfo)
 from kiln.serializer.format import (FILE_IDENTIFIER, HEADER_SIZE, SEGMENT_ALIGNMENT, TENSOR_ALIGNMENT, Header,
                                     align)
 
 _CHUNK = 64 << 20  # write and checksum big tensors in 64 MiB pieces
+_UNKNOWN, _SYMBOLIC = -1, -2  # TensorType.shape entries for an unknown dim and a named symbolic dim
 
 
 class _Constants:
@@ -95,19 +96,16 @@ class _Encoder:
 
     # ---- types and tensors
     def tensor_type(self, t) -> int:
-        dims = []
-        for d in (t.shape or ()):
-            sym = self.b.CreateString(d) if isinstance(d, str) else None
-            Dim.Start(self.b)
-            if isinstance(d, int):
-                Dim.AddSize(self.b, d)
-            if sym is not None:
-                Dim.AddSymbol(self.b, sym)
-            dims.append(Dim.End(self.b))
-        shape = self.table_vector(TensorType.StartShapeVector, dims)
+        dims = t.shape or ()
+        symbols = [d for d in dims if isinstance(d, str)]
+        sym_vec = self.string_vector(TensorType.StartSymbolsVector, symbols) if symbols else None
+        shape = self.ints([d if isinstance(d, int) else _SYMBOLIC if isinstance(d, str) else _UNKNOWN
+                           for d in dims], np.int64)
         TensorType.Start(self.b)
         TensorType.AddDtype(self.b, t.dtype.value)
         TensorType.AddShape(self.b, shape)
+        if sym_vec is not None:
+            TensorType.AddSymbols(self.b, sym_vec)
         if t.shape is None:
             TensorType.AddUnknownRank(self.b, True)
         return TensorType.End(self.b)

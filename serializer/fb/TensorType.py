@@ -39,14 +39,16 @@ class TensorType(object):
     def Shape(self, j):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
         if o != 0:
-            x = self._tab.Vector(o)
-            x += flatbuffers.number_types.UOffsetTFlags.py_type(j) * 4
-            x = self._tab.Indirect(x)
-            from kiln.serializer.fb.Dim import Dim
-            obj = Dim()
-            obj.Init(self._tab.Bytes, x)
-            return obj
-        return None
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 8))
+        return 0
+
+    # TensorType
+    def ShapeAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(6))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Int64Flags, o)
+        return 0
 
     # TensorType
     def ShapeLength(self):
@@ -61,13 +63,33 @@ class TensorType(object):
         return o == 0
 
     # TensorType
-    def UnknownRank(self):
+    def Symbols(self, j):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.String(a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return ""
+
+    # TensorType
+    def SymbolsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # TensorType
+    def SymbolsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(8))
+        return o == 0
+
+    # TensorType
+    def UnknownRank(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(10))
         if o != 0:
             return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
         return False
 
-def TensorTypeStart(builder): builder.StartObject(3)
+def TensorTypeStart(builder): builder.StartObject(4)
 def Start(builder):
     return TensorTypeStart(builder)
 def TensorTypeAddDtype(builder, dtype): builder.PrependUint8Slot(0, dtype, 0)
@@ -76,10 +98,16 @@ def AddDtype(builder, dtype):
 def TensorTypeAddShape(builder, shape): builder.PrependUOffsetTRelativeSlot(1, flatbuffers.number_types.UOffsetTFlags.py_type(shape), 0)
 def AddShape(builder, shape):
     return TensorTypeAddShape(builder, shape)
-def TensorTypeStartShapeVector(builder, numElems): return builder.StartVector(4, numElems, 4)
+def TensorTypeStartShapeVector(builder, numElems): return builder.StartVector(8, numElems, 8)
 def StartShapeVector(builder, numElems):
     return TensorTypeStartShapeVector(builder, numElems)
-def TensorTypeAddUnknownRank(builder, unknownRank): builder.PrependBoolSlot(2, unknownRank, 0)
+def TensorTypeAddSymbols(builder, symbols): builder.PrependUOffsetTRelativeSlot(2, flatbuffers.number_types.UOffsetTFlags.py_type(symbols), 0)
+def AddSymbols(builder, symbols):
+    return TensorTypeAddSymbols(builder, symbols)
+def TensorTypeStartSymbolsVector(builder, numElems): return builder.StartVector(4, numElems, 4)
+def StartSymbolsVector(builder, numElems):
+    return TensorTypeStartSymbolsVector(builder, numElems)
+def TensorTypeAddUnknownRank(builder, unknownRank): builder.PrependBoolSlot(3, unknownRank, 0)
 def AddUnknownRank(builder, unknownRank):
     return TensorTypeAddUnknownRank(builder, unknownRank)
 def TensorTypeEnd(builder): return builder.EndObject()

@@ -129,7 +129,7 @@ def test_bodies_of_if_and_loop_are_optimized(rng):
     verify(g)
     original = g.copy()
     optimize(g, verify_each=True)
-    assert ops(g) == ["Loop", "If", "Identity", "Add", "Relu", "Neg"]
+    assert ops(g) == ["Loop", "If", "Identity", "Add", "Neg", "Relu"]  # else_branch walks first
     # The body's step is one folded constant; its cond output stays (bound by position).
     assert body.nodes[-1].inputs[1].const is not None
     for flag in (True, False):

@@ -1,0 +1,160 @@
+"""Checked FlatBuffer reading, driven by the layout generated from kiln.fbs.
+
+The Python FlatBuffers runtime trusts its input: a bad offset reads garbage or raises from
+deep inside it, and its accessors cost a few function calls per field. ``read_flatbuffer``
+instead walks the buffer once, checking as it goes that every table, vtable, field, vector
+and string lies inside the buffer, that required fields are present, and that the walk stays
+bounded (nesting depth, and a cap on objects visited that also defeats shared-subtree
+"billion laughs" buffers); it returns plain Python values: a table becomes a dict of its
+fields (absent scalars take their schema default, absent references None), a vector a list,
+a string a str. Errors are FormatError naming the file offset and the field path.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Any, Optional
+
+from kiln.errors import FormatError
+from kiln.serializer.fb.layout import ROOT, SCALARS, TABLES
+
+MAX_DEPTH = 64
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_I32 = struct.Struct("<i")
+_VT_HEAD = struct.Struct("<HH")
+
+
+def _compile() -> dict:
+    """Per table: (field, vtable entry offset, kind, detail, required, default, struct) tuples."""
+    plan = {}
+    for name, fields in TABLES.items():
+        rows = []
+        for field, slot, kind, detail, required in fields:
+            fmt, default = SCALARS[name].get(field, (None, None))
+            packer = struct.Struct("<" + fmt) if kind == "scalar" else None
+            rows.append((field, 4 + 2 * slot, kind, fmt if kind == "vector_scalar" else detail, required,
+                         default, packer))
+        plan[name] = tuple(rows)
+    return plan
+
+
+_PLAN = _compile()
+
+
+class _Reader:
+    def __init__(self, buf: bytes, base: int):
+        self.buf = buf
+        self.size = len(buf)
+        self.base = base  # file offset of the buffer, for messages
+        self.budget = self.size // 4 + 64  # no sound buffer holds more objects than this
+
+    # Paths are (parent, step) pairs, formatted only when an error is raised.
+    def fail(self, pos: int, path: Any, what: str) -> None:
+        raise FormatError(f"corrupt model structure at file offset {self.base + pos} ({_path(path)}): {what}")
+
+    def need(self, pos: int, n: int, path: Any, what: str) -> None:
+        if pos < 0 or pos + n > self.size:
+            self.fail(pos, path, f"{what} ({n} bytes) runs past the end of the FlatBuffer ({self.size} bytes)")
+
+    def spend(self, pos: int, path: Any) -> None:
+        self.budget -= 1
+        if self.budget < 0:
+            self.fail(pos, path, "more objects than the buffer can hold (shared or looping references)")
+
+    def table(self, pos: int, name: str, path: Any, depth: int) -> dict:
+        if depth > MAX_DEPTH:
+            self.fail(pos, path, f"nesting deeper than {MAX_DEPTH}")
+        self.spend(pos, path)
+        buf, size = self.buf, self.size
+        # The bounds checks are inlined here: this loop runs once per table of the model.
+        if pos < 0 or pos + 4 > size:
+            self.need(pos, 4, path, "table")
+        vt = pos - _I32.unpack_from(buf, pos)[0]
+        if vt < 0 or vt + 4 > size:
+            self.need(vt, 4, path, "vtable")
+        vt_size, t_size = _VT_HEAD.unpack_from(buf, vt)
+        if vt_size < 4 or vt_size % 2:
+            self.fail(vt, path, f"bad vtable size {vt_size}")
+        if vt + vt_size > size or pos + t_size > size:
+            self.need(vt, vt_size, path, "vtable")
+            self.need(pos, t_size, path, "table body")
+        out = {}
+        for field, entry, kind, detail, required, default, packer in _PLAN[name]:
+            off = _U16.unpack_from(buf, vt + entry)[0] if entry + 2 <= vt_size else 0
+            if off == 0:
+                if required:
+                    self.fail(pos, (path, field), "required field is missing")
+                out[field] = default
+                continue
+            size = packer.size if packer is not None else 4
+            if off + size > t_size:
+                self.fail(pos + off, (path, field), f"field lies outside its table ({t_size} bytes)")
+            at = pos + off
+            if packer is not None:
+                out[field] = packer.unpack_from(buf, at)[0]
+                continue
+            target = at + _U32.unpack_from(buf, at)[0]
+            if kind == "table":
+                out[field] = self.table(target, detail, (path, field), depth + 1)
+            elif kind == "string":
+                out[field] = self.string(target, (path, field))
+            elif kind == "vector_scalar":
+                out[field] = self.scalars(target, detail, (path, field))
+            else:
+                out[field] = self.references(target, kind, detail, (path, field), depth)
+        return out
+
+    def string(self, pos: int, path: Any) -> str:
+        self.spend(pos, path)
+        self.need(pos, 4, path, "string length")
+        n = _U32.unpack_from(self.buf, pos)[0]
+        self.need(pos + 4, n + 1, path, f"string of {n} bytes")
+        try:
+            return self.buf[pos + 4:pos + 4 + n].decode("utf-8")
+        except UnicodeDecodeError:
+            self.fail(pos, path, "string is not valid UTF-8")
+
+    def scalars(self, pos: int, fmt: str, path: Any) -> tuple:
+        self.spend(pos, path)
+        self.need(pos, 4, path, "vector length")
+        n = _U32.unpack_from(self.buf, pos)[0]
+        item = struct.calcsize(fmt)
+        self.need(pos + 4, n * item, path, f"vector of {n} elements")
+        return struct.unpack_from(f"<{n}{fmt}", self.buf, pos + 4)
+
+    def references(self, pos: int, kind: str, detail: Optional[str], path: Any, depth: int) -> list:
+        self.spend(pos, path)
+        self.need(pos, 4, path, "vector length")
+        n = _U32.unpack_from(self.buf, pos)[0]
+        self.need(pos + 4, n * 4, path, f"vector of {n} elements")
+        out = []
+        for i in range(n):
+            at = pos + 4 + 4 * i
+            target = at + _U32.unpack_from(self.buf, at)[0]
+            if kind == "vector_table":
+                out.append(self.table(target, detail, (path, i), depth + 1))
+            else:
+                out.append(self.string(target, (path, i)))
+        return out
+
+
+def _path(path: Any) -> str:
+    parts = []
+    while isinstance(path, tuple):
+        path, step = path
+        parts.append(f"[{step}]" if isinstance(step, int) else f".{step}")
+    return str(path) + "".join(reversed(parts))
+
+
+def read_flatbuffer(buf: bytes, base: int = 0, identifier: bytes = b"KILN") -> dict:
+    """Check and decode a FlatBuffer of kiln.fbs's root table (raises FormatError)."""
+    reader = _Reader(buf, base)
+    reader.need(0, 8, ROOT, "root offset and file identifier")
+    if bytes(buf[4:8]) != identifier:
+        reader.fail(4, ROOT, f"file identifier is {bytes(buf[4:8])!r}, expected {identifier!r}")
+    return reader.table(_U32.unpack_from(buf, 0)[0], ROOT, ROOT, 0)
+
+
+def verify_flatbuffer(buf: bytes, base: int = 0, identifier: bytes = b"KILN") -> None:
+    """Raise FormatError unless ``buf`` is a structurally sound FlatBuffer of kiln.fbs's root table."""
+    read_flatbuffer(buf, base, identifier)
