@@ -46,7 +46,10 @@ class _Reader:
         self.buf = buf
         self.size = len(buf)
         self.base = base  # file offset of the buffer, for messages
-        self.budget = self.size // 4 + 64  # no sound buffer holds more objects than this
+        # A unit is an object or 4 bytes of a string's or scalar vector's payload: each takes at
+        # least 4 bytes of its own, so a sound buffer needs at most size/4 units, while a shared
+        # object or payload is charged again on every path that reaches it.
+        self.budget = self.size // 4 + 64
 
     # Paths are (parent, step) pairs, formatted only when an error is raised.
     def fail(self, pos: int, path: Any, what: str) -> None:
@@ -56,8 +59,8 @@ class _Reader:
         if pos < 0 or pos + n > self.size:
             self.fail(pos, path, f"{what} ({n} bytes) runs past the end of the FlatBuffer ({self.size} bytes)")
 
-    def spend(self, pos: int, path: Any) -> None:
-        self.budget -= 1
+    def spend(self, pos: int, path: Any, units: int = 1) -> None:
+        self.budget -= units
         if self.budget < 0:
             self.fail(pos, path, "more objects than the buffer can hold (shared or looping references)")
 
@@ -109,6 +112,7 @@ class _Reader:
         self.need(pos, 4, path, "string length")
         n = _U32.unpack_from(self.buf, pos)[0]
         self.need(pos + 4, n + 1, path, f"string of {n} bytes")
+        self.spend(pos, path, n // 4)
         try:
             return self.buf[pos + 4:pos + 4 + n].decode("utf-8")
         except UnicodeDecodeError:
@@ -120,6 +124,7 @@ class _Reader:
         n = _U32.unpack_from(self.buf, pos)[0]
         item = struct.calcsize(fmt)
         self.need(pos + 4, n * item, path, f"vector of {n} elements")
+        self.spend(pos, path, n * item // 4)
         return struct.unpack_from(f"<{n}{fmt}", self.buf, pos + 4)
 
     def references(self, pos: int, kind: str, detail: Optional[str], path: Any, depth: int) -> list:

@@ -123,7 +123,7 @@ def build_corpus() -> list[Seed]:
 
 
 class _SiteMap:
-    """Walks a valid FlatBuffer with the generated layout (as fbverify does) and records where
+    """Walks a valid FlatBuffer with the generated layout (as fbread does) and records where
     each offset, vtable entry, length, scalar field, vector element and string lives."""
 
     def __init__(self, seed: Seed):

@@ -28,7 +28,7 @@ from kiln.serializer.format import TENSOR_ALIGNMENT, Header, parse_header
 
 # Data segments at most this large are checksummed on every load; bigger ones only when
 # asked (check_data=True), so loading a multi-GB model stays O(graph), not O(weights).
-AUTO_CHECK_DATA_BYTES = 64 << 20
+AUTO_CHECK_DATA_BYTES = 16 << 20
 MAX_GRAPH_DEPTH = 32
 _CODES = {d.value: d for d in DType}
 _ATTR_KINDS = {i: k for i, k in enumerate(
@@ -38,7 +38,7 @@ _ATTR_KINDS = {i: k for i, k in enumerate(
 
 def load_graph(path: Union[str, os.PathLike], *, check_data: Optional[bool] = None, upgrade: bool = True) -> Graph:
     """Load a .kiln file. ``check_data``: verify the data checksum (default: when the data
-    segment is at most 64 MiB). Older opsets are upgraded unless ``upgrade=False``."""
+    segment is at most 16 MiB). Older opsets are upgraded unless ``upgrade=False``."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
