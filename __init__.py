@@ -3,7 +3,8 @@
 The public API is small: build or capture an IR ``Graph``, optimize it, save it, load and run it.
 Only numpy is imported here; frontends, serializers and backends load lazily when used.
 """
-from kiln.errors import FormatError, InputError, KilnError, ShapeInferenceError, UnknownOpError, VerifyError
+from kiln.errors import (FormatError, InputError, KilnError, ShapeInferenceError, TraceCheckError, TraceWarning,
+                         UnknownOpError, UnsupportedOpError, VerifyError)
 from kiln.ir import (IR_VERSION, OPSET_VERSION, DType, Graph, Node, TensorType, Value, evaluate,
                      verify)
 from kiln.serializer import load_graph, load_graph_from_bytes, save
@@ -11,4 +12,12 @@ from kiln.version import __version__
 
 __all__ = ["__version__", "IR_VERSION", "OPSET_VERSION", "DType", "Graph", "Node", "TensorType", "Value",
            "evaluate", "verify", "KilnError", "FormatError", "InputError", "ShapeInferenceError",
-           "UnknownOpError", "VerifyError", "save", "load_graph", "load_graph_from_bytes"]
+           "UnknownOpError", "VerifyError", "UnsupportedOpError", "TraceCheckError", "TraceWarning",
+           "save", "load_graph", "load_graph_from_bytes", "trace"]
+
+
+def trace(model, example_inputs, **kwargs):
+    """Trace an eager PyTorch model into a kiln Graph (see :func:`kiln.frontend.trace.trace`).
+    Imports torch on first use, so ``import kiln`` stays light."""
+    from kiln.frontend.trace import trace as _trace
+    return _trace(model, example_inputs, **kwargs)

@@ -28,3 +28,15 @@ class FormatError(KilnError):
 
 class InputError(KilnError):
     """Inputs given to a program do not match its signature."""
+
+
+class UnsupportedOpError(KilnError):
+    """The tracer met a framework operation that has no mapping to kiln's IR."""
+
+
+class TraceCheckError(KilnError):
+    """A traced graph disagrees with the original model on fresh inputs."""
+
+
+class TraceWarning(UserWarning):
+    """A trace may only be valid for the example inputs (a Python value was read from tensor data)."""

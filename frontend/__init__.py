@@ -1,1 +1,4 @@
-"""kiln.frontend: see DESIGN.md (built by a later issue)."""
+"""kiln.frontend: capture eager PyTorch models as kiln graphs (``trace``). Needs torch."""
+from kiln.frontend.trace import trace
+
+__all__ = ["trace"]

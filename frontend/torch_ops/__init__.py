@@ -1,0 +1,47 @@
+"""The one table that maps PyTorch operations to kiln IR: ``TABLE[torch_callable] -> handler``.
+
+Add an op with one decorated function in the family module where it belongs (and a unit test
+in tests/frontend/)::
+
+    @maps(torch.relu, torch.Tensor.relu, F.relu)
+    def relu(t, res, input, inplace=False):
+        return t.emit("Relu", t.value(input))
+
+A handler gets the Tracer ``t``, the eager result ``res`` (for dtypes and sizes torch decided:
+type promotion, output shapes) and the call's own arguments; it returns the IR value(s) of the
+result's tensors in order. Handlers registered with ``value=True`` return the Python object
+the model should see instead of ``res`` (``x.size(0)`` -> a SymInt when the dim is symbolic).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+Handler = Callable[..., object]
+
+TABLE: dict[Callable, tuple[Handler, bool]] = {}
+
+
+def maps(*funcs: Callable, value: bool = False) -> Callable[[Handler], Handler]:
+    """Register the decorated handler for every torch callable in ``funcs``."""
+
+    def deco(handler: Handler) -> Handler:
+        for f in funcs:
+            if f in TABLE:
+                raise ValueError(f"{f} is mapped twice ({TABLE[f][0].__name__} and {handler.__name__})")
+            TABLE[f] = (handler, value)
+        return handler
+
+    return deco
+
+
+# Reading these from a tensor that depends on the inputs bakes the example's value into the trace.
+DATA_DEPENDENT = {
+    torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__float__,
+    torch.Tensor.__index__, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__,
+    torch.Tensor.__iter__, torch.Tensor.__len__,
+}
+
+# Importing the families fills TABLE.
+from kiln.frontend.torch_ops import core  # noqa: E402,F401

@@ -1,0 +1,243 @@
+"""The recorder behind ``kiln.trace``: a TorchFunctionMode that runs the model eagerly and
+writes every tensor operation it performs into a kiln Graph.
+
+Each intercepted call is looked up in the mapping table (frontend/torch_ops.py):
+- mapped: the call runs eagerly (the model sees real tensors) and the handler emits the IR
+  ops computing the same result; the IR's inferred type is checked against the real output,
+  so a wrong mapping fails at the op that has it, not at the end;
+- not mapped, a Python function (e.g. ``F.multi_head_attention_forward``): it is re-run with
+  the recorder active, so its inner operations are recorded one by one;
+- not mapped, returns no tensor (``x.dim()``, ``x.dtype``): passed through;
+- not mapped otherwise: UnsupportedOpError naming the torch op, module path and source line.
+Reading Python values out of tensor data (``bool(t)``, ``t.item()``, ...) bakes the example's
+value into the graph: it is recorded and reported as a TraceWarning with the source line.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+from torch.overrides import TorchFunctionMode
+
+from kiln.errors import KilnError, TraceWarning, UnsupportedOpError
+from kiln.frontend.symbolic import SymInt
+from kiln.ir.dtypes import DType, dtype as as_dtype
+from kiln.ir.graph import Graph, Value
+from kiln.ir.passes.shape_inference import infer_node
+from kiln.ir.types import TensorType
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FRONTEND_DIR = os.path.dirname(__file__)
+
+TORCH_TO_DTYPE = {torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16,
+                  torch.float64: DType.FLOAT64, torch.int8: DType.INT8, torch.int16: DType.INT16,
+                  torch.int32: DType.INT32, torch.int64: DType.INT64, torch.uint8: DType.UINT8, torch.bool: DType.BOOL}
+
+
+def kiln_dtype(t: torch.dtype) -> DType:
+    if t not in TORCH_TO_DTYPE:
+        raise UnsupportedOpError(f"tensors of dtype {t} are not supported; kiln supports "
+                                 f"{', '.join(str(k).replace('torch.', '') for k in TORCH_TO_DTYPE)}")
+    return TORCH_TO_DTYPE[t]
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    if t.dtype is torch.bfloat16:
+        return t.view(torch.int16).numpy().view(DType.BFLOAT16.numpy).copy()
+    return t.numpy().copy()
+
+
+def op_name(func: Callable) -> str:
+    """``torch.nn.functional.linear``, ``Tensor.view``: how errors and warnings name a torch op."""
+    qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    if "getset_descriptor" in repr(func):
+        qual = f"Tensor.{getattr(getattr(func, '__self__', None), '__name__', '?')}"
+    qual = qual.replace("TensorBase.", "Tensor.").replace("_VariableFunctionsClass.", "torch.")
+    module = getattr(func, "__module__", None) or "torch"
+    if qual.startswith(("torch.", "Tensor.")):
+        return qual
+    return f"{module}.{qual}" if module.startswith("torch") else qual
+
+
+class Tracer(TorchFunctionMode):
+    """Records one eager run of a model into ``self.graph``."""
+
+    def __init__(self, graph: Graph, param_names: dict[int, str], module_names: dict[int, str]):
+        super().__init__()
+        self.graph = graph
+        self.param_names = param_names
+        self.module_names = module_names
+        self.values: dict[int, Value] = {}
+        self._alive: list[torch.Tensor] = []  # keeps traced tensors alive so their ids stay unique
+        self.dependent: set[Value] = set()  # values computed from the graph inputs
+        self.scope: list[str] = []
+        self.warnings: list[str] = []
+        self._const_cache: dict[tuple, Value] = {}
+
+    # ------------------------------------------------------------------ the interception point
+    def __torch_function__(self, func: Callable, types: Any, args: Sequence = (), kwargs: Optional[dict] = None) -> Any:
+        from kiln.frontend.torch_ops import DATA_DEPENDENT, TABLE
+
+        kwargs = kwargs or {}
+        entry = TABLE.get(func)
+        if entry is not None:
+            handler, returns_value = entry
+            res = func(*args, **kwargs)
+            if returns_value:
+                return handler(self, res, *args, **kwargs)
+            self.bind(func, res, handler(self, res, *args, **kwargs))
+            return res
+        if func in DATA_DEPENDENT:
+            out = func(*args, **kwargs)
+            self.data_dependent(func, args)
+            return out
+        if _is_python_function(func):
+            with self:
+                return torch.overrides.redispatch_function(func, types, args, kwargs)
+        out = func(*args, **kwargs)
+        if not any(isinstance(t, torch.Tensor) for t in _flatten(out)):
+            return out
+        raise UnsupportedOpError(
+            f"{self.where()}: op '{op_name(func)}' is not supported by kiln's tracer; add a mapping to the "
+            "table in kiln/frontend/torch_ops/ (one decorated function, with its unit test)")
+
+    # ------------------------------------------------------------------ values
+    def value(self, x: Any, dtype: Optional[DType] = None) -> Value:
+        """The IR value of a tensor (traced, parameter or constant) or a Python scalar.
+
+        Scalars become constants of ``dtype``; SymInts become their traced value, cast to ``dtype``.
+        """
+        if isinstance(x, torch.Tensor):
+            v = self.values.get(id(x))
+            if v is None:
+                v = self._constant_tensor(x)
+            if dtype is not None and v.type.dtype is not dtype:
+                v = self.emit("Cast", v, to=dtype.value)
+            return v
+        if isinstance(x, SymInt):
+            v = x.value
+            return v if dtype in (None, DType.INT64) else self.emit("Cast", v, to=dtype.value)
+        if isinstance(x, (bool, int, float, np.number)):
+            return self.scalar(x, dtype)
+        raise KilnError(f"{self.where()}: cannot use {type(x).__name__} {x!r:.40} as a tensor operand")
+
+    def scalar(self, x: Any, dtype: Optional[DType] = None) -> Value:
+        if dtype is None:
+            dtype = DType.BOOL if isinstance(x, bool) else DType.INT64 if isinstance(x, int) else DType.FLOAT32
+        return self.constant(np.array(x, dtype=dtype.numpy), "scalar")
+
+    def constant(self, array: np.ndarray, hint: str = "const") -> Value:
+        """A constant (small ones are shared: the same scalar is one initializer)."""
+        if array.size <= 16:
+            key = (array.dtype.str, array.shape, array.tobytes())
+            if key not in self._const_cache:
+                self._const_cache[key] = self.graph.add_constant(array, hint)
+            return self._const_cache[key]
+        return self.graph.add_constant(array, hint)
+
+    def int_value(self, x: Any) -> Value:
+        """An int64 scalar value of an int or SymInt (for shape arithmetic)."""
+        return x.value if isinstance(x, SymInt) else self.constant(np.array(int(x), np.int64), "dim")
+
+    def shape_value(self, dims: Iterable[Any]) -> Value:
+        """A 1-D int64 shape tensor from ints and SymInts (constant when all are plain ints)."""
+        dims = list(dims)
+        if not any(isinstance(d, SymInt) for d in dims):
+            return self.constant(np.array([int(d) for d in dims], np.int64), "shape")
+        parts = [self.emit("Unsqueeze", self.int_value(d), self.constant(np.array([0], np.int64), "axes"))
+                 for d in dims]
+        return self.emit("Concat", *parts, axis=0)
+
+    def _constant_tensor(self, t: torch.Tensor) -> Value:
+        name = self.param_names.get(id(t))
+        if name is not None:
+            v = self.graph.add_initializer(name, to_numpy(t))
+        else:
+            v = self.graph.add_constant(to_numpy(t), "const")
+        self.values[id(t)] = v
+        self._alive.append(t)
+        return v
+
+    # ------------------------------------------------------------------ emitting
+    def emit(self, op: str, *inputs: Optional[Value], outputs: int = 1, domain: str = "", **attrs: Any) -> Any:
+        node = self.graph.add_node(op, inputs, attrs, domain=domain, num_outputs=outputs,
+                                   meta={"scope": self.scope_name(), "source": self.source_line()})
+        infer_node(node)
+        if any(v is not None and v in self.dependent for v in inputs):
+            self.dependent.update(node.outputs)
+        return node.outputs[0] if outputs == 1 else tuple(node.outputs)
+
+    def bind(self, func: Callable, out: Any, values: Any) -> None:
+        tensors = [t for t in _flatten(out)]
+        vals = [values] if isinstance(values, Value) else list(values)
+        if len(tensors) != len(vals):
+            raise KilnError(f"{self.where()}: the mapping of '{op_name(func)}' gave {len(vals)} values for "
+                            f"{len(tensors)} tensors")
+        for t, v in zip(tensors, vals):
+            if not isinstance(t, torch.Tensor):
+                continue
+            self._check(func, t, v)
+            self.values[id(t)] = v
+            self._alive.append(t)
+
+    def _check(self, func: Callable, t: torch.Tensor, v: Value) -> None:
+        want = TensorType(kiln_dtype(t.dtype), tuple(t.shape))
+        got = v.type
+        ok = got is not None and got.dtype is want.dtype and (
+            got.shape is None or (len(got.shape) == len(want.shape) and all(
+                not isinstance(g, int) or g == w for g, w in zip(got.shape, want.shape))))
+        if not ok:
+            raise KilnError(f"{self.where()}: kiln's mapping of '{op_name(func)}' gives {got}, "
+                            f"torch gives {want} (a bug in kiln/frontend/torch_ops.py)")
+
+    def data_dependent(self, func: Callable, args: Sequence) -> None:
+        t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        v = self.values.get(id(t)) if t is not None else None
+        if v is None or v not in self.dependent:
+            return  # a constant: reading it does not tie the trace to the inputs
+        msg = (f"{self.where()}: '{op_name(func)}' reads a Python value from tensor data; the trace "
+               "records this example's value and may be wrong for other inputs")
+        self.warnings.append(msg)
+        warnings.warn(msg, TraceWarning, stacklevel=2)
+
+    # ------------------------------------------------------------------ where we are
+    def scope_name(self) -> str:
+        return self.scope[-1] if self.scope else ""
+
+    def source_line(self) -> str:
+        frame = sys._getframe(1)
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if not path.startswith((_TORCH_DIR, _FRONTEND_DIR)) and "<frozen" not in path:
+                parts = path.replace("\\", "/").split("/")
+                return f"{'/'.join(parts[-2:])}:{frame.f_lineno}"
+            frame = frame.f_back
+        return ""
+
+    def where(self) -> str:
+        scope = self.scope_name() or "<model>"
+        src = self.source_line()
+        return f"{scope} ({src})" if src else scope
+
+    # ------------------------------------------------------------------ module scopes
+    def push_module(self, module: torch.nn.Module, *_: Any) -> None:
+        self.scope.append(self.module_names.get(id(module), type(module).__name__))
+
+    def pop_module(self, module: torch.nn.Module, *_: Any) -> None:
+        if self.scope:
+            self.scope.pop()
+
+
+def _flatten(x: Any) -> list:
+    if isinstance(x, (tuple, list)):
+        return [y for item in x for y in _flatten(item)]
+    return [x]
+
+
+def _is_python_function(func: Callable) -> bool:
+    return hasattr(func, "__code__")

@@ -1,0 +1,95 @@
+"""The tracer's core: inputs/outputs/names, parameters as initializers, scopes, symbolic sizes,
+warnings for data-dependent Python values, checks, and unsupported ops."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import kiln  # noqa: E402
+from kiln import TraceCheckError, TraceWarning, UnsupportedOpError  # noqa: E402
+from kiln.ir import evaluate, verify  # noqa: E402
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.5)
+        self.fc1 = torch.nn.Linear(4, 8)
+        self.fc2 = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.drop(self.fc1(x)).relu()
+        return self.fc2(h.view(h.size(0), -1))
+
+
+def test_names_params_and_scopes():
+    g = kiln.trace(MLP().eval(), torch.randn(2, 4), optimize=False)
+    verify(g)
+    assert [v.name for v in g.inputs] == ["x"] and [v.name for v in g.outputs] == ["output"]
+    assert {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"} <= set(g.initializers)
+    scopes = {n.meta.get("scope") for n in g.nodes}
+    assert {"fc1", "fc2"} <= scopes
+    assert all(n.meta.get("source") for n in g.nodes)
+
+
+def test_dynamic_batch_runs_at_other_sizes():
+    m = MLP().eval()
+    g = kiln.trace(m, torch.randn(2, 4), dynamic_batch=True)
+    assert g.inputs[0].type.shape == ("batch", 4)
+    for b in (1, 5):
+        x = torch.randn(b, 4)
+        (got,) = evaluate(g, {"x": x.numpy()})
+        np.testing.assert_allclose(got, m(x).detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_dict_and_tuple_outputs_keep_names():
+    class Two(torch.nn.Module):
+        def forward(self, x, y):
+            return {"sum": x + y, "prod": x * y}
+
+    g = kiln.trace(Two(), (torch.randn(3), torch.randn(3)))
+    assert [v.name for v in g.inputs] == ["x", "y"] and [v.name for v in g.outputs] == ["sum", "prod"]
+
+    def pair(a):
+        return a + 1, a * 2
+
+    g = kiln.trace(pair, torch.randn(3))
+    assert [v.name for v in g.outputs] == ["output_0", "output_1"]
+
+
+def test_training_mode_warns_and_traces_in_eval():
+    m = MLP()
+    with pytest.warns(TraceWarning, match="training mode"):
+        kiln.trace(m, torch.randn(2, 4))
+    assert not m.training
+
+
+def test_data_dependent_branch_warns_and_check_catches_it():
+    def branchy(x):
+        if x.sum() > 0:
+            return x * 2
+        return -x
+
+    x = torch.ones(4)
+    with pytest.warns(TraceWarning, match=r"Tensor.__bool__' reads a Python value"):
+        with pytest.raises(TraceCheckError, match="disagrees with the model"):
+            kiln.trace(branchy, x)
+
+
+def test_unsupported_op_names_op_scope_and_line():
+    class Odd(torch.nn.Module):
+        def forward(self, x):
+            return torch.special.bessel_j0(x)
+
+    with pytest.raises(UnsupportedOpError, match=r"<model> \(.*test_tracer_core.py:\d+\): op 'torch.*bessel_j0' "
+                                                 r"is not supported.*kiln/frontend/torch_ops/"):
+        kiln.trace(Odd(), torch.randn(3))
+
+
+def test_bad_example_inputs_are_explained():
+    with pytest.raises(kiln.KilnError, match="not parameters of"):
+        kiln.trace(MLP(), {"y": torch.randn(2, 4)})
+    with pytest.raises(kiln.KilnError, match="must be a torch.Tensor"):
+        kiln.trace(MLP(), (3,))
+    with pytest.raises(kiln.KilnError, match="not an input"):
+        kiln.trace(MLP(), torch.randn(2, 4), dynamic={"z": {0: "batch"}})
