@@ -34,6 +34,9 @@ class SymInt(int):
 
 def _binary(op: str, fn: Callable[[int, int], int], reflected: bool = False) -> Callable:
     def method(self: SymInt, other: Any) -> Any:
+        if not isinstance(other, (int, float)):
+            # A tensor: int(self) would bake the size in; its reflected op (Tensor.__rsub__) keeps it.
+            return NotImplemented
         if isinstance(other, bool) or not isinstance(other, int):
             return fn(int(other), int(self)) if reflected else fn(int(self), other)
         result = fn(int(other), int(self)) if reflected else fn(int(self), int(other))
@@ -52,6 +55,14 @@ for _name, _op, _fn in (("add", "Add", operator.add), ("sub", "Sub", operator.su
                         ("floordiv", "Div", _floordiv)):
     setattr(SymInt, f"__{_name}__", _binary(_op, _fn))
     setattr(SymInt, f"__r{_name}__", _binary(_op, _fn, reflected=True))
+
+
+def _neg(self: SymInt) -> SymInt:
+    # int.__neg__ would return a plain int: x[:, -n:] with a symbolic n would become a constant.
+    return SymInt(-int(self), self.tracer, self.tracer.emit("Neg", self.value))
+
+
+SymInt.__neg__ = _neg
 
 
 def is_symbolic(x: Any) -> bool:

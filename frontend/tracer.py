@@ -32,6 +32,7 @@ from kiln.ir.types import TensorType
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FRONTEND_DIR = os.path.dirname(__file__)
+_KILN_INIT = os.path.join(os.path.dirname(_FRONTEND_DIR), "__init__.py")  # the kiln.trace wrapper
 
 TORCH_TO_DTYPE = {torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16,
                   torch.float64: DType.FLOAT64, torch.int8: DType.INT8, torch.int16: DType.INT16,
@@ -78,12 +79,21 @@ class Tracer(TorchFunctionMode):
         self.scope: list[str] = []
         self.warnings: list[str] = []
         self._const_cache: dict[tuple, Value] = {}
+        self.symbols: dict = {}  # symbolic values of shape tensors, so dims stay exact while tracing
+        # Tensors changed by a write through an alias: (why using them fails, id of the tensor written).
+        self.stale: dict[int, tuple[str, int]] = {}
 
     # ------------------------------------------------------------------ the interception point
     def __torch_function__(self, func: Callable, types: Any, args: Sequence = (), kwargs: Optional[dict] = None) -> Any:
         from kiln.frontend.torch_ops import DATA_DEPENDENT, TABLE
 
         kwargs = kwargs or {}
+        if func is torch.Tensor.__setitem__ and len(args) == 3:
+            written = self.stale.get(id(args[0]))
+            if written is not None and written[1] == id(args[2]):
+                # ``y[i] += v``: the view written in place is stored back into its base, which is
+                # then up to date again (the __setitem__ mapping computes the new base).
+                del self.stale[id(args[0])]
         entry = TABLE.get(func)
         if entry is not None:
             handler, returns_value = entry
@@ -91,6 +101,9 @@ class Tracer(TorchFunctionMode):
             if returns_value:
                 return handler(self, res, *args, **kwargs)
             self.bind(func, res, handler(self, res, *args, **kwargs))
+            if args and res is args[0] and _writes_in_place(func):
+                self.invalidate_aliases(res, f"it shares memory with a tensor written in place by "
+                                             f"'{op_name(func)}' at {self.where()}")
             return res
         if func in DATA_DEPENDENT:
             out = func(*args, **kwargs)
@@ -113,6 +126,8 @@ class Tracer(TorchFunctionMode):
         Scalars become constants of ``dtype``; SymInts become their traced value, cast to ``dtype``.
         """
         if isinstance(x, torch.Tensor):
+            if id(x) in self.stale:
+                raise UnsupportedOpError(f"{self.where()}: {self.stale[id(x)][0]}")
             v = self.values.get(id(x))
             if v is None:
                 v = self._constant_tensor(x)
@@ -167,7 +182,7 @@ class Tracer(TorchFunctionMode):
     def emit(self, op: str, *inputs: Optional[Value], outputs: int = 1, domain: str = "", **attrs: Any) -> Any:
         node = self.graph.add_node(op, inputs, attrs, domain=domain, num_outputs=outputs,
                                    meta={"scope": self.scope_name(), "source": self.source_line()})
-        infer_node(node)
+        infer_node(node, self.symbols)
         if any(v is not None and v in self.dependent for v in inputs):
             self.dependent.update(node.outputs)
         return node.outputs[0] if outputs == 1 else tuple(node.outputs)
@@ -184,6 +199,16 @@ class Tracer(TorchFunctionMode):
             self._check(func, t, v)
             self.values[id(t)] = v
             self._alive.append(t)
+
+    def invalidate_aliases(self, x: torch.Tensor, why: str) -> None:
+        """After an in-place write to x, the other traced tensors sharing its memory (its views, its
+        base) hold values the graph no longer computes: using one raises UnsupportedOpError(why)."""
+        ptr = x.untyped_storage().data_ptr()
+        if ptr == 0:
+            return
+        for other in self._alive:
+            if other is not x and other.untyped_storage().data_ptr() == ptr:
+                self.stale.setdefault(id(other), (why, id(x)))
 
     def _check(self, func: Callable, t: torch.Tensor, v: Value) -> None:
         want = TensorType(kiln_dtype(t.dtype), tuple(t.shape))
@@ -213,7 +238,7 @@ class Tracer(TorchFunctionMode):
         frame = sys._getframe(1)
         while frame is not None:
             path = frame.f_code.co_filename
-            if not path.startswith((_TORCH_DIR, _FRONTEND_DIR)) and "<frozen" not in path:
+            if not path.startswith((_TORCH_DIR, _FRONTEND_DIR)) and path != _KILN_INIT and "<frozen" not in path:
                 parts = path.replace("\\", "/").split("/")
                 return f"{'/'.join(parts[-2:])}:{frame.f_lineno}"
             frame = frame.f_back
@@ -237,6 +262,12 @@ def _flatten(x: Any) -> list:
     if isinstance(x, (tuple, list)):
         return [y for item in x for y in _flatten(item)]
     return [x]
+
+
+def _writes_in_place(func: Callable) -> bool:
+    """``add_``, ``relu_``, ``__iadd__``: torch's naming of ops that write into their first argument."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("__")) or (name.startswith("__i") and name.endswith("__"))
 
 
 def _is_python_function(func: Callable) -> bool:

@@ -44,4 +44,6 @@ DATA_DEPENDENT = {
 }
 
 # Importing the families fills TABLE.
-from kiln.frontend.torch_ops import core  # noqa: E402,F401
+from kiln.frontend.torch_ops import (  # noqa: E402,F401
+    activation, assign, attention, concat, core, creation, elementwise, indexing, linalg, logic, nn, norm, reduce,
+    shape)

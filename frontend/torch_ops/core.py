@@ -80,7 +80,7 @@ def rsub(t, res, input, other, alpha=1):
 
 
 # ---------------------------------------------------------------------------- a first set
-@maps(torch.relu, torch.Tensor.relu, torch.Tensor.relu_, F.relu)
+@maps(torch.relu, torch.relu_, torch.Tensor.relu, torch.Tensor.relu_, F.relu)
 def relu(t, res, input, inplace=False):
     return t.emit("Relu", t.value(input))
 

@@ -93,3 +93,25 @@ def test_bad_example_inputs_are_explained():
         kiln.trace(MLP(), (3,))
     with pytest.raises(kiln.KilnError, match="not an input"):
         kiln.trace(MLP(), torch.randn(2, 4), dynamic={"z": {0: "batch"}})
+
+
+def test_in_place_write_through_a_view_is_refused_not_wrong():
+    def through_view(x):
+        y = x * 1
+        row = y[0]
+        row.add_(1)  # writes into y's memory too
+        return y
+
+    with pytest.raises(UnsupportedOpError, match="written in place by 'Tensor.add_'"):
+        kiln.trace(through_view, torch.randn(3, 4))
+
+
+def test_in_place_on_a_fresh_tensor_is_fine():
+    def fresh(x):
+        y = x * 2
+        y += 1
+        return torch.relu_(y)
+
+    g = kiln.trace(fresh, torch.randn(3, 4))
+    (got,) = evaluate(g, {"x": np.ones((3, 4), np.float32)})
+    np.testing.assert_allclose(got, np.full((3, 4), 3.0))
