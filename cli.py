@@ -97,12 +97,25 @@ def _add_inspect_args(p: argparse.ArgumentParser) -> None:
                         "(by default only segments up to 16 MiB are checked, so big models load in constant time)")
 
 
+# ---------------------------------------------------------------------------- export (frontend/export_cli.py)
+def _add_export_args(p: argparse.ArgumentParser) -> None:
+    from kiln.frontend.export_cli import add_export_args
+    add_export_args(p)
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from kiln.frontend.export_cli import cmd_export
+    return cmd_export(args)
+
+
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 COMMANDS: dict[str, Command] = {
     "info": ("print versions, IR/opset versions and which optional backends are installed",
              _add_info_args, cmd_info),
     "inspect": ("summarize a .kiln file: header, versions, producer, inputs/outputs, op histogram, parameters",
                 _add_inspect_args, cmd_inspect),
+    "export": ("trace a PyTorch model on example inputs and write it as a .kiln file (ONNX output: not yet)",
+               _add_export_args, _run_export),
 }
 
 

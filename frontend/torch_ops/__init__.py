@@ -41,6 +41,9 @@ DATA_DEPENDENT = {
     torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__float__,
     torch.Tensor.__index__, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__,
     torch.Tensor.__iter__, torch.Tensor.__len__,
+    # Comparisons that answer with a Python bool.
+    torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose, torch.is_nonzero,
+    torch.Tensor.is_nonzero,
 }
 
 # Importing the families fills TABLE.

@@ -8,7 +8,8 @@ A node is folded when its op is foldable, it has no subgraph, and its result is 
   (``Gather(Shape(x), 1)`` when dim 1 of ``x`` is static, even if dim 0 is ``batch``).
 The outputs become initializers named after them. A size cap keeps folding from blowing a
 file up: outputs over ``max_bytes`` are folded only when they are no larger than the
-constants the node reads (a transposed weight, yes; ``ConstantOfShape`` to 1 GB, no).
+constants the node reads (``ConstantOfShape`` to 1 GB, no); a Transpose of a weight is left
+as it is (see ``LAYOUT_OPS``).
 """
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ DEFAULT_MAX_BYTES = 1 << 20
 
 # Inputs whose values an op never reads, only their dtype and shape.
 SHAPE_ONLY_INPUTS = {"Shape": (0,), "Size": (0,)}
+
+# Layout ops left unfolded on constants above this size: at run time a Transpose of a weight is
+# a free view (BLAS takes transposed operands), while folding it copies the weight, replaces its
+# module-path name by the node's, and stores a weight shared by several nodes (tied embeddings)
+# twice.
+LAYOUT_OPS = {"Transpose"}
+LAYOUT_FOLD_MAX_BYTES = 256
 
 
 def fold_constants(graph: Graph, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bool:
@@ -95,6 +103,8 @@ def _known_args(node: Node) -> Optional[tuple[list, int]]:
 
 
 def _evaluate(node: Node, args: list, const_bytes: int, max_bytes: int) -> Optional[list]:
+    if node.op in LAYOUT_OPS and node.domain == "" and const_bytes > LAYOUT_FOLD_MAX_BYTES:
+        return None
     budget = max(max_bytes, const_bytes)
     static_bytes = _static_output_bytes(node)
     if static_bytes is not None and static_bytes > budget:

@@ -67,7 +67,7 @@ def assert_matches(graph: kiln.Graph, model, names: list[str], tensors: list, la
     got = evaluate(graph, {n: to_numpy(t) for n, t in zip(names, tensors)})
     assert [v.name for v in graph.outputs] == [n for n, _ in want], label
     for (name, w), g in zip(want, got):
-        assert g.shape == w.shape and g.dtype == w.dtype, f"{label}: output {name} {g.dtype}{g.shape} vs {w.dtype}{w.shape}"
+        assert (g.shape, g.dtype) == (w.shape, w.dtype), f"{label}: output {name}: {g.dtype}{g.shape}, torch {w.dtype}{w.shape}"
         np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, err_msg=f"{label}: output {name}")
 
 
@@ -77,8 +77,7 @@ def test_static_trace_matches_eager(entry):
     verify(graph)
     names, examples = zoo.input_list(model, inputs)
     assert all(isinstance(d, int) for v in graph.inputs for d in v.type.shape)
-    sizes = {}
-    assert_matches(graph, model, *zoo.fresh_inputs(model, inputs, {}, sizes, seed=1), label="fresh inputs")
+    assert_matches(graph, model, *zoo.fresh_inputs(model, inputs, {}, {}, seed=1), label="fresh inputs")
     assert_matches(graph, model, names, examples, label="example inputs")
 
 
@@ -86,6 +85,7 @@ def test_static_trace_matches_eager(entry):
 def test_dynamic_trace_runs_at_other_sizes(entry):
     model, inputs, spec, graph = traced(entry.name, dynamic=True)
     verify(graph)
+    assert "Dropout" not in {n.op for n in graph.nodes}  # traced in inference mode
     names, examples = zoo.input_list(model, inputs)
     for v, ex in zip(graph.inputs, examples):
         want = [spec.get(v.name, {}).get(i, s) for i, s in enumerate(ex.shape)]
@@ -119,9 +119,6 @@ def test_save_load_round_trip(entry, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.xfail(strict=True, reason="linear without bias on 3-D inputs is MatMul(x, Transpose(w)); "
-                   "constant folding stores w.T as a new initializer named 'transpose_N': the module path is "
-                   "lost and the tied head weight is stored twice")
 def test_optimized_gpt_stores_each_weight_once_under_its_module_path():
     model, _, _, graph = traced("gpt", dynamic=True)
     weights = {n: p.numel() for n, p in model.named_parameters() if p.dim() == 2}  # tied: listed once

@@ -83,10 +83,26 @@ def test_size_cap_keeps_large_generated_constants(rng):
 def test_size_cap_allows_outputs_no_larger_than_inputs(check_pass, rng):
     g = Graph()
     x = g.add_input("x", "float32", (1, 1024))
-    w = g.add_initializer("w", rng.normal(size=(512, 1024)).astype(np.float32))  # 2 MiB
-    g.outputs = [g.op("MatMul", x, g.op("Transpose", w))]
+    w = g.add_initializer("w", rng.normal(size=(1024, 512)).astype(np.float32))  # 2 MiB
+    g.outputs = [g.op("MatMul", x, g.op("Neg", w))]
     check_pass(fold_constants, g, {"x": rng.normal(size=(1, 1024)).astype(np.float32)}, rtol=1e-4)
     assert ops(g) == ["MatMul"]
+
+
+def test_transpose_of_a_large_weight_stays_a_view(rng):
+    """Folding it would copy the weight, rename it and store tied weights twice."""
+    g = Graph()
+    ids = g.add_input("ids", "int64", (3,))
+    emb = g.add_initializer("wte.weight", rng.normal(size=(16, 8)).astype(np.float32))  # 512 bytes, tied
+    h = g.op("Gather", emb, ids)
+    g.outputs = [g.op("MatMul", h, g.op("Transpose", emb))]
+    assert not fold_constants(g)
+    assert ops(g) == ["Gather", "Transpose", "MatMul"] and list(g.initializers) == ["wte.weight"]
+    small = Graph()
+    x = small.add_input("x", "float32", (1, 4))
+    w = small.add_initializer("w", np.ones((4, 4), np.float32))
+    small.outputs = [small.op("MatMul", x, small.op("Transpose", w))]
+    assert fold_constants(small) and ops(small) == ["MatMul"]
 
 
 def test_constant_graph_output_keeps_its_name(check_pass):

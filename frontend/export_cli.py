@@ -1,0 +1,269 @@
+"""``kiln export``: trace a PyTorch model named on the command line and write a .kiln file.
+
+Imports nothing heavy at module level (``kiln --help`` must not import torch); torch and the
+tracer are imported when the command runs.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+from kiln.errors import KilnError
+
+_EXPORT_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+_CHECK_TRIALS = 3  # fresh random inputs the check runs besides the examples
+
+
+class _Progress:
+    """One stderr line per long step: ``tracing ... 1.23 s``, or ``failed`` when it raises."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def step(self, label: str):
+        print(f"{label} ...", end="", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        try:
+            yield
+        except BaseException:
+            print(" failed", file=sys.stderr, flush=True)
+            raise
+        self.seconds[label] = time.perf_counter() - start
+        print(f" {self.seconds[label]:.2f} s", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _user_code(step: str):
+    """Errors raised by the model's own code (import, construction, forward) become one clear
+    line; kiln's errors pass through unchanged."""
+    try:
+        yield
+    except KilnError:
+        raise
+    except Exception as e:
+        raise KilnError(f"{step} failed: {type(e).__name__}: {e}") from e
+
+
+def _parse_input_spec(spec: str) -> tuple[str, tuple[int, ...], str, Optional[tuple[float, float]]]:
+    """``name:1x3x224x224[:dtype[:low:high]]`` -> (name, shape, dtype, range or None)."""
+    parts = spec.split(":")
+    if len(parts) not in (2, 3, 5) or not parts[0].isidentifier():
+        raise KilnError(f"bad --input '{spec}': expected NAME:SHAPE[:DTYPE[:LOW:HIGH]], e.g. 'x:1x3x224x224:float32'")
+    dims = parts[1].lower().split("x") if parts[1] else []
+    if not all(d.isdigit() for d in dims):
+        raise KilnError(f"bad --input '{spec}': the shape '{parts[1]}' must be sizes joined by 'x', e.g. 1x3x224x224")
+    dtype = parts[2] if len(parts) > 2 else "float32"
+    if dtype not in _EXPORT_DTYPES:
+        raise KilnError(f"bad --input '{spec}': unknown dtype '{dtype}' (one of {', '.join(_EXPORT_DTYPES)})")
+    value_range = None
+    if len(parts) == 5:
+        try:
+            value_range = (float(parts[3]), float(parts[4]))
+        except ValueError:
+            raise KilnError(f"bad --input '{spec}': the range '{parts[3]}:{parts[4]}' must be two numbers") from None
+        if not value_range[0] < value_range[1]:
+            raise KilnError(f"bad --input '{spec}': the range needs LOW < HIGH")
+    return parts[0], tuple(int(d) for d in dims), dtype, value_range
+
+
+def _parse_dynamic(specs: Sequence[str], ranks: dict[str, int], dynamic_batch: bool) -> dict[str, dict[int, str]]:
+    """``--dynamic NAME:DIM:SYMBOL`` entries (and ``--dynamic-batch``) -> kiln.trace's ``dynamic``."""
+    dynamic: dict[str, dict[int, str]] = {n: {0: "batch"} for n, rank in ranks.items() if dynamic_batch and rank}
+    for spec in specs:
+        parts = spec.split(":")
+        if len(parts) != 3 or not parts[2].isidentifier():
+            raise KilnError(f"bad --dynamic '{spec}': expected NAME:DIM:SYMBOL, e.g. 'ids:1:seq'")
+        try:
+            dim = int(parts[1])
+        except ValueError:
+            raise KilnError(f"bad --dynamic '{spec}': DIM '{parts[1]}' must be an integer") from None
+        dynamic.setdefault(parts[0], {})[dim] = parts[2]
+    return dynamic
+
+
+def _example_input(shape: tuple[int, ...], dtype: str, value_range, gen):
+    """Random example data: normal floats (uniform in a given range), ints in [0, 100) or the range."""
+    import torch
+
+    tdtype = getattr(torch, dtype)
+    if tdtype is torch.bool:
+        return torch.rand(shape, generator=gen) > 0.5
+    if tdtype.is_floating_point:
+        if value_range is None:
+            return torch.randn(shape, generator=gen).to(tdtype)
+        low, high = value_range
+        return (torch.rand(shape, generator=gen) * (high - low) + low).to(tdtype)
+    low, high = value_range or (0, 100)
+    return torch.randint(int(low), int(high), shape, generator=gen).to(tdtype)
+
+
+def _import_target(module: str):
+    """A .py file (by path) or a dotted module name (importable from the current folder)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(module)
+    if module.endswith(".py") or path.is_file():
+        if not path.is_file():
+            raise KilnError(f"no such file: {module}")
+        folder = str(path.resolve().parent)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)  # so the file can import its neighbours
+        name = f"_kiln_export_{path.stem}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and module.startswith(e.name):
+            raise KilnError(f"no module named '{module}' (give a .py path or a dotted module name)") from None
+        raise
+
+
+def _load_model(target: str):
+    """``MODULE:ATTR`` -> an nn.Module: ATTR is an instance, a class built with no arguments (then
+    put in eval mode, as the user had no chance to), or a factory function returning a module."""
+    import torch
+
+    module, sep, attr = target.rpartition(":")
+    if not sep or not module or not attr:
+        raise KilnError(f"bad model '{target}': expected MODULE:ATTR, e.g. 'examples/models.py:SmallCNN'")
+    obj = _import_target(module)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise KilnError(f"{module} has no attribute '{attr}'")
+        obj = getattr(obj, part)
+    if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
+        return obj().eval()
+    called = callable(obj) and not isinstance(obj, torch.nn.Module)
+    if called:
+        obj = obj()  # a factory
+    if not isinstance(obj, torch.nn.Module):
+        got = f"it returned {type(obj).__name__}" if called else f"got {type(obj).__name__}"
+        raise KilnError(f"{target} is not an nn.Module, an nn.Module class or a factory returning one ({got})")
+    return obj
+
+
+def _trace_step(model, inputs: dict, dynamic: dict, progress: _Progress):
+    """Trace (no check, no optimize: they are steps of their own); TraceWarnings go to stderr."""
+    import warnings
+
+    from kiln.errors import TraceWarning
+    from kiln.frontend.trace import trace
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TraceWarning)
+        with progress.step("tracing"), _user_code("tracing"):
+            graph = trace(model, inputs, dynamic=dynamic, check=False, optimize=False)
+    warned = [w for w in caught if issubclass(w.category, TraceWarning)]
+    for w in warned:
+        print(f"warning: {w.message}", file=sys.stderr)
+    return graph, len(warned)
+
+
+def _check_step(graph, model, inputs: dict, progress: _Progress) -> str:
+    from kiln.frontend.trace import check_trace
+
+    names = [v.name for v in graph.inputs]
+    dims = [{i: d for i, d in enumerate(v.type.shape) if isinstance(d, str)} for v in graph.inputs]
+    with progress.step("checking"), _user_code("checking"):
+        check_trace(graph, model, names, [inputs[n] for n in names], dims, rtol=1e-4, atol=1e-5,
+                    trials=_CHECK_TRIALS)
+    others = ", at other sizes" if any(dims) else ""
+    return f"passed (the example inputs and {_CHECK_TRIALS} fresh random ones{others})"
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    specs = [_parse_input_spec(s) for s in args.input]
+    ranks = {name: len(shape) for name, shape, _, _ in specs}
+    if len(ranks) != len(specs):
+        raise KilnError(f"an input is given twice: {', '.join(s[0] for s in specs)}")
+    dynamic = _parse_dynamic(args.dynamic, ranks, args.dynamic_batch)
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(folder):
+        raise KilnError(f"cannot write {args.output}: the folder {folder} does not exist")
+    progress = _Progress()
+    with progress.step(f"loading {args.model}"):
+        import torch  # importing torch is most of the time here
+
+        with _user_code("loading the model"):
+            model = _load_model(args.model)
+    gen = torch.Generator().manual_seed(0)
+    inputs = {name: _example_input(shape, dt, rng, gen) for name, shape, dt, rng in specs}
+    graph, warned = _trace_step(model, inputs, dynamic, progress)
+    check = "skipped (--no-check)" if args.no_check else _check_step(graph, model, inputs, progress)
+    nodes_traced = len(graph.nodes)
+    if not args.no_optimize:
+        from kiln.ir.passes import optimize
+        from kiln.ir.verifier import verify
+
+        with progress.step("optimizing"):
+            optimize(graph)
+            verify(graph)
+    graph.metadata.props["source"] = args.model
+    path = _save_step(graph, args.output, progress)
+    _print_export_summary(path, nodes_traced, check, warned, progress)
+    return 0
+
+
+def _save_step(graph, output: str, progress: _Progress):
+    from kiln.serializer import save
+
+    with progress.step(f"saving {output}"):
+        try:
+            return save(graph, output)
+        except OSError as e:
+            raise KilnError(f"cannot write {output}: {e.strerror or e}") from None
+
+
+def _print_export_summary(path, nodes_traced: int, check: str, warned: int, progress: _Progress) -> None:
+    """What the file holds, read back from it as ``kiln inspect`` reads it."""
+    from kiln.ir.types import format_shape
+    from kiln.serializer.inspect import read_summary
+
+    s = read_summary(path)
+
+    def types(values: list) -> str:
+        return ", ".join(f"{v['name']}: {v['dtype']}{format_shape(tuple(v['shape']))}" for v in values)
+
+    top = list(s["ops"].items())[:8]
+    more = len(s["ops"]) - len(top)
+    ops = ", ".join(f"{op} {n}" for op, n in top) + (f", ... {more} more kinds" if more > 0 else "")
+    size = s["file_size"]
+    print(f"wrote {s['path']} ({size / 2 ** 20:.2f} MiB, {size:,} bytes) in {sum(progress.seconds.values()):.2f} s")
+    print(f"  inputs      {types(s['inputs'])}")
+    print(f"  outputs     {types(s['outputs'])}")
+    print(f"  nodes       {s['nodes']} (traced {nodes_traced})")
+    print(f"  ops         {ops}")
+    print(f"  parameters  {s['parameters']:,} ({s['parameter_bytes'] / 2 ** 20:.2f} MiB)")
+    print(f"  check       {check}")
+    if warned:
+        print(f"  warnings    {warned} TraceWarning(s), printed above: the trace may be specific to the example inputs")
+
+
+def add_export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODULE:ATTR",
+                   help="a .py file or dotted module name, and the name in it of an nn.Module instance, an nn.Module "
+                        "class (built with no arguments, in eval mode) or a factory function returning a module")
+    p.add_argument("-o", "--output", required=True, help="the .kiln file to write")
+    p.add_argument("--input", action="append", required=True, metavar="NAME:SHAPE[:DTYPE[:LOW:HIGH]]",
+                   help="an example input, by forward() argument name: shape as sizes joined by 'x', dtype "
+                        f"(default float32; one of {', '.join(_EXPORT_DTYPES)}); random data: normal floats, ints "
+                        "in [0, 100) unless LOW:HIGH is given (e.g. 'ids:1x16:int64:0:1000'). Repeat per input")
+    p.add_argument("--dynamic-batch", action="store_true", help="make dim 0 of every input the symbol 'batch'")
+    p.add_argument("--dynamic", action="append", default=[], metavar="NAME:DIM:SYMBOL",
+                   help="make dim DIM of input NAME symbolic (e.g. 'ids:1:seq'); repeatable")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip comparing the graph with the model on fresh random inputs")
+    p.add_argument("--no-optimize", action="store_true", help="save the graph as traced, without the pass pipeline")
+    p.epilog = "ONNX output (--onnx) is not available yet: it comes with kiln's ONNX exporter."
