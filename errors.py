@@ -40,3 +40,7 @@ class TraceCheckError(KilnError):
 
 class TraceWarning(UserWarning):
     """A trace may only be valid for the example inputs (a Python value was read from tensor data)."""
+
+
+class ExecutionError(KilnError):
+    """A kernel failed while running a program; the message names the node and its inputs."""

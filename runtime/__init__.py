@@ -1,1 +1,4 @@
-"""kiln.runtime: see DESIGN.md (built by a later issue)."""
+"""kiln.runtime: load a .kiln file and run it with numpy (``kiln.load(path).run(inputs)``)."""
+from kiln.runtime.program import Program, TensorSpec, load
+
+__all__ = ["Program", "TensorSpec", "load"]

@@ -13,6 +13,7 @@ import numpy as np
 
 from kiln.ir import Graph, dtype, evaluate, verify
 from kiln.ir.passes.shape_inference import infer_shapes
+from kiln.runtime import Program
 
 
 def build_single(op: str, inputs: Sequence[Optional[np.ndarray]], attrs: Optional[dict] = None, *,
@@ -44,6 +45,22 @@ def build_single(op: str, inputs: Sequence[Optional[np.ndarray]], attrs: Optiona
     return g, feeds
 
 
+def check_backends(g: Graph, feeds: list, want: list) -> None:
+    """The conformance suite: every backend's kernels must agree with the reference outputs.
+
+    (CPU runtime now; every op test in tests/ops/ runs through it.) Kernels may differ from the
+    reference by float rounding only (a fused or BLAS-ordered sum), never in dtype or shape."""
+    got = Program(g).run(feeds, as_list=True)
+    for v, w, o in zip(g.outputs, want, got):
+        assert o.dtype == w.dtype and o.shape == w.shape, f"runtime {v.name}: {o.dtype}{o.shape} vs {w.dtype}{w.shape}"
+        if dtype(w.dtype).is_float:
+            tol = 1e-5 if w.dtype.itemsize >= 4 else 1e-2  # half types: one rounding of 2**-8 .. 2**-11
+            np.testing.assert_allclose(o.astype(np.float64), w.astype(np.float64), rtol=tol, atol=tol / 10,
+                                       equal_nan=True, err_msg=f"CPU runtime disagrees on {v.name}")
+        else:
+            np.testing.assert_array_equal(o, w, err_msg=f"CPU runtime disagrees on {v.name}")
+
+
 def check_op(op: str, inputs: Sequence[Optional[np.ndarray]], expected: Any = None, attrs: Optional[dict] = None,
              *, const_inputs: Sequence[int] = (), num_outputs: Optional[int] = None, rtol: float = 1e-5,
              atol: float = 1e-6, symbolic_batch: bool = False, domain: str = "") -> list[np.ndarray]:
@@ -51,6 +68,7 @@ def check_op(op: str, inputs: Sequence[Optional[np.ndarray]], expected: Any = No
     g, feeds = build_single(op, inputs, attrs, const_inputs=const_inputs, num_outputs=num_outputs,
                             symbolic_batch=symbolic_batch, domain=domain)
     outs = evaluate(g, feeds)
+    check_backends(g, feeds, outs)
     for v, o in zip(g.outputs, outs):
         assert v.type is not None, f"{op}: output {v.name} has no inferred type"
         assert o.dtype == v.type.dtype.numpy, f"{op}: reference gives {o.dtype}, inference says {v.type.dtype}"

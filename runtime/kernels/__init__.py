@@ -1,0 +1,1 @@
+"""Kernel libraries of the runtime, one folder per device (``cpu/``; ``cuda/`` later)."""

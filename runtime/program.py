@@ -1,0 +1,137 @@
+"""``kiln.load``: a .kiln file (or a Graph) turned into a Program whose ``run`` is one loop over a
+flat instruction list. No torch, no onnx: numpy (and flatbuffers to read the file)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+from kiln.errors import ExecutionError, InputError, KilnError
+from kiln.ir.graph import Graph, Node
+from kiln.ir.types import TensorType
+from kiln.runtime.control import if_kernel, loop_kernel
+from kiln.runtime.kernels import cpu
+from kiln.runtime.plan import Plan, PlanBuilder, execute
+
+_CONTROL = {"If": if_kernel, "Loop": loop_kernel}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A program input or output: name, dtype and shape (symbols as names, unknown dims as None)."""
+
+    name: str
+    type: TensorType
+
+    @property
+    def dtype(self) -> str:
+        return self.type.dtype.short
+
+    @property
+    def shape(self) -> Optional[tuple]:
+        return self.type.shape
+
+
+def _choose_cpu(node: Node, builder: PlanBuilder):
+    if node.domain == "" and node.op in _CONTROL:
+        return _CONTROL[node.op](node, builder)
+    return cpu.choose(node, node.schema.fill_attrs(node.attrs))
+
+
+class Program:
+    """A loaded model. ``run`` is safe to call from several threads at once."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        builder = PlanBuilder(_choose_cpu)
+        self.plan: Plan = builder.build(graph)
+        self._template = builder.template
+        self.inputs = [TensorSpec(v.name, v.type) for v in graph.inputs]
+        self.outputs = [TensorSpec(v.name, v.type) for v in graph.outputs]
+        md = graph.metadata
+        self.metadata = {"producer_name": md.producer_name, "producer_version": md.producer_version,
+                         "doc_string": md.doc_string, **md.props}
+
+    def run(self, inputs: Union[Mapping[str, Any], Sequence[Any]], *, as_list: bool = False):
+        """Run on numpy arrays given by name (a dict) or in order; returns a dict by output name
+        (or a list with ``as_list``). Inputs are checked before any kernel runs."""
+        arrays = self._check_inputs(inputs)
+        slots = list(self._template)
+        for s, a in zip(self.plan.input_slots, arrays):
+            slots[s] = a
+        try:
+            execute(self.plan, slots)
+        except KilnError:
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised naming the node
+            raise _execution_error(self.plan, slots, e) from e
+        outs = [self._output(slots[s]) for s in self.plan.output_slots]
+        return outs if as_list else dict(zip((o.name for o in self.outputs), outs))
+
+    __call__ = run
+
+    @staticmethod
+    def _output(a: Any) -> np.ndarray:
+        a = np.asarray(a)
+        # A constant output would be a read-only view into the model file: give the caller its own.
+        return a if a.flags.writeable else a.copy()
+
+    def _check_inputs(self, inputs: Union[Mapping[str, Any], Sequence[Any]]) -> list:
+        specs = self.inputs
+        if isinstance(inputs, Mapping):
+            missing = [s.name for s in specs if s.name not in inputs]
+            extra = sorted(set(inputs) - {s.name for s in specs})
+            if missing or extra:
+                raise InputError(f"the model takes inputs {[s.name for s in specs]}; missing {missing}"
+                                 + (f", unexpected {extra}" if extra else ""))
+            given = [inputs[s.name] for s in specs]
+        else:
+            given = list(inputs)
+            if len(given) != len(specs):
+                raise InputError(f"the model takes {len(specs)} inputs ({', '.join(s.name for s in specs)}), "
+                                 f"got {len(given)}")
+        arrays, bindings = [], {}
+        for spec, x in zip(specs, given):
+            a = np.asarray(x)
+            if not spec.type.matches(a, bindings):
+                raise InputError(_mismatch(spec, a, bindings))
+            arrays.append(a)
+        return arrays
+
+
+def _mismatch(spec: TensorSpec, a: np.ndarray, bindings: dict) -> str:
+    got = f"{a.dtype}{list(a.shape)}"
+    msg = f"input '{spec.name}': expected {spec.type}, got {got}"
+    symbols = [d for d in (spec.type.shape or ()) if isinstance(d, str) and d in bindings]
+    if symbols:
+        msg += " (" + ", ".join(f"{d}={bindings[d]} from an earlier input" for d in dict.fromkeys(symbols)) + ")"
+    return msg
+
+
+def _execution_error(plan: Plan, slots: list, e: Exception) -> ExecutionError:
+    # The failing instruction is the first whose outputs were not written.
+    for ins in plan.instructions:
+        if any(slots[s] is None for s in ins.outputs):
+            shapes = ", ".join("None" if s < 0 or slots[s] is None else
+                               f"{np.asarray(slots[s]).dtype}{list(np.shape(slots[s]))}" for s in ins.inputs)
+            return ExecutionError(f"while running {ins.node.describe()} on inputs ({shapes}): "
+                                  f"{type(e).__name__}: {e}")
+    return ExecutionError(f"{type(e).__name__}: {e}")
+
+
+def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize: bool = True) -> Program:
+    """Load a .kiln file (or take a Graph) and build its execution plan.
+
+    ``optimize`` runs the pass pipeline first (a no-op on a file exported optimized)."""
+    if device != "cpu":
+        raise KilnError(f"device '{device}' is not available yet: kiln runs on 'cpu' (the CUDA backend is "
+                        "a later stage)")
+    from kiln.serializer.reader import load_graph
+
+    graph = model.copy() if isinstance(model, Graph) else load_graph(model)
+    if optimize:
+        from kiln.ir.passes import optimize as run_optimize
+        run_optimize(graph)
+    return Program(graph)
