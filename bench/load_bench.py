@@ -26,6 +26,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Optional
 
+from results_md import replace_section
+
 LAYERS = 16
 SEED = 0
 SECTION = "## Model file loading (issue 3)"
@@ -341,15 +343,7 @@ def section(rows, env: str, repeat: int, cold_repeat: int) -> str:
 
 def write_results(text: str, path: Path) -> None:
     """Replace this benchmark's section of RESULTS.md (other sections are kept as they are)."""
-    old = path.read_text() if path.exists() else "# kiln benchmark results\n"
-    start = old.find(SECTION)
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        nxt = old.find("\n## ", start + len(SECTION))
-        rest = "" if nxt < 0 else "\n" + old[nxt + 1:]
-        new = old[:start] + text + rest
-    path.write_text(new)
+    replace_section(path, SECTION, text)
 
 
 # ----------------------------------------------------------------------------- main

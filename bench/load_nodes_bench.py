@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from results_md import replace_section
+
 import numpy as np
 
 import kiln
@@ -107,14 +109,7 @@ def write_section(path: Path, table: str) -> None:
             "FlatBuffer structure, decodes it in Python and verifies every node (types, shape inference); "
             "onnx.load parses protobuf in C++ with no graph check; onnxruntime also optimizes the graph.\n\n"
             f"{table}\n")
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    if SECTION in text:
-        start = text.index(SECTION)
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + body + (text[nxt + 1:] if nxt != -1 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + body
-    path.write_text(text)
+    replace_section(path, SECTION, body)
 
 
 if __name__ == "__main__":

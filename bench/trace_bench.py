@@ -30,6 +30,8 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+
+from results_md import replace_section
 from typing import Callable, Optional
 
 import torch
@@ -208,14 +210,7 @@ def write_section(path: Path, body_table: str, goals: str, repeat: int) -> None:
             "fp32, static shapes; the models are `tests/zoo.py`'s `resnet50` and `transformer_encoder` at full size."
             "\n\n"
             f"{body_table}\n\n{goals}\n")
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    if SECTION in text:
-        start = text.index(SECTION)
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + body + (text[nxt + 1:] if nxt != -1 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + body
-    path.write_text(text)
+    replace_section(path, SECTION, body)
 
 
 def main() -> None:

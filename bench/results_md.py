@@ -1,0 +1,20 @@
+"""Shared by the benchmarks: each owns one ``## ...`` section of RESULTS.md and replaces only it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def replace_section(path: Path, title: str, body: str) -> None:
+    """Write ``body`` (which starts with the ``title`` heading) in place of the section ``title``
+    of ``path``, or append it; every other section is kept as it is."""
+    old = path.read_text() if path.exists() else "# kiln benchmark results\n"
+    start = old.find(title)
+    if start < 0:
+        new = old.rstrip("\n") + "\n\n" + body
+    else:
+        nxt = old.find("\n## ", start + len(title))
+        rest = "" if nxt < 0 else "\n" + old[nxt + 1:]
+        new = old[:start] + body.rstrip("\n") + "\n" + rest
+    path.write_text(new)
