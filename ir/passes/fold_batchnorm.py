@@ -78,8 +78,10 @@ def _fold_into_conv(conv: Node, scale: np.ndarray, shift: np.ndarray) -> bool:
     bias = None if bias_value is None else bias_value.const
     if w is None or (bias_value is not None and bias is None) or w.shape[0] != scale.size:
         return False
-    # Output channels are the weight's first axis: [M, C/group, k...].
-    new_w = w.astype(np.float64) * scale.reshape((-1,) + (1,) * (w.ndim - 1))
+    # Output channels are the weight's first axis: [M, C/group, k...]. One pass over the weight
+    # in its own precision (at least float32), with the per-channel scale computed in float64.
+    compute = np.promote_types(w.dtype, np.float32)
+    new_w = w * scale.astype(compute).reshape((-1,) + (1,) * (w.ndim - 1))
     old_b = np.zeros(scale.size) if bias is None else bias.astype(np.float64)
     new_b = old_b * scale + shift
     graph = conv.graph
