@@ -108,6 +108,27 @@ def _run_export(args: argparse.Namespace) -> int:
     return cmd_export(args)
 
 
+# ---------------------------------------------------------------------------- run, bench (runtime/cli.py)
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    from kiln.runtime.cli import add_run_args
+    add_run_args(p)
+
+
+def _run_run(args: argparse.Namespace) -> int:
+    from kiln.runtime.cli import cmd_run
+    return cmd_run(args)
+
+
+def _add_bench_args(p: argparse.ArgumentParser) -> None:
+    from kiln.runtime.cli import add_bench_args
+    add_bench_args(p)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from kiln.runtime.cli import cmd_bench
+    return cmd_bench(args)
+
+
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 COMMANDS: dict[str, Command] = {
     "info": ("print versions, IR/opset versions and which optional backends are installed",
@@ -116,6 +137,10 @@ COMMANDS: dict[str, Command] = {
                 _add_inspect_args, cmd_inspect),
     "export": ("trace a PyTorch model on example inputs and write it as a .kiln file (ONNX output: not yet)",
                _add_export_args, _run_export),
+    "run": ("run a .kiln file on inputs from .npy/.npz/JSON; write outputs to .npz/.npy or print a summary "
+            "(same as python -m kiln.runtime)", _add_run_args, _run_run),
+    "bench": ("time a .kiln file on random inputs (median/p90), optionally per op with --profile",
+              _add_bench_args, _run_bench),
 }
 
 

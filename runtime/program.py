@@ -95,8 +95,9 @@ class Program:
         arrays, bindings = [], {}
         for spec, x in zip(specs, given):
             a = np.asarray(x)
+            earlier = dict(bindings)  # symbols bound by the inputs before this one
             if not spec.type.matches(a, bindings):
-                raise InputError(_mismatch(spec, a, bindings))
+                raise InputError(_mismatch(spec, a, earlier))
             arrays.append(a)
         return arrays
 

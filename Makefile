@@ -1,0 +1,30 @@
+# kiln's main job on a bundled example, from a fresh clone:
+#   make demo      install (.venv with torch), export a model with `kiln export`, run it with
+#                  `kiln run` in a fresh process, check it against torch eager, print both latencies
+# Pick another example: make demo DEMO_MODEL=examples/models.py:MLP DEMO_SHAPE=1x64
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DEMO_DIR ?= build/demo
+DEMO_MODEL ?= examples/models.py:SmallCNN
+DEMO_SHAPE ?= 1x3x32x32
+DEMO_REPEAT ?= 200
+
+.PHONY: demo demo-install
+
+# Installs only what is missing: a .venv that already imports this kiln and torch 2.13 is kept.
+demo-install:
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -c "import kiln, torch; assert torch.__version__.startswith('2.13')" 2>/dev/null \
+		|| $(BIN)/pip install -q -e '.[torch]' torch==2.13.0
+
+demo: demo-install
+	@mkdir -p $(DEMO_DIR)
+	$(BIN)/python examples/demo_check.py prepare --shape $(DEMO_SHAPE) -o $(DEMO_DIR)/x.npy
+	$(BIN)/kiln export $(DEMO_MODEL) -o $(DEMO_DIR)/model.kiln --input x:$(DEMO_SHAPE) --dynamic-batch
+	$(BIN)/kiln run $(DEMO_DIR)/model.kiln --input x=$(DEMO_DIR)/x.npy -o $(DEMO_DIR)/out.npz \
+		--repeat $(DEMO_REPEAT) > $(DEMO_DIR)/run.txt
+	@cat $(DEMO_DIR)/run.txt
+	$(BIN)/python examples/demo_check.py check --model $(DEMO_MODEL) --input $(DEMO_DIR)/x.npy \
+		--output $(DEMO_DIR)/out.npz --kiln-log $(DEMO_DIR)/run.txt

@@ -1,0 +1,63 @@
+"""MatMul and Gemm straight to BLAS.
+
+The references widen narrow floats (and Gemm's integers) and scale by alpha/beta always; here
+float32/float64 go to ``np.matmul`` as they are, transposes stay views (BLAS reads them
+transposed), alpha/beta apply only when they change something, and the bias adds in place
+on the fresh product. Other dtypes keep the reference.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from kiln.runtime.kernels.cpu import kernel, reference_kernel
+
+BLAS_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+def input_dtype(node, i: int = 0) -> np.dtype:
+    """The numpy dtype of input i as typed in the graph."""
+    return np.dtype(node.inputs[i].type.dtype.numpy)
+
+
+def const_input(node, i: int) -> Optional[np.ndarray]:
+    """Input i's constant value (a weight), or None when it is computed or omitted."""
+    if i >= len(node.inputs) or node.inputs[i] is None:
+        return None
+    return node.inputs[i].const
+
+
+@kernel("MatMul")
+def matmul(node, attrs) -> Callable[..., Any]:
+    dt = input_dtype(node)
+    # Integer matmul wraps in the input dtype exactly as the reference does.
+    if dt in BLAS_DTYPES or dt.kind in "iu":
+        return np.matmul
+    return reference_kernel(node, attrs)
+
+
+@kernel("Gemm")
+def gemm(node, attrs) -> Callable[..., Any]:
+    if input_dtype(node) not in BLAS_DTYPES:
+        return reference_kernel(node, attrs)
+    alpha, beta = attrs["alpha"], attrs["beta"]
+    trans_a, trans_b = attrs["transA"], attrs["transB"]
+    b_const = const_input(node, 1)
+    # A constant weight is transposed once: the view is what BLAS reads each run.
+    b_fixed = None if b_const is None else (b_const.T if trans_b else b_const)
+    c_const = const_input(node, 2)
+    c_fixed = None if c_const is None else _scaled_bias(c_const, beta)
+
+    def run(a, b, c=None):
+        y = np.matmul(a.T if trans_a else a, b_fixed if b_fixed is not None else (b.T if trans_b else b))
+        if alpha != 1.0:
+            y *= alpha
+        if c is not None:
+            y += c_fixed if c_fixed is not None else _scaled_bias(c, beta)
+        return y
+    return run
+
+
+def _scaled_bias(c: np.ndarray, beta: float) -> np.ndarray:
+    return c * beta if beta != 1.0 else c

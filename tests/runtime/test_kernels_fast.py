@@ -1,0 +1,166 @@
+"""The fast CPU kernels on the cases the op tests reach only through the reference: constant
+weights (Conv, Gemm, BatchNormalization take their fast paths only then), the conv shapes each
+fast path serves, pooling geometry, and inputs that must come back untouched."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kiln.ir import evaluate
+from kiln.runtime import Program
+from kiln.runtime.kernels import cpu
+from op_harness import build_single, check_backends
+
+RNG = np.random.default_rng(0)
+
+
+def rand(*shape: int, dtype=np.float32) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(dtype)
+
+
+def check_fast(op: str, inputs: list, attrs: dict, const_inputs=(), fast_name: str = "") -> None:
+    """Runtime vs reference on one node, the kernel must be the fast one, inputs unchanged."""
+    g, feeds = build_single(op, inputs, attrs, const_inputs=const_inputs, symbolic_batch=True)
+    kernel = Program(g).plan.instructions[0].kernel
+    assert kernel.__qualname__.split(".")[0] == fast_name, f"{op} ran {kernel.__qualname__}"
+    before = [f.copy() for f in feeds]
+    check_backends(g, feeds, evaluate(g, feeds))
+    for f, b in zip(feeds, before):
+        np.testing.assert_array_equal(f, b)
+
+
+CONVS = [  # (x shape, w shape, attrs, fast path)
+    ((2, 8, 9, 9), (6, 8, 1, 1), {}, "_pointwise"),
+    ((2, 8, 9, 9), (6, 8, 1, 1), {"strides": [2, 2]}, "_pointwise"),
+    ((1, 3, 17, 17), (4, 3, 7, 7), {"strides": [2, 2], "pads": [3, 3, 3, 3]}, "_im2col"),
+    ((2, 6, 10, 8), (4, 3, 3, 3), {"group": 2, "dilations": [2, 1], "pads": [1, 0, 2, 1]}, "_im2col"),
+    ((1, 4, 7, 7), (4, 4, 3, 3), {"auto_pad": "SAME_UPPER", "strides": [2, 2]}, "_im2col"),
+    ((2, 8, 9, 9), (8, 1, 3, 3), {"group": 8, "pads": [1, 1, 1, 1]}, "_depthwise"),
+    ((1, 6, 11, 11), (6, 1, 5, 5), {"group": 6, "strides": [2, 2], "auto_pad": "SAME_LOWER"}, "_depthwise"),
+    ((1, 4, 8, 8), (8, 1, 3, 3), {"group": 4}, "_im2col"),  # depth multiplier 2
+]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs,path", CONVS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv_fast_paths(x_shape, w_shape, attrs, path, bias):
+    inputs = [rand(*x_shape), rand(*w_shape)] + ([rand(w_shape[0])] if bias else [])
+    g, feeds = build_single("Conv", inputs, attrs, const_inputs=(1, 2), symbolic_batch=True)
+    run = Program(g).plan.instructions[0].kernel
+    # The path is the closure the factory chose: it is named in the kernel's free variables.
+    body = dict(zip(run.__code__.co_freevars, (c.cell_contents for c in run.__closure__)))["body"]
+    assert body.__qualname__.split(".")[0] == path
+    check_backends(g, feeds, evaluate(g, feeds))
+
+
+@pytest.mark.parametrize("trans_a,trans_b,alpha,beta", [(0, 0, 1.0, 1.0), (1, 1, 0.5, 2.0), (0, 1, 1.0, 0.0)])
+@pytest.mark.parametrize("const", [(), (1, 2)])
+def test_gemm(trans_a, trans_b, alpha, beta, const):
+    a = rand(5, 3) if trans_a else rand(3, 5)
+    b = rand(4, 5) if trans_b else rand(5, 4)
+    attrs = {"transA": trans_a, "transB": trans_b, "alpha": alpha, "beta": beta}
+    check_fast("Gemm", [a, b, rand(4)], attrs, const_inputs=const, fast_name="gemm")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64])
+def test_matmul_batched(dtype):
+    check_fast("MatMul", [rand(2, 3, 4, 5).astype(dtype), rand(5, 6).astype(dtype)], {}, const_inputs=(1,),
+               fast_name="matmul")
+
+
+def test_matmul_narrow_float_keeps_reference():
+    g, _ = build_single("MatMul", [rand(2, 3, dtype=np.float16), rand(3, 2, dtype=np.float16)])
+    assert Program(g).plan.instructions[0].kernel.__qualname__.startswith("reference_kernel")
+
+
+POOLS = [
+    ("MaxPool", {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ("MaxPool", {"kernel_shape": [2, 3], "ceil_mode": 1, "strides": [2, 2], "dilations": [2, 1]}),
+    ("AveragePool", {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "count_include_pad": 1}),
+    ("AveragePool", {"kernel_shape": [3, 2], "pads": [1, 0, 1, 1], "ceil_mode": 1, "strides": [2, 2]}),
+    ("AveragePool", {"kernel_shape": [2, 2], "strides": [2, 2]}),
+    ("GlobalAveragePool", {}),
+]
+
+
+@pytest.mark.parametrize("op,attrs", POOLS)
+def test_pools(op, attrs):
+    fast = {"MaxPool": "max_pool", "AveragePool": "average_pool", "GlobalAveragePool": "global_average_pool"}
+    check_fast(op, [rand(2, 3, 9, 8)], attrs, fast_name=fast[op])
+
+
+def test_max_pool_int8():
+    x = RNG.integers(-128, 127, (1, 2, 6, 6)).astype(np.int8)
+    check_fast("MaxPool", [x], {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}, fast_name="max_pool")
+
+
+def test_batch_norm_constant_stats_fold():
+    stats = [rand(4), rand(4), rand(4), np.abs(rand(4)) + 0.5]
+    check_fast("BatchNormalization", [rand(2, 4, 3, 3)] + stats, {}, const_inputs=(1, 2, 3, 4),
+               fast_name="batch_norm")
+
+
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_layer_norm_with_stats(axis):
+    g, feeds = build_single("LayerNormalization", [rand(2, 3, 8), rand(8), rand(8)], {"axis": -1},
+                            num_outputs=3, symbolic_batch=True)
+    check_backends(g, feeds, evaluate(g, feeds))
+    check_fast("LayerNormalization", [rand(2, 3, 8), rand(*((3, 8) if axis == 1 else (8,)))], {"axis": axis},
+               fast_name="layer_norm")
+
+
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
+def test_softmax_extreme_values(op):
+    x = np.array([[1e30, -1e30, 0.0], [-50.0, 80.0, 100.0]], np.float32)
+    check_fast(op, [x], {"axis": 1}, fast_name=op.lower().replace("logsoftmax", "log_softmax"))
+
+
+@pytest.mark.parametrize("op,attrs", [("Gelu", {}), ("Gelu", {"approximate": "tanh"}), ("Erf", {}),
+                                      ("Sigmoid", {}), ("Tanh", {}), ("HardSwish", {}), ("HardSigmoid", {})])
+def test_activations_over_wide_range(op, attrs):
+    x = np.concatenate([np.linspace(-12, 12, 4001), [-1e4, -100, 1e-8, -1e-8, 0, 100, 1e4]]).astype(np.float32)
+    g, feeds = build_single(op, [x.reshape(1, -1)], attrs)
+    check_backends(g, feeds, evaluate(g, feeds))
+
+
+def test_every_fast_kernel_is_registered_once():
+    expected = {"MatMul", "Gemm", "Conv", "MaxPool", "AveragePool", "GlobalAveragePool", "BatchNormalization",
+                "LayerNormalization", "Softmax", "LogSoftmax", "Gelu", "Erf", "Sigmoid", "Tanh", "HardSwish",
+                "HardSigmoid"}
+    assert expected <= {op for _, op in cpu.KERNELS}
+
+
+def _one_node_program(op: str, inputs: list, attrs: dict, const_inputs=()) -> tuple:
+    g, feeds = build_single(op, inputs, attrs, const_inputs=const_inputs)
+    return Program(g), feeds
+
+
+@pytest.mark.parametrize("op,inputs,attrs", [
+    ("Reshape", [rand(2, 3, 4), np.array([6, -1], np.int64)], {}),
+    ("Squeeze", [rand(2, 1, 4), np.array([1], np.int64)], {}),
+    ("Unsqueeze", [rand(2, 4), np.array([0, -1], np.int64)], {}),
+    ("Gather", [rand(3, 4, 5), np.array(-2, np.int64)], {"axis": 1}),
+])
+def test_shape_ops_are_views(op, inputs, attrs):
+    prog, feeds = _one_node_program(op, inputs, attrs, const_inputs=(1,))
+    out = prog.plan.instructions[0].kernel(feeds[0], None)
+    assert np.shares_memory(out, feeds[0])
+    want = evaluate(prog.graph, feeds)[0]
+    assert out.dtype == want.dtype and out.shape == want.shape
+    np.testing.assert_array_equal(out, want)
+
+
+def test_gather_scalar_index_of_a_vector_is_a_0d_array():
+    prog, feeds = _one_node_program("Gather", [np.arange(4, dtype=np.int64), np.array(3, np.int64)], {},
+                                    const_inputs=(1,))
+    out = prog.plan.instructions[0].kernel(feeds[0], None)
+    assert isinstance(out, np.ndarray) and out.shape == () and out == 3
+    with pytest.raises(Exception, match="out of range"):
+        _one_node_program("Gather", [np.arange(2, dtype=np.int64), np.array(3, np.int64)], {},
+                          const_inputs=(1,))[0].run([np.arange(2, dtype=np.int64)])
+
+
+def test_transpose_of_a_constant_is_made_once():
+    g, _ = build_single("Transpose", [rand(3, 4)], {"perm": [1, 0]}, const_inputs=(0,))
+    kern = Program(g).plan.instructions[0].kernel
+    assert kern(None) is kern(None)
