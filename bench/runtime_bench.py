@@ -5,8 +5,8 @@ Models (bench/runtime_models.py, random weights): MLP 784-512-512-10, ResNet-18 
 Per model: kiln.trace(dynamic_batch=True) + kiln.save, then kiln.load; torch.onnx.export
 (legacy exporter, dynamic batch axis) into onnxruntime (intra_op_num_threads=2); torch eager
 under inference_mode with torch.set_num_threads(2). numpy's OpenBLAS gets 2 threads
-(OPENBLAS_NUM_THREADS, set before numpy loads). Each cell: 2 untimed warm-up runs, then the
-median of --repeat runs (fewer when a cell passes --budget seconds, at least 3).
+(OPENBLAS_NUM_THREADS, set before numpy loads). Each cell: the median of --repeat runs after a
+warm-up (fewer when a cell passes --budget seconds), timed in rounds of blocks per runtime.
 
 Also: interpreter overhead (a 1000-node chain of tiny elementwise ops on a [1,8] tensor: kiln
 per node, numpy's own cost of the same ufunc calls, onnxruntime per node on the same chain built
@@ -24,7 +24,6 @@ THREADS = 2
 os.environ["OPENBLAS_NUM_THREADS"] = str(THREADS)  # numpy's BLAS reads it when numpy loads
 
 import argparse  # noqa: E402
-import dataclasses  # noqa: E402
 import datetime  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
@@ -48,17 +47,19 @@ import kiln  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "runtime"))
+from results_md import RESULTS, replace_section  # noqa: E402
 from runtime_models import MODELS, resnet50  # noqa: E402
-from test_memory import live_bytes  # noqa: E402  (the measurement the memory test checks)
+from test_memory import live_bytes, without_release  # noqa: E402  (the memory test's measurement)
 
 SECTION = "## CPU runtime (issue 5)"
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+ROUNDS = 3
+PAUSE = 0.25  # seconds between blocks, for the last runtime's spinning threads to go to sleep
 
 
 # ---------------------------------------------------------------------------- timing
-def measure(fn: Callable[[], object], repeat: int, budget: float, warmup: int = 2) -> list[float]:
+def measure(fn: Callable[[], object], repeat: int, budget: float, warmup: int = 2, least: int = 3) -> list[float]:
     """Seconds per call: ``warmup`` untimed calls (one when a call takes over a second), then up
-    to ``repeat`` timed ones, stopping early once ``budget`` seconds are spent (after at least 3)."""
+    to ``repeat`` timed ones, stopping early once ``budget`` seconds are spent (after ``least``)."""
     for _ in range(warmup):
         t = time.perf_counter()
         fn()
@@ -66,10 +67,25 @@ def measure(fn: Callable[[], object], repeat: int, budget: float, warmup: int = 
             break
     times: list[float] = []
     start = time.perf_counter()
-    while len(times) < repeat and (len(times) < 3 or time.perf_counter() - start < budget):
+    while len(times) < repeat and (len(times) < least or time.perf_counter() - start < budget):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
+    return times
+
+
+def measure_rounds(fns: dict, repeat: int, budget: float) -> dict:
+    """Time each runtime in ROUNDS blocks, alternating (kiln, ORT, torch, kiln, ...): a block
+    keeps one runtime's thread pool hot, and the rounds spread load from elsewhere on the
+    machine over all of them. The pause between blocks matters on 2 cores: onnxruntime's spinning
+    workers made the next torch block 30x slower in some runs. The first block warms up; later ones only for fast calls."""
+    times: dict = {name: [] for name in fns}
+    for r in range(ROUNDS):
+        for name, fn in fns.items():
+            slow = bool(times[name]) and statistics.median(times[name]) > 1.0
+            time.sleep(PAUSE)
+            times[name] += measure(fn, math.ceil(repeat / ROUNDS), budget / ROUNDS,
+                                   warmup=2 if r == 0 else int(not slow), least=1)
     return times
 
 
@@ -111,10 +127,10 @@ def bench_model(key: str, batches: list[int], repeat: int, budget: float, folder
         got = program.run([x], as_list=True)[0]
         row = {"model": MODELS[key].label, "batch": batch,
                "err": float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))}
-        row["kiln"] = measure(lambda: program.run([x]), repeat, budget)
-        row["ort"] = measure(lambda: session.run(None, {"x": x}), repeat, budget)
-        with torch.inference_mode():
-            row["torch"] = measure(lambda: model(xt), repeat, budget)
+        fns = {"kiln": lambda: program.run([x]), "ort": lambda: session.run(None, {"x": x}),
+               "torch": lambda: model(xt)}
+        with torch.inference_mode():  # entered once: its cost stays out of torch's timings
+            row.update(measure_rounds(fns, repeat, budget))
         print(_console(row), flush=True)
         rows.append(row)
     return rows
@@ -191,6 +207,7 @@ def interpreter_overhead(nodes: int, repeat: int, folder: Path) -> dict:
     result = {"nodes": nodes, "kiln_nodes": len(program.plan.instructions), "ort_nodes": ort_nodes}
     for name, fn in (("kiln", lambda: program.run([x])), ("numpy", lambda: numpy_chain(x, pairs)),
                      ("ort", lambda: session.run(None, {"x": x}))):
+        time.sleep(PAUSE)
         result[name] = statistics.median(measure(fn, repeat * 5, 10.0, warmup=5)) / nodes * 1e6
     print(f"chain of {nodes}: kiln {result['kiln']:.2f} us/node, numpy {result['numpy']:.2f} us/call, "
           f"ORT {result['ort']:.2f} us/node", flush=True)
@@ -198,18 +215,20 @@ def interpreter_overhead(nodes: int, repeat: int, folder: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------- cold start
-KILN_COLD = ("import time; t0 = time.perf_counter()\nimport numpy as np, kiln\n"
-             "p = kiln.load({model!r}); y = p.run([np.load({x!r})], as_list=True)[0]\n"
-             "print(time.perf_counter() - t0)")
-ORT_COLD = ("import time; t0 = time.perf_counter()\nimport numpy as np, onnxruntime as ort\n"
+# Each prints the seconds spent importing, loading and running once.
+KILN_COLD = ("import time; t0 = time.perf_counter()\nimport numpy as np, kiln\nt1 = time.perf_counter()\n"
+             "p = kiln.load({model!r}); x = np.load({x!r}); t2 = time.perf_counter()\n"
+             "y = p.run([x], as_list=True)[0]; t3 = time.perf_counter()\nprint(t1 - t0, t2 - t1, t3 - t2)")
+ORT_COLD = ("import time; t0 = time.perf_counter()\nimport numpy as np, onnxruntime as ort\nt1 = time.perf_counter()\n"
             "so = ort.SessionOptions(); so.intra_op_num_threads = {threads}; so.inter_op_num_threads = 1\n"
             "s = ort.InferenceSession({model!r}, so, providers=['CPUExecutionProvider'])\n"
-            "y = s.run(None, {{'x': np.load({x!r})}})[0]\nprint(time.perf_counter() - t0)")
+            "x = np.load({x!r}); t2 = time.perf_counter()\n"
+            "y = s.run(None, {{'x': x}})[0]; t3 = time.perf_counter()\nprint(t1 - t0, t2 - t1, t3 - t2)")
 
 
 def cold_start(folder: Path, runs: int = 5) -> dict:
-    """Median seconds of a fresh process (whole process, and from before the imports to the
-    first output) for kiln and onnxruntime on the ResNet-18 files."""
+    """Per runtime, median seconds of a fresh process on the ResNet-18 file: (whole process,
+    import, load, first run)."""
     if not (folder / "resnet18.kiln").exists():
         export_model("resnet18", folder)
     x_path = folder / "x.npy"
@@ -218,15 +237,15 @@ def cold_start(folder: Path, runs: int = 5) -> dict:
                "ort": ORT_COLD.format(model=str(folder / "resnet18.onnx"), x=str(x_path), threads=THREADS)}
     result: dict = {"runs": runs}
     for name, code in scripts.items():
-        walls, inner = [], []
+        samples = []
         for _ in range(runs):
+            time.sleep(PAUSE)
             t = time.perf_counter()
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-            walls.append(time.perf_counter() - t)
-            inner.append(float(out.stdout.split()[-1]))
-        result[name] = (statistics.median(walls), statistics.median(inner))
-        print(f"cold start {name}: process {result[name][0] * 1e3:.0f} ms, import+load+run "
-              f"{result[name][1] * 1e3:.0f} ms", flush=True)
+            samples.append((time.perf_counter() - t, *map(float, out.stdout.split()[-3:])))
+        result[name] = tuple(statistics.median(col) for col in zip(*samples))
+        print(f"cold start {name}: process {result[name][0] * 1e3:.0f} ms (import, load, run: "
+              + ", ".join(f"{v * 1e3:.0f}" for v in result[name][1:]) + " ms)", flush=True)
     return result
 
 
@@ -250,15 +269,6 @@ def memory(folder: Path) -> dict:
     print(f"ResNet-50 memory: live peak {peak / 2 ** 20:.1f} MiB vs keep-all {keep_all / 2 ** 20:.1f} MiB; "
           f"heap peak {result['heap'] / 2 ** 20:.1f} MiB vs {result['heap_keep_all'] / 2 ** 20:.1f} MiB", flush=True)
     return result
-
-
-def without_release(program: kiln.Program) -> kiln.Program:
-    """A shallow copy of ``program`` whose plan releases nothing (every intermediate kept)."""
-    keeper = kiln.Program.__new__(kiln.Program)
-    keeper.__dict__.update(program.__dict__)
-    keeper.plan = dataclasses.replace(program.plan, instructions=[
-        dataclasses.replace(i, release=()) for i in program.plan.instructions])
-    return keeper
 
 
 # ---------------------------------------------------------------------------- report
@@ -291,11 +301,11 @@ def overhead_text(o: dict) -> str:
 
 
 def cold_text(c: dict) -> str:
-    (kw, ki), (ow, oi) = c["kiln"], c["ort"]
-    return (f"Cold start, ResNet-18 1x3x224x224, median of {c['runs']} fresh processes (`python -c`: import, load the "
-            f"file, run once): kiln {kw * 1e3:.0f} ms for the whole process ({ki * 1e3:.0f} ms from before "
-            f"`import kiln` to the first output); onnxruntime {ow * 1e3:.0f} ms ({oi * 1e3:.0f} ms); "
-            f"kiln/ORT {kw / ow:.2f}.")
+    def parts(v: tuple) -> str:
+        return f"{v[0] * 1e3:.0f} ms (import {v[1] * 1e3:.0f}, load {v[2] * 1e3:.0f}, first run {v[3] * 1e3:.0f})"
+    return (f"Cold start, ResNet-18 1x3x224x224, median of {c['runs']} fresh processes (`python -c`: import, "
+            f"load the file, run once; whole process, then its parts): kiln {parts(c['kiln'])}; onnxruntime "
+            f"{parts(c['ort'])}; kiln/ORT {c['kiln'][0] / c['ort'][0]:.2f}.")
 
 
 def memory_text(m: dict) -> str:
@@ -343,22 +353,13 @@ def machine() -> str:
             f"threads); {date}")
 
 
-def write_section(path: Path, body: str) -> None:
-    text = path.read_text() if path.exists() else "# kiln benchmark results\n"
-    if SECTION in text:
-        start = text.index(SECTION)
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + body + (text[nxt:] if nxt != -1 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + body
-    path.write_text(text)
-
-
 def report(args: argparse.Namespace, rows: list, over: dict | None, cold: dict | None, mem: dict | None) -> str:
     parts = [SECTION, "",
-             f"One process per benchmark, `bench/runtime_bench.py`; {machine()}. Each cell: 2 untimed warm-up "
-             f"runs, then the median of up to {args.repeat} runs (fewer once a cell passes {args.budget:g} s, at "
-             "least 3). kiln: `kiln.trace(dynamic_batch=True)` + `kiln.save`, then `kiln.load(path).run`; "
+             f"`bench/runtime_bench.py`, one process (cold start: fresh ones); {machine()}. Each cell: the median of up to "
+             f"{ROUNDS * math.ceil(args.repeat / ROUNDS)} runs after a warm-up (fewer once a cell passes {args.budget:g} s, at least {ROUNDS}), "
+             f"timed in {ROUNDS} rounds of blocks (kiln, ORT, torch, kiln, ...) so that load from elsewhere hits "
+             f"each alike, {PAUSE:g} s apart (without the pause, thread pools still spinning from the last block "
+             "slowed the next one up to 30x on 2 cores). kiln: `kiln.trace(dynamic_batch=True)` + `kiln.save`, then `kiln.load(path).run`; "
              "onnxruntime: `torch.onnx.export(dynamo=False)` with a dynamic batch axis, CPU provider, "
              "`intra_op_num_threads=2`; torch: eager under `torch.inference_mode()`, `torch.set_num_threads(2)`. "
              "Models in `bench/runtime_models.py` (random weights, fp32)."]
@@ -377,7 +378,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)} "
                     "('' for none)")
     ap.add_argument("--batches", default="1,32", help="comma-separated batch sizes")
-    ap.add_argument("--repeat", type=int, default=20, help="timed runs per cell (at most)")
+    ap.add_argument("--repeat", type=int, default=21, help="timed runs per cell (at most; rounded up to a multiple "
+                    f"of {ROUNDS})")
     ap.add_argument("--budget", type=float, default=15.0, help="seconds per cell before stopping early")
     ap.add_argument("--nodes", type=int, default=1000, help="length of the interpreter-overhead chain (0: skip)")
     ap.add_argument("--cold", type=int, default=5, help="fresh processes per cold-start measurement (0: skip)")
@@ -390,11 +392,15 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown models {unknown}; choose from {', '.join(MODELS)}")
     batches = [int(b) for b in args.batches.split(",") if b]
-    rows, over, cold, mem = [], None, None, None
+    rows, over, cold, mem, failed = [], None, None, None, []
     with tempfile.TemporaryDirectory() as d:
         folder = Path(d)
         for key in keys:
-            rows += bench_model(key, batches, args.repeat, args.budget, folder)
+            try:
+                rows += bench_model(key, batches, args.repeat, args.budget, folder)
+            except Exception as e:  # noqa: BLE001 - one failing model must not lose the others' rows
+                failed.append(f"{MODELS[key].label}: {type(e).__name__}: {e}")
+                print(f"FAILED {failed[-1]}", flush=True)
         if args.nodes:
             over = interpreter_overhead(args.nodes, args.repeat, folder)
         if args.cold:
@@ -402,9 +408,11 @@ def main() -> None:
         if args.memory:
             mem = memory(folder)
     text = report(args, rows, over, cold, mem)
+    if failed:
+        text += "\nNot measured (the run failed):\n" + "\n".join(f"- {f}" for f in failed) + "\n"
     print("\n" + text)
     if args.results != "-":
-        write_section(Path(args.results), text)
+        replace_section(Path(args.results), SECTION, text)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ benchmark (bench/runtime_bench.py --memory) uses it on the full-size ResNet-50.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,15 @@ def live_bytes(program: Program, inputs: list) -> tuple[int, int]:
     return peak, _nbytes(every)
 
 
+def without_release(program: Program) -> Program:
+    """A shallow copy of ``program`` whose plan releases nothing (every intermediate kept)."""
+    keeper = Program.__new__(Program)
+    keeper.__dict__.update(program.__dict__)
+    keeper.plan = dataclasses.replace(program.plan, instructions=[
+        dataclasses.replace(i, release=()) for i in program.plan.instructions])
+    return keeper
+
+
 @pytest.fixture(scope="module")
 def resnet():
     torch = pytest.importorskip("torch")
@@ -80,12 +90,6 @@ def test_values_are_released_after_their_last_use(resnet):
 
 def test_without_release_lists_everything_stays(resnet):
     # The measurement itself must see the difference: a plan with no releases peaks at keep-all.
-    import dataclasses
-
     program, x, _ = resnet
-    keeper = Program.__new__(Program)
-    keeper.__dict__.update(program.__dict__)
-    keeper.plan = dataclasses.replace(program.plan, instructions=[
-        dataclasses.replace(i, release=()) for i in program.plan.instructions])
-    peak, keep_all = live_bytes(keeper, [x])
+    peak, keep_all = live_bytes(without_release(program), [x])
     assert peak == keep_all
