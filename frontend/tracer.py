@@ -218,7 +218,7 @@ class Tracer(TorchFunctionMode):
                 not isinstance(g, int) or g == w for g, w in zip(got.shape, want.shape))))
         if not ok:
             raise KilnError(f"{self.where()}: kiln's mapping of '{op_name(func)}' gives {got}, "
-                            f"torch gives {want} (a bug in kiln/frontend/torch_ops.py)")
+                            f"torch gives {want} (a bug in the mapping table, kiln/frontend/torch_ops/)")
 
     def data_dependent(self, func: Callable, args: Sequence) -> None:
         t = args[0] if args and isinstance(args[0], torch.Tensor) else None
