@@ -1,10 +1,16 @@
 """Conv: 2-D convolutions as GEMMs over an im2col buffer, 1x1 convs as one GEMM on a view,
-depthwise convs as a sum over kernel taps of shifted views times per-channel weights.
+depthwise convs as a sum over kernel taps of shifted slices times per-channel weights.
+
+The im2col is built from contiguous slices, not 2-D strided windows: the input is zero-padded
+into a reused buffer (no np.pad), split into stride phases, and flattened row by row, so each
+kernel tap's block is one flat slice (see phase_geometry). Columns are made one sample at a
+time so the buffer stays a few MB at any batch size.
 
 Weights are constants in a loaded model, so their GEMM layout ([group, M/g, C/g*kh*kw]) is made
 once in the factory. Anything else (1-D/3-D, narrow floats, computed weights) runs the
 reference. float32 products go through BLAS in float32, as the reference does.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -27,13 +33,16 @@ def conv(node, attrs) -> Callable[..., Any]:
                          dilations=attrs["dilations"], pads=attrs["pads"], auto_pad=attrs["auto_pad"])
     group = attrs["group"]
     m = w.shape[0]
-    bias_col = None if bias is None else bias.reshape(m, 1)
+    # _im2col and _depthwise add the bias while copying their result out; _pointwise's GEMM
+    # writes the result directly, so the bias is one more pass here.
+    bias_col = None
     if group == m and w.shape[1] == 1 and group > 1:
-        body = _depthwise(w, window)
+        body = _depthwise(w, window, bias)
     elif w.shape[2:] == (1, 1) and group == 1 and window.pads == (0,) * 4 and window.auto_pad == "NOTSET":
         body = _pointwise(w, window)
+        bias_col = None if bias is None else bias.reshape(m, 1)
     else:
-        body = _im2col(w, window, group)
+        body = _im2col(w, window, group, bias)
 
     def run(x, w_unused, b_unused=None):
         y = body(x)  # fresh [N, M, OH, OW]
@@ -42,17 +51,6 @@ def conv(node, attrs) -> Callable[..., Any]:
             y3 += bias_col
         return y
     return run
-
-
-def _padded(x: np.ndarray, window, fill: float = 0) -> tuple:
-    """(x padded as the window asks, output spatial sizes); np.pad only when pads are non-zero."""
-    sizes = x.shape[2:]
-    begin, end, reach = static_pads(window, sizes)
-    out = window_out_shape(window, sizes)
-    if any(begin) or any(reach):
-        widths = [(0, 0), (0, 0)] + list(zip(begin, reach))
-        x = np.pad(x, widths, constant_values=fill)
-    return x, out
 
 
 def tap_view(xp: np.ndarray, window, tap: tuple, out: list) -> np.ndarray:
@@ -73,34 +71,140 @@ def _pointwise(w: np.ndarray, window) -> Callable:
     return run
 
 
-def _im2col(w: np.ndarray, window, group: int) -> Callable:
+# Column buffers are built for a chunk of samples at a time: enough columns for an efficient
+# GEMM (small late-stage maps batch several samples into one product) but at most COLS_BYTES,
+# so the buffer stays in cache-sized pieces at any batch size.
+MIN_COLS = 1024
+COLS_BYTES = 8 << 20
+
+
+def _chunk(n: int, k: int, span: int, itemsize: int) -> int:
+    span = max(1, span)   # an empty output map still makes one chunk
+    fit = COLS_BYTES // max(1, k * span * itemsize)
+    return max(1, min(n, -(-MIN_COLS // span), fit))
+
+
+def _bias_or_zero(bias, m: int, dtype) -> np.ndarray:
+    """The bias as [M, 1, 1] (zeros without one): added while the GEMM result is copied out."""
+    return np.zeros((m, 1, 1), dtype) if bias is None else bias.reshape(m, 1, 1).astype(dtype)
+
+
+def _im2col(w: np.ndarray, window, group: int, bias) -> Callable:
     m, c_g, kh, kw = w.shape
-    wg = np.ascontiguousarray(w.reshape(group, m // group, c_g * kh * kw))
-    taps = [(i, j) for i in range(kh) for j in range(kw)]
+    k = c_g * kh * kw
+    wg = np.ascontiguousarray(w.reshape(group, m // group, k))
+    bias3 = _bias_or_zero(bias, m, w.dtype)
 
     def run(x):
-        xp, out = _padded(x, window)
-        n, c = x.shape[:2]
-        # Columns laid out [N, C, kh, kw, OH, OW]: per group a [C/g*kh*kw, OH*OW] matrix, no transpose.
-        cols = np.empty((n, c, kh, kw, out[0], out[1]), x.dtype)
-        for i, j in taps:
-            cols[:, :, i, j] = tap_view(xp, window, (i, j), out)
-        y = np.matmul(wg, cols.reshape(n, group, c_g * kh * kw, out[0] * out[1]))
-        return y.reshape(n, m, out[0], out[1])
-    return run
-
-
-def _depthwise(w: np.ndarray, window) -> Callable:
-    c, _, kh, kw = w.shape
-    per_tap = [(i, j, np.ascontiguousarray(w[:, 0, i, j]).reshape(c, 1, 1)) for i in range(kh) for j in range(kw)]
-
-    def run(x):
-        xp, out = _padded(x, window)
-        first_i, first_j, first_w = per_tap[0]
-        y = np.multiply(tap_view(xp, window, (first_i, first_j), out), first_w)
-        tmp = np.empty_like(y)
-        for i, j, wt in per_tap[1:]:
-            np.multiply(tap_view(xp, window, (i, j), out), wt, out=tmp)
-            y += tmp
+        n, c, h, wd = x.shape
+        begin, out, hq, wq = phase_geometry(window, (h, wd), (kh, kw))
+        # Flat slices compute wq - OW garbage columns per row; where that waste is large
+        # (small maps) copy exact [OH, OW] windows instead.
+        exact = (wq - out[1]) * 8 > out[1]
+        span = out[0] * (out[1] if exact else wq)
+        chunk = _chunk(n, k * group, span, x.dtype.itemsize)
+        sh, sw = window.strides
+        taps = tap_offsets(window, (kh, kw), wq)
+        buf = np.zeros((chunk, c, sh * hq, sw * wq), x.dtype)   # borders stay zero across chunks
+        y = np.empty((n, m, out[0], out[1]), x.dtype)
+        for start in range(0, n, chunk):
+            part = x[start:start + chunk]
+            size = part.shape[0]
+            phases = fill_phases(buf[:size], part, begin, (sh, sw), hq, wq)
+            cols = _columns(phases, taps, out, wq, exact)     # [C*kh*kw, size*span]
+            acc = np.matmul(wg, cols.reshape(group, k, size * span))
+            acc = acc.reshape(m, size, out[0], -1)[:, :, :, :out[1]]
+            # One pass: the copy out to NCHW adds the bias.
+            np.add(acc.transpose(1, 0, 2, 3), bias3, out=y[start:start + size])
         return y
     return run
+
+
+def _columns(phases: np.ndarray, taps: list, out: list, wq: int, exact: bool) -> np.ndarray:
+    """im2col of a chunk: rows ordered (c, i, j) like the weights, columns (sample, position)."""
+    _, _, size, c, flat = phases.shape
+    oh, ow = out
+    width = ow if exact else wq
+    cols = np.empty((c, len(taps), size, oh * width), phases.dtype)
+    for t, (a, b, off) in enumerate(taps):
+        src = phases[a, b].transpose(1, 0, 2)                 # [C, size, hq*wq]
+        if exact:
+            row, col = divmod(off, wq)
+            grid = src.reshape(c, size, flat // wq, wq)[:, :, row:row + oh, col:col + ow]
+            cols[:, t].reshape(c, size, oh, ow)[...] = grid
+        else:
+            cols[:, t] = src[:, :, off:off + oh * wq]
+    return cols
+
+
+def _depthwise(w: np.ndarray, window, bias) -> Callable:
+    c, _, kh, kw = w.shape
+    bias3 = _bias_or_zero(bias, c, w.dtype)
+    weights = [np.ascontiguousarray(w[:, 0, i, j]).reshape(c, 1) for i in range(kh) for j in range(kw)]
+
+    def run(x):
+        n, _, h, wd = x.shape
+        begin, out, hq, wq = phase_geometry(window, (h, wd), (kh, kw))
+        taps = tap_offsets(window, (kh, kw), wq)
+        span = out[0] * wq
+        sh, sw = window.strides
+        buf = np.zeros((c, sh * hq, sw * wq), x.dtype)
+        acc = np.empty((c, span), x.dtype)
+        tmp = np.empty_like(acc)
+        y = np.empty((n, c, out[0], out[1]), x.dtype)
+        for s in range(n):
+            # Per sample: the accumulator stays in cache across the taps.
+            phases = fill_phases(buf, x[s], begin, (sh, sw), hq, wq)
+            a, b, off = taps[0]
+            np.multiply(phases[a, b, :, off:off + span], weights[0], out=acc)
+            for (a, b, off), wt in zip(taps[1:], weights[1:]):
+                np.multiply(phases[a, b, :, off:off + span], wt, out=tmp)
+                acc += tmp
+            np.add(acc.reshape(c, out[0], wq)[:, :, :out[1]], bias3, out=y[s])
+        return y
+    return run
+
+
+def phase_geometry(window, sizes: tuple, kernel: tuple) -> tuple:
+    """Sizes of the zero-padded per-phase images the shifted-slice im2col reads.
+
+    A tap (i, j) of a stride-s conv reads input row oh*s + i*d: in the phase image of rows
+    congruent to (i*d) % s, that is row oh + (i*d) // s. So after splitting the padded input
+    into s*s phases, every tap is a stride-1 shift, and over a phase flattened row by row with
+    row length wq, a tap's whole [OH, wq] input block is one contiguous slice (the columns past
+    OW in each row are garbage the caller drops). Returns (begin pads, out, hq, wq).
+    """
+    begin, _, _ = static_pads(window, sizes)
+    out = window_out_shape(window, sizes)
+    shift = [((k - 1) * d) // s for k, d, s in zip(kernel, window.dilations, window.strides)]
+    # One spare row: the last tap's flat slice runs up to shift_col elements past its block.
+    hq = out[0] + shift[0] + 1
+    wq = out[1] + shift[1]
+    return begin, out, hq, wq
+
+
+def tap_offsets(window, kernel: tuple, wq: int) -> list:
+    """Per tap (row-major), (phase row, phase col, flat offset into that phase image)."""
+    (sh, sw), (dh, dw) = window.strides, window.dilations
+    taps = []
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            taps.append(((i * dh) % sh, (j * dw) % sw, ((i * dh) // sh) * wq + (j * dw) // sw))
+    return taps
+
+
+def fill_phases(buf: np.ndarray, x: np.ndarray, begin: list, strides: tuple, hq: int, wq: int) -> np.ndarray:
+    """Write ``x`` ([..., H, W]) into the zeroed ``buf`` ([..., sh*hq, sw*wq]) at the begin pads
+    and return the phase images [sh, sw, ..., hq*wq] (a view when the strides are 1)."""
+    sh, sw = strides
+    top, left = begin
+    rows = max(0, min(x.shape[-2], buf.shape[-2] - top))   # input rows no window reaches are skipped
+    cols = max(0, min(x.shape[-1], buf.shape[-1] - left))
+    buf[..., top:top + rows, left:left + cols] = x[..., :rows, :cols]
+    lead = buf.shape[:-2]
+    if (sh, sw) == (1, 1):
+        return buf.reshape((1, 1) + lead + (hq * wq,))
+    split = buf.reshape(lead + (hq, sh, wq, sw))
+    nd = len(lead)
+    order = (nd + 1, nd + 3) + tuple(range(nd)) + (nd, nd + 2)
+    return np.ascontiguousarray(split.transpose(order)).reshape((sh, sw) + lead + (hq * wq,))

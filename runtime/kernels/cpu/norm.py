@@ -42,6 +42,8 @@ def layer_norm(node, attrs) -> Callable[..., Any]:
     stats_wanted = len(node.outputs) > 1
 
     def run(x, scale, b=None):
+        if _blockable(x, attrs["axis"], scale, b) and not stats_wanted:
+            return _by_row_blocks(x, lambda rows, out: _layer_norm_rows(rows, scale, b, eps, out))
         axes = tuple(range(normalize_axis(attrs["axis"], x.ndim), x.ndim))
         mean = x.mean(axis=axes, keepdims=True)
         d = x - mean
@@ -58,6 +60,45 @@ def layer_norm(node, attrs) -> Callable[..., Any]:
             return d, mean.astype(stash), inv_std.astype(stash)
         return d
     return run
+
+
+# Elements per row block of a large last-axis LayerNorm: its passes then run in cache ([32, 128, 128]:
+# 1.38 ms whole, 1.09 ms in blocks; Softmax gained nothing, exp dominates it).
+_BLOCK = 1 << 16
+
+
+def _by_row_blocks(x: np.ndarray, fn: Callable) -> np.ndarray:
+    """Apply ``fn(rows, out)`` to blocks of rows of ``x`` viewed as [rows, last]; a fresh result."""
+    n = x.shape[-1]
+    flat = x.reshape(-1, n)
+    out = np.empty(flat.shape, x.dtype)
+    step = max(1, _BLOCK // max(n, 1))
+    for start in range(0, flat.shape[0], step):
+        fn(flat[start:start + step], out[start:start + step])
+    return out.reshape(x.shape)
+
+
+def _blockable(x: np.ndarray, axis: int, scale: np.ndarray, b) -> bool:
+    """A large LayerNorm over the last axis alone, with per-column scale and bias."""
+    per_column = scale.ndim <= 1 and (b is None or b.ndim <= 1)
+    return per_column and x.size > _BLOCK and normalize_axis(axis, x.ndim) == x.ndim - 1
+
+
+def _layer_norm_rows(rows: np.ndarray, scale: np.ndarray, b, eps: float, out: np.ndarray) -> None:
+    """LayerNorm of 2-D ``rows`` over the last axis into ``out`` (the reference's steps, except the
+    variance's sum, which einsum orders its own way: float32 rounding differences only)."""
+    mean = rows.mean(axis=-1, keepdims=True)
+    np.subtract(rows, mean, out=out)
+    # sum(d * d) / n in one pass, without a squared temporary.
+    var = np.einsum("ij,ij->i", out, out)[:, None]
+    var /= rows.shape[-1]
+    var += rows.dtype.type(eps)
+    np.sqrt(var, out=var)
+    np.divide(1.0, var, out=var)
+    out *= var
+    out *= scale
+    if b is not None:
+        out += b
 
 
 @kernel("Softmax")

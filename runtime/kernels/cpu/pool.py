@@ -1,5 +1,7 @@
 """Pooling over strided views: one max/add per kernel tap into a fresh result, instead of the
-reference's window view reduced over its tap axes (which numpy walks element by element)."""
+reference's window view reduced over its tap axes (which numpy walks element by element). MaxPool splits the padded
+input into stride phases first (nn.phase_geometry), so every tap is a contiguous flat slice
+and the maxima run at full SIMD speed, one sample at a time to stay in cache."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -9,7 +11,7 @@ import numpy as np
 from kiln.ir.ops.nn import make_window, pad_spatial, static_pads, window_out_shape
 from kiln.runtime.kernels.cpu import kernel, reference_kernel
 from kiln.runtime.kernels.cpu.linalg import BLAS_DTYPES, input_dtype
-from kiln.runtime.kernels.cpu.nn import tap_view
+from kiln.runtime.kernels.cpu.nn import fill_phases, phase_geometry, tap_offsets, tap_view
 
 MAX_DTYPES = BLAS_DTYPES + (np.dtype(np.int8), np.dtype(np.uint8))
 
@@ -39,14 +41,23 @@ def max_pool(node, attrs) -> Callable[..., Any]:
     if dt not in MAX_DTYPES or len(attrs["kernel_shape"]) != 2 or len(node.outputs) > 1:
         return reference_kernel(node, attrs)
     window = _window(attrs)
-    taps = _taps(window)
     lowest = -np.inf if dt.kind == "f" else np.iinfo(dt).min
 
     def run(x):
-        xp, out, _, _, _ = _geometry(x, window, lowest)
-        y = tap_view(xp, window, taps[0], out).copy()
-        for tap in taps[1:]:
-            np.maximum(y, tap_view(xp, window, tap, out), out=y)
+        n, c, h, w = x.shape
+        begin, out, hq, wq = phase_geometry(window, (h, w), window.kernel)
+        offsets = tap_offsets(window, window.kernel, wq)
+        span = out[0] * wq
+        sh, sw = window.strides
+        buf = np.full((c, sh * hq, sw * wq), lowest, x.dtype)   # the padding never wins a max
+        y = np.empty((n, c, out[0], out[1]), x.dtype)
+        for s in range(n):
+            phases = fill_phases(buf, x[s], begin, (sh, sw), hq, wq)
+            a, b, off = offsets[0]
+            acc = phases[a, b, :, off:off + span].copy()
+            for a, b, off in offsets[1:]:
+                np.maximum(acc, phases[a, b, :, off:off + span], out=acc)
+            y[s] = acc.reshape(c, out[0], wq)[:, :, :out[1]]
         return y
     return run
 
