@@ -23,6 +23,8 @@ import zlib
 from dataclasses import dataclass
 
 from kiln.errors import FormatError
+from kiln.ir.registry import AttrKind
+from kiln.serializer.fb.AttrKind import AttrKind as FbAttrKind
 
 MAGIC = b"KILN\x89\r\n\x1a"
 HEADER_VERSION = 1
@@ -30,6 +32,10 @@ HEADER_SIZE = 64
 FILE_IDENTIFIER = b"KILN"
 TENSOR_ALIGNMENT = 64
 SEGMENT_ALIGNMENT = 4096
+
+# kiln.ir's attribute kinds <-> the schema's AttrKind codes (the generated enum is the contract).
+ATTR_KIND_CODES = {k: getattr(FbAttrKind, k.name) for k in AttrKind}
+ATTR_KINDS_BY_CODE = {code: k for k, code in ATTR_KIND_CODES.items()}
 
 _STRUCT = struct.Struct("<8sIIQQQQIII")  # everything but the trailing header crc
 assert _STRUCT.size == HEADER_SIZE - 4

@@ -24,16 +24,13 @@ from kiln.ir.types import TensorType
 from kiln.ir.verifier import verify
 from kiln.ir.versions import IR_VERSION, OPSET_VERSION, upgrade_graph
 from kiln.serializer.fbread import read_flatbuffer
-from kiln.serializer.format import TENSOR_ALIGNMENT, Header, parse_header
+from kiln.serializer.format import ATTR_KINDS_BY_CODE, TENSOR_ALIGNMENT, Header, parse_header
 
 # Data segments at most this large are checksummed on every load; bigger ones only when
 # asked (check_data=True), so loading a multi-GB model stays O(graph), not O(weights).
 AUTO_CHECK_DATA_BYTES = 16 << 20
 MAX_GRAPH_DEPTH = 32
 _CODES = {d.value: d for d in DType}
-_ATTR_KINDS = {i: k for i, k in enumerate(
-    [AttrKind.INT, AttrKind.FLOAT, AttrKind.STRING, AttrKind.INTS, AttrKind.FLOATS, AttrKind.STRINGS,
-     AttrKind.TENSOR, AttrKind.GRAPH], start=1)}
 
 
 def load_graph(path: Union[str, os.PathLike], *, check_data: Optional[bool] = None, upgrade: bool = True) -> Graph:
@@ -227,7 +224,7 @@ class _Decoder:
             self.define(i, v, where)
 
     def attribute(self, a: dict, graph: Graph, where: str, depth: int) -> tuple:
-        kind = _ATTR_KINDS.get(a["kind"])
+        kind = ATTR_KINDS_BY_CODE.get(a["kind"])
         if kind is None:
             raise FormatError(f"{where}: unknown attribute kind {a['kind']}")
         if kind in _SIMPLE_ATTRS:

@@ -15,13 +15,13 @@ from typing import Optional, Union
 import flatbuffers
 import numpy as np
 
-from kiln.ir.dtypes import DType, dtype as as_dtype
+from kiln.ir.dtypes import dtype as as_dtype
 from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.registry import AttrKind
 from kiln.serializer.fb import (Attribute, Graph as FbGraph, Initializer, KeyValue, Model, Node as FbNode,
                                 TensorData, TensorType, ValueInfo)
-from kiln.serializer.format import (FILE_IDENTIFIER, HEADER_SIZE, SEGMENT_ALIGNMENT, TENSOR_ALIGNMENT, Header,
-                                    align)
+from kiln.serializer.format import (ATTR_KIND_CODES, FILE_IDENTIFIER, HEADER_SIZE, SEGMENT_ALIGNMENT,
+                                    TENSOR_ALIGNMENT, Header, align)
 
 _CHUNK = 64 << 20  # write and checksum big tensors in 64 MiB pieces
 _UNKNOWN, _SYMBOLIC = -1, -2  # TensorType.shape entries for an unknown dim and a named symbolic dim
@@ -139,7 +139,7 @@ class _Encoder:
             payload = self.graph(value)
         Attribute.Start(b)
         Attribute.AddName(b, name_off)
-        Attribute.AddKind(b, _ATTR_KIND_CODES[kind])
+        Attribute.AddKind(b, ATTR_KIND_CODES[kind])
         if kind is AttrKind.INT:
             Attribute.AddI(b, value)
         elif kind is AttrKind.FLOAT:
@@ -224,9 +224,6 @@ class _Encoder:
         return bytes(b.Output())
 
 
-_ATTR_KIND_CODES = {k: i for i, k in enumerate(
-    [AttrKind.INT, AttrKind.FLOAT, AttrKind.STRING, AttrKind.INTS, AttrKind.FLOATS, AttrKind.STRINGS,
-     AttrKind.TENSOR, AttrKind.GRAPH], start=1)}
 _ATTR_ADDERS = {AttrKind.STRING: Attribute.AddS, AttrKind.INTS: Attribute.AddInts,
                 AttrKind.FLOATS: Attribute.AddFloats, AttrKind.STRINGS: Attribute.AddStrings,
                 AttrKind.TENSOR: Attribute.AddTensor, AttrKind.GRAPH: Attribute.AddGraph}
