@@ -32,6 +32,14 @@ class Plan:
     instructions: list
     input_slots: tuple
     output_slots: tuple
+    none_slot: int = -1    # a slot that always holds None: where omitted optional inputs read
+
+    def __post_init__(self) -> None:
+        # What the run loop unpacks per instruction: plain tuples (faster than attribute reads)
+        # with omitted inputs pointing at the None slot, so building the arguments needs no test.
+        self.steps = [(ins.kernel, tuple(self.none_slot if s < 0 else s for s in ins.inputs),
+                       ins.outputs[0] if ins.single else ins.outputs, ins.release,
+                       (0 if ins.single else 1) + (2 if ins.with_slots else 0)) for ins in self.instructions]
 
 
 class PlanBuilder:
@@ -40,7 +48,7 @@ class PlanBuilder:
     def __init__(self, choose: Callable[[Node, "PlanBuilder"], Kernel]):
         self.choose = choose
         self.slots: dict[Value, int] = {}
-        self.template: list = []
+        self.template: list = [None]  # slot 0 stays None: omitted optional inputs read it
 
     def slot(self, v: Value) -> int:
         if v not in self.slots:
@@ -65,7 +73,7 @@ class PlanBuilder:
         output_slots = tuple(self.slot(v) for v in graph.outputs)
         if liveness:
             instructions = self._with_liveness(instructions, reads, set(output_slots) | set(input_slots))
-        return Plan(instructions, input_slots, output_slots)
+        return Plan(instructions, input_slots, output_slots, none_slot=0)
 
     def _with_liveness(self, instructions: list, reads: list, keep: set) -> list:
         last: dict[int, int] = {}
@@ -99,13 +107,16 @@ def outer_values(node: Node) -> list:
 
 def execute(plan: Plan, slots: list) -> None:
     """Run every instruction of ``plan`` over ``slots`` (one run's copy of the template)."""
-    for ins in plan.instructions:
-        args = [None if s < 0 else slots[s] for s in ins.inputs]
-        result = ins.kernel(slots, *args) if ins.with_slots else ins.kernel(*args)
-        if ins.single:
-            slots[ins.outputs[0]] = result
+    for kernel, inputs, outputs, release, kind in plan.steps:
+        if kind == 0:  # one output, no slot access: the common case, kept to one line of work
+            slots[outputs] = kernel(*[slots[s] for s in inputs])
         else:
-            for s, r in zip(ins.outputs, result):
-                slots[s] = r
-        for s in ins.release:
+            args = [slots[s] for s in inputs]
+            result = kernel(slots, *args) if kind >= 2 else kernel(*args)
+            if kind & 1:
+                for s, r in zip(outputs, result):
+                    slots[s] = r
+            else:
+                slots[outputs] = result
+        for s in release:
             slots[s] = None
