@@ -163,8 +163,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
+    return run_command(args.command, args._run, args)
+
+
+def run_command(name: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a sub-command the way every kiln entry point does: a KilnError becomes one
+    ``kiln NAME: error: ...`` line and exit 1, never a traceback."""
     try:
-        code = args._run(args)
+        code = run(args)
         sys.stdout.flush()
         return code
     except BrokenPipeError:
@@ -173,7 +179,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except KilnError as e:
-        print(f"kiln {args.command}: error: {e}", file=sys.stderr)
+        print(f"kiln {name}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

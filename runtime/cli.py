@@ -342,11 +342,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description="Run a .kiln model on inputs from .npy/.npz/JSON (the same as `kiln run`).")
     add_run_args(parser)
     args = parser.parse_args(argv)
-    try:
-        return cmd_run(args)
-    except KilnError as e:
-        print(f"kiln run: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    from kiln.cli import run_command  # numpy-free and torch-free: safe for the standalone process
+    return run_command("run", cmd_run, args)
