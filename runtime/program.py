@@ -11,6 +11,7 @@ import numpy as np
 from kiln.errors import ExecutionError, InputError, KilnError
 from kiln.ir.graph import Graph, Node
 from kiln.ir.types import TensorType
+from kiln.runtime.allocator import tune_allocator
 from kiln.runtime.control import if_kernel, loop_kernel
 from kiln.runtime.kernels import cpu
 from kiln.runtime.plan import Plan, PlanBuilder, execute
@@ -44,6 +45,7 @@ class Program:
     """A loaded model. ``run`` is safe to call from several threads at once."""
 
     def __init__(self, graph: Graph):
+        tune_allocator()  # large activations stay in the heap between runs (see runtime/allocator.py)
         self.graph = graph
         builder = PlanBuilder(_choose_cpu)
         self.plan: Plan = builder.build(graph)
