@@ -5,15 +5,56 @@ attributes decoded), the integer slots it reads and writes, and the slots whose 
 it (liveness), so a run is one loop over a list: no graph walking, no name lookups, no attribute
 parsing. Constants live in the slot template that every run copies. Subgraphs (If/Loop bodies)
 are lowered into the same slot space, so a body reads outer values by slot.
+
+In-place outputs (issue 5). A kernel that can write its result into one of its inputs gets that
+variant for an instruction when the plan proves, at build time, that nothing can observe the
+overwrite: the input's value dies at that instruction and no other live value shares its memory.
+The protocol a kernel adopts (attributes on the function it returns; none are required):
+
+``kernel.fresh = True``
+    Every array the kernel returns is new on each call: it shares memory with no argument, no
+    constant, no sibling output and nothing the kernel keeps between calls (a view of a buffer
+    it just allocated is fine). Such outputs are what in-place writes may target. A kernel that
+    is a numpy ufunc is fresh; so, unless a kernel says ``fresh = False``, are the kernels of
+    the ops in ``FRESH_OPS``, whose results are computed, never an input passed through.
+``kernel.inplace = {k: variant}``
+    ``variant(*args)`` returns what ``kernel(*args)`` returns, written into ``args[k]`` (and
+    returns that array) when it can: it checks at run time that ``args[k]`` is a writeable
+    ndarray of the result's shape and dtype, and otherwise returns the kernel's fresh result.
+    The plan passes it only arguments that share no memory with ``args[k]``, except the very
+    same value (``x + x``: ufuncs with ``out=`` handle that). Single-output kernels only.
+    ``ufunc_inplace`` builds such variants for ufunc calls; a kernel that is a bare numpy
+    ufunc (Add is ``np.add``) gets them without attributes.
+
+Static rules (``PlanBuilder._with_inplace``): each value has alias roots, the fresh buffers it may
+share memory with. A fresh kernel's outputs (and an in-place instruction's output, which takes
+over a buffer nothing else can reach any more) are their own roots; any other kernel's outputs
+may alias any value it reads (a reshape, a transpose, Identity, an If branch returning an outer
+value), so they inherit all those roots. Graph inputs, constants, graph outputs and outputs of
+non-fresh kernels with no inputs are never roots. Input k may be overwritten only if it is a
+root, dies at this instruction, every value aliasing it dies by then too (none is a graph output),
+and no other argument aliases it. Nested If/Loop bodies get no in-place variants: their values
+live until the owning node ends and a Loop body runs many times.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 from kiln.ir.graph import Graph, Node, Value
 
 Kernel = Callable[..., Any]
+
+# Ops whose every kernel (fast or reference) computes new arrays: none can return an input, a
+# view of one or a stored array. Their outputs are in-place targets like a fresh kernel's; a
+# kernel of one of them that does alias must say ``fresh = False``. (Shape and Size matter
+# beyond their own small outputs: taken as views, they would tie every shape computation to the
+# tensor measured, keeping it "aliased" until the last reshape.)
+FRESH_OPS = frozenset({"Shape", "Size", "MatMul", "Gemm", "Conv", "ConvTranspose", "BatchNormalization",
+                       "LayerNormalization", "Softmax", "LogSoftmax", "Gelu", "Erf", "Tanh", "Sigmoid",
+                       "HardSigmoid", "HardSwish"})
 
 
 @dataclass(frozen=True)
@@ -25,6 +66,7 @@ class Instruction:
     node: Node             # for error messages only
     single: bool           # the kernel returns one array, not a tuple
     with_slots: bool       # control flow: the kernel also gets the run's slot list first
+    inplace: int = -1      # the input whose buffer ``kernel`` (an in-place variant) writes into
 
 
 @dataclass
@@ -56,9 +98,10 @@ class PlanBuilder:
             self.template.append(v.const)
         return self.slots[v]
 
-    def build(self, graph: Graph, *, liveness: bool = True) -> Plan:
+    def build(self, graph: Graph, *, liveness: bool = True, inplace: bool = True) -> Plan:
         """Lower ``graph``; nested graphs are built with ``liveness=False`` (their values stay
-        until the owning node ends: a Loop body runs many times)."""
+        until the owning node ends: a Loop body runs many times). ``inplace`` (with liveness)
+        lets kernels write into inputs that die (see the module docstring)."""
         input_slots = tuple(self.slot(v) for v in graph.inputs)
         for v in graph.initializers.values():
             self.slot(v)
@@ -72,10 +115,16 @@ class PlanBuilder:
             reads.append(ins + tuple(self.slot(v) for v in outer_values(node)))
         output_slots = tuple(self.slot(v) for v in graph.outputs)
         if liveness:
-            instructions = self._with_liveness(instructions, reads, set(output_slots) | set(input_slots))
+            keep = set(output_slots) | set(input_slots)
+            last = self._last_uses(instructions, reads)
+            instructions = self._with_liveness(instructions, last, keep)
+            if inplace:
+                instructions = self._with_inplace(instructions, reads, last, keep)
         return Plan(instructions, input_slots, output_slots, none_slot=0)
 
-    def _with_liveness(self, instructions: list, reads: list, keep: set) -> list:
+    @staticmethod
+    def _last_uses(instructions: list, reads: list) -> dict:
+        """Slot -> index of the last instruction that reads (or, if none does, makes) it."""
         last: dict[int, int] = {}
         for i, (ins, r) in enumerate(zip(instructions, reads)):
             for s in ins.outputs:
@@ -83,12 +132,145 @@ class PlanBuilder:
             for s in r:
                 if s >= 0:
                     last[s] = i
+        return last
+
+    def _with_liveness(self, instructions: list, last: dict, keep: set) -> list:
         dying: dict[int, list] = {}
         for s, i in last.items():
             if s not in keep and self.template[s] is None:
                 dying.setdefault(i, []).append(s)
         return [Instruction(ins.kernel, ins.inputs, ins.outputs, tuple(sorted(dying.get(i, ()))), ins.node,
                             ins.single, ins.with_slots) for i, ins in enumerate(instructions)]
+
+    def _with_inplace(self, instructions: list, reads: list, last: dict, keep: set) -> list:
+        """Swap in in-place variants where the rules of the module docstring allow it."""
+        roots: dict[int, frozenset] = {}   # slot -> the root slots whose buffers it may share
+        aliases: dict[int, set] = {}       # root slot -> every slot that may share its buffer
+
+        def dead_after(s: int, i: int) -> bool:
+            return s not in keep and self.template[s] is None and last.get(s, -1) <= i
+
+        out = []
+        for i, (ins, r) in enumerate(zip(instructions, reads)):
+            k, variant = self._inplace_target(ins, r, i, roots, aliases, dead_after)
+            if k >= 0:
+                ins = Instruction(variant, ins.inputs, ins.outputs, ins.release, ins.node, ins.single,
+                                  ins.with_slots, inplace=k)
+            if k >= 0 or _is_fresh(ins.kernel, ins.node):
+                for o in ins.outputs:
+                    roots[o] = frozenset((o,))
+                    aliases[o] = {o}
+            else:
+                shared = frozenset().union(*(roots.get(s, ()) for s in r if s >= 0))
+                for o in ins.outputs:
+                    roots[o] = shared
+                    for root in shared:
+                        aliases[root].add(o)
+            out.append(ins)
+        return out
+
+    @staticmethod
+    def _inplace_target(ins: Instruction, reads: tuple, i: int, roots: dict, aliases: dict,
+                        dead_after: Callable[[int, int], bool]) -> tuple:
+        """(the input instruction ``i`` may overwrite, the variant doing it), or (-1, None)."""
+        if not ins.single or ins.with_slots:
+            return -1, None
+        variants = _variants(ins.kernel, ins.node)
+        if not variants:
+            return -1, None
+        out_type = ins.node.outputs[0].type
+        # Prefer an input whose static shape is the output's: its run-time check then passes.
+        order = sorted(variants, key=lambda k: not _same_shape(ins.node.inputs[k].type, out_type))
+        for k in order:
+            s = ins.inputs[k]
+            if s < 0 or roots.get(s) != frozenset((s,)) or not dead_after(s, i):
+                continue
+            if not _may_fit(ins.node.inputs[k].type, out_type):
+                continue
+            if not all(dead_after(m, i) for m in aliases[s]):
+                continue
+            if any(t != s and s in roots.get(t, ()) for t in reads if t >= 0):
+                continue
+            return k, variants[k]
+        return -1, None
+
+
+def _is_fresh(kernel: Kernel, node: Node) -> bool:
+    fresh = getattr(kernel, "fresh", None)
+    if fresh is None:
+        return isinstance(kernel, np.ufunc) or (node.domain == "" and node.op in FRESH_OPS)
+    return bool(fresh)
+
+
+def _variants(kernel: Kernel, node: Node) -> dict:
+    """``{input index: in-place variant}`` of ``kernel`` (see the module docstring)."""
+    variants = getattr(kernel, "inplace", None)
+    if variants is not None:
+        return variants
+    if isinstance(kernel, np.ufunc) and kernel.nout == 1 and kernel.nin in (1, 2) \
+            and len(node.inputs) == kernel.nin and len(node.outputs) == 1:
+        dt = _static_dtype(node.outputs[0])
+        # Same dtype in and out (statically; checked again per call): out= changes nothing then.
+        if dt is not None and all(v is not None and _static_dtype(v) == dt for v in node.inputs):
+            return {k: ufunc_inplace(kernel, k, kernel.nin, dt) for k in range(kernel.nin)}
+    return {}
+
+
+def _static_dtype(v: Value) -> Optional[np.dtype]:
+    try:
+        return np.dtype(v.type.dtype.numpy)
+    except Exception:  # noqa: BLE001 - no type, or a dtype numpy does not know: no variant
+        return None
+
+
+def _same_shape(a, b) -> bool:
+    """Both static shapes known and equal (the same symbol is the same size in one run)."""
+    sa, sb = getattr(a, "shape", None), getattr(b, "shape", None)
+    return sa is not None and sb is not None and None not in sa and tuple(sa) == tuple(sb)
+
+
+def _may_fit(a, b) -> bool:
+    """False when static shapes prove an input of type ``a`` cannot hold an output of type ``b``."""
+    sa, sb = getattr(a, "shape", None), getattr(b, "shape", None)
+    if sa is None or sb is None:
+        return True
+    if len(sa) != len(sb):
+        return False
+    return all(x is None or y is None or isinstance(x, str) or isinstance(y, str) or x == y
+               for x, y in zip(sa, sb))
+
+
+def _fits(shape: tuple, into: tuple) -> bool:
+    """An operand of ``shape`` broadcasts against ``into`` without growing it."""
+    if shape == into:
+        return True
+    n = len(shape)
+    return n <= len(into) and all(a == 1 or a == b for a, b in zip(shape, into[len(into) - n:]))
+
+
+def ufunc_inplace(fn: Callable[..., Any], k: int, nin: int, dtype: np.dtype) -> Kernel:
+    """An in-place variant of ``fn(*args, out=None)`` (a ufunc, or a function that passes ``out``
+    to one) for ``nin`` arguments of ``dtype`` whose result has ``dtype`` too.
+
+    It writes into ``args[k]`` when that is a writeable ndarray of ``dtype``, the other argument
+    has ``dtype`` and broadcasts into it without growing it (the result then has its shape and
+    dtype); otherwise it returns ``fn(*args)``, a new array."""
+    if nin == 1:
+        def unary_into(x):
+            if type(x) is np.ndarray and x.dtype == dtype and x.flags.writeable:
+                return fn(x, out=x)
+            return fn(x)
+        return unary_into
+    if nin != 2:
+        raise ValueError(f"ufunc_inplace handles 1 or 2 arguments, not {nin}")
+
+    def binary_into(a, b):
+        x, y = (a, b) if k == 0 else (b, a)
+        if type(x) is np.ndarray and x.dtype == dtype and y.dtype == dtype and x.flags.writeable \
+                and _fits(y.shape, x.shape):
+            return fn(a, b, out=x)
+        return fn(a, b)
+    return binary_into
 
 
 def outer_values(node: Node) -> list:

@@ -6,6 +6,7 @@ folder, flushed, then renamed over the target, so a reader never sees half a fil
 """
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import zlib
@@ -18,6 +19,7 @@ import numpy as np
 from kiln.ir.dtypes import dtype as as_dtype
 from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.registry import AttrKind
+from kiln.serializer.fb.layout import TABLES
 from kiln.serializer.fb import (Attribute, Graph as FbGraph, Initializer, KeyValue, Model, Node as FbNode,
                                 TensorData, TensorType, ValueInfo)
 from kiln.serializer.format import (ATTR_KIND_CODES, FILE_IDENTIFIER, HEADER_SIZE, SEGMENT_ALIGNMENT,
@@ -143,7 +145,11 @@ class _Encoder:
         if kind is AttrKind.INT:
             Attribute.AddI(b, value)
         elif kind is AttrKind.FLOAT:
-            Attribute.AddF(b, value)
+            if value == 0.0 and math.copysign(1.0, value) < 0:
+                # -0.0 == 0.0, the field's default, which the builder would leave out: force it.
+                b.PrependFloat64Slot(Attribute_F_SLOT, value, None)
+            else:
+                Attribute.AddF(b, value)
         elif payload is not None:
             _ATTR_ADDERS[kind](b, payload)
         return Attribute.End(b)
@@ -224,6 +230,8 @@ class _Encoder:
         return bytes(b.Output())
 
 
+# Slot number of Attribute.f, from the layout generated out of kiln.fbs.
+Attribute_F_SLOT = next(slot for field, slot, *_ in TABLES['Attribute'] if field == 'f')
 _ATTR_ADDERS = {AttrKind.STRING: Attribute.AddS, AttrKind.INTS: Attribute.AddInts,
                 AttrKind.FLOATS: Attribute.AddFloats, AttrKind.STRINGS: Attribute.AddStrings,
                 AttrKind.TENSOR: Attribute.AddTensor, AttrKind.GRAPH: Attribute.AddGraph}

@@ -1,7 +1,9 @@
-"""The shifted-slice im2col of the Conv and MaxPool kernels: stride phases, dilations that are
-not multiples of the stride, windows that never reach the input's end (cropped rows), the flat
-vs exact column layouts, batch chunks (a short last chunk included), and the bias added while
-the result is copied out. Each case runs the fast kernel against the op's reference."""
+"""The shifted-slice im2col of the Conv kernel: stride phases, dilations that are not multiples
+of the stride, windows that never reach the input's end (cropped rows), the flat vs exact
+column layouts, batch chunks (a short last chunk included), the bias added while the result is
+copied out or folded into the GEMM of the direct layout; and the separable MaxPool: row and
+column taps clipped at the padding, plane blocks. Each case runs the fast kernel against the
+op's reference."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 from kiln.ir import evaluate
 from kiln.ir.ops.nn import make_window
 from kiln.runtime import Program
-from kiln.runtime.kernels.cpu import nn
+from kiln.runtime.kernels.cpu import nn, pool
 from op_harness import build_single, check_backends
 
 RNG = np.random.default_rng(5)
@@ -50,6 +52,43 @@ def test_im2col_batch_chunks(monkeypatch, min_cols, cols_bytes):
     monkeypatch.setattr(nn, "MIN_COLS", min_cols)
     monkeypatch.setattr(nn, "COLS_BYTES", cols_bytes)
     run_conv(rand(7, 3, 5, 5), rand(4, 3, 3, 3), {"pads": [1, 1, 1, 1]}, bias=True)
+
+
+DIRECT = [  # (x shape, w shape, attrs): one sample's columns feed a GEMM that writes the output
+    ((2, 3, 40, 36), (10, 3, 3, 3), {"pads": [1, 1, 1, 1]}),
+    ((2, 3, 70, 67), (32, 3, 5, 5), {"strides": [2, 2], "pads": [2, 1, 2, 0]}),
+    ((3, 4, 34, 34), (16, 2, 3, 3), {"group": 2, "pads": [1, 1, 1, 1]}),  # bias added after the GEMM
+]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", DIRECT)
+@pytest.mark.parametrize("bias", [False, True])
+def test_direct_layout(x_shape, w_shape, attrs, bias):
+    window = make_window(w_shape[2:], strides=attrs.get("strides"), pads=attrs["pads"])
+    _, out, hq, wq = nn.phase_geometry(window, x_shape[2:], w_shape[2:])
+    group = attrs.get("group", 1)
+    assert nn._direct(out, wq, w_shape[0] // group, w_shape[1] * w_shape[2] * w_shape[3])
+    run_conv(rand(*x_shape), rand(*w_shape), attrs, bias)
+
+
+def test_direct_layout_only_where_it_pays():
+    assert nn._direct([112, 112], 115, 64, 147)            # ResNet stem: 3 channels, 7x7
+    assert not nn._direct([56, 56], 58, 64, 576)           # 3x3 over 64 channels: flat columns
+    assert not nn._direct([7, 7], 9, 512, 27)              # too few columns for one sample
+
+
+def test_fill_phases_matches_pad_then_split():
+    x = rand(2, 3, 9, 8)
+    for strides, begin in [((2, 2), (1, 1)), ((3, 2), (2, 0)), ((1, 1), (1, 2)), ((2, 3), (0, 4))]:
+        sh, sw = strides
+        hq, wq = 5, 6                                      # crops the input's last rows/columns
+        got = nn.fill_phases(np.zeros((sh, sw, 2, 3, hq, wq), np.float32), x, begin, strides, hq, wq)
+        padded = np.zeros((2, 3, sh * hq + 8, sw * wq + 8), np.float32)
+        padded[:, :, begin[0]:begin[0] + 9, begin[1]:begin[1] + 8] = x
+        for a in range(sh):
+            for b in range(sw):
+                want = padded[:, :, a:a + sh * hq:sh, b:b + sw * wq:sw]
+                np.testing.assert_array_equal(got[a, b].reshape(2, 3, hq, wq), want)
 
 
 def test_chunk_size_stays_within_budget():
@@ -92,6 +131,34 @@ POOLS = [
 def test_max_pool_phases(attrs, dtype):
     x = (rand(3, 4, 11, 12) * 40).astype(dtype)
     run_max_pool(x, attrs)
+
+
+def test_max_pool_plane_blocks(monkeypatch):
+    # One plane per block, then blocks of 5 planes over 3 x 4 planes (a short last block).
+    attrs = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
+    x = rand(3, 4, 11, 12)
+    for block_bytes in (1, 5 * 11 * 12 * 4):
+        monkeypatch.setattr(pool, "POOL_BLOCK_BYTES", block_bytes)
+        run_max_pool(x, attrs)
+
+
+@pytest.mark.parametrize("attrs", [
+    {"kernel_shape": [1, 3], "strides": [1, 1]},                          # one row tap
+    {"kernel_shape": [3, 1], "strides": [2, 3], "pads": [2, 0, 2, 0]},    # one column tap, deep pads
+    {"kernel_shape": [2, 3], "strides": [4, 4], "dilations": [3, 2], "ceil_mode": 1},
+    {"kernel_shape": [4, 4], "strides": [1, 1], "pads": [3, 3, 3, 3]},    # corner windows: one input value
+])
+def test_max_pool_clipped_taps(attrs):
+    run_max_pool(rand(2, 3, 7, 9) - 5, attrs)
+
+
+def test_tap_range_matches_brute_force():
+    for n_out in (0, 1, 6):
+        for stride in (1, 2, 3):
+            for shift in range(-7, 9):
+                inside = [o for o in range(n_out) if 0 <= o * stride + shift < 5]
+                lo, hi = pool._tap_range(n_out, stride, shift, 5)
+                assert list(range(lo, hi)) == inside
 
 
 def test_max_pool_padding_never_wins_over_negative_inputs():

@@ -1,8 +1,10 @@
 """The transformer path's CPU kernels: float32 erf/Gelu accuracy over the whole range (blocks and
-the float64 tail included), MatMul's folded stack-against-matrix product, LayerNorm's row blocks."""
+the negative tail included), MatMul's folded stack-against-matrix product (permuted stacks too),
+LayerNorm's row blocks, Softmax's block-max shift and its exact fallback."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from kiln.ir import Graph
 from kiln.runtime.kernels.cpu.activation import _BLOCK, _gelu_erf, erf_f32
 from kiln.runtime.kernels.cpu.linalg import _matmul_folded
 from kiln.runtime.kernels.cpu.norm import _BLOCK as _NORM_BLOCK
+from kiln.runtime.kernels.cpu.norm import _by_row_blocks, _softmax_rows
 
 RTOL, ATOL = 1e-5, 1e-6  # the conformance suite's float32 tolerance
 
@@ -45,8 +48,22 @@ def test_gelu_matches_float64_reference_including_negative_tail():
     got = _gelu_erf(x)
     assert got.dtype == np.float32 and got.shape == x.shape
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=RTOL, atol=ATOL)
-    # Without the float64 tail (x < -2), float32's 1 + erf cancels: the error reaches 1.2x this
-    # tolerance near x = -5.5, so this check fails on a float32-only Gelu.
+    # A float32 x * (1 + erf(x / sqrt 2)) / 2 cancels in the negative tail: its error reaches 1.2x
+    # this tolerance near x = -5.5, so this check fails on that form.
+
+
+def test_gelu_beyond_its_fit_and_at_extremes():
+    # The fitted logit is used past |x| = 5.5 too, up to overflow: no warnings, right limits.
+    x = np.concatenate([np.linspace(-80.0, -5.0, 3001), np.linspace(5.0, 80.0, 3001),
+                        [-1e20, -3e38, 1e20, 3e38, np.inf, np.nan, 0.0, -1e-30]]).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _gelu_erf(x).astype(np.float64)
+    x64 = x.astype(np.float64)
+    finite = np.isfinite(x64)
+    want = x64[finite] * 0.5 * np.array([math.erfc(-v / math.sqrt(2.0)) for v in x64[finite]])
+    np.testing.assert_allclose(got[finite], want, rtol=RTOL, atol=ATOL)
+    assert got[x64 == np.inf] == np.inf and np.isnan(got[np.isnan(x64)]).all()
 
 
 @pytest.mark.parametrize("shape", [(), (5,), (3, 4, 7)], ids=str)
@@ -72,6 +89,62 @@ def test_matmul_folded_edge_shapes():
     np.testing.assert_array_equal(_matmul_folded(ints, np.eye(4, dtype=np.int32)), ints)
     with pytest.raises(ValueError):
         _matmul_folded(np.ones((2, 3, 4), np.float32), np.ones((5, 2), np.float32))
+
+
+@pytest.mark.parametrize("perm", [(1, 0, 2), (2, 0, 1, 3), (0, 2, 1, 3)], ids=str)
+def test_matmul_runs_permuted_stack_in_its_memory_order(perm):
+    # A transposed activation: the product runs on its memory order and comes back permuted.
+    rng = np.random.default_rng(5)
+    shape = (3, 4, 5, 6)[:len(perm) - 1] + (7,)
+    a = rng.standard_normal(shape).astype(np.float32).transpose(perm)
+    b = rng.standard_normal((7, 2)).astype(np.float32)
+    got = _matmul_folded(a, b)
+    assert got.shape == a.shape[:-1] + (2,)
+    np.testing.assert_allclose(got, a.astype(np.float64) @ b.astype(np.float64), rtol=1e-5, atol=1e-5)
+    # A strided slice is no permutation of contiguous memory: it takes the copying path.
+    sliced = rng.standard_normal((4, 6, 7)).astype(np.float32)[:, ::2]
+    np.testing.assert_allclose(_matmul_folded(sliced, b), sliced.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+
+
+def _softmax64(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_softmax_block_shift_keeps_rows_far_below_the_block_max():
+    # Several row blocks; some rows sit far below their block's max (their exp underflows under
+    # the block shift: the exact fallback), one row is all -inf but one, one is all -inf (nan).
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal((3, 700, 96)) * 4).astype(np.float32)
+    x[0, 5] -= 300.0
+    x[1, 40] -= 60.0
+    x[2, 100] = -np.inf
+    x[2, 100, 7] = 1.0
+    x[2, 101] = -np.inf
+    assert x.size > _NORM_BLOCK
+    with np.errstate(invalid="ignore"):
+        got = _by_row_blocks(x, _softmax_rows)
+        want = _softmax64(x)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, equal_nan=True)
+    assert np.isnan(got[2, 101]).all() and got[2, 100, 7] == 1.0
+
+
+def test_softmax_block_with_inf_or_nan_takes_exact_path():
+    x = np.random.default_rng(7).standard_normal((4, 5)).astype(np.float32)
+    x[1, 2], x[3, 0] = np.inf, np.nan
+    got = np.empty_like(x)
+    with np.errstate(invalid="ignore"):
+        _softmax_rows(x, got)
+        want = _softmax64(x)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, equal_nan=True)
+    assert np.isfinite(got[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_softmax_through_runtime(axis):
+    x = (np.random.default_rng(8).standard_normal((2, 600, 64)) * 5).astype(np.float32)
+    check_op("Softmax", [x], attrs={"axis": axis})
 
 
 def test_attention_block_runs_through_runtime():

@@ -98,3 +98,18 @@ def _save_bytes(g: Graph) -> bytes:
     import tempfile
     with tempfile.TemporaryDirectory() as d:
         return kiln.save(g, os.path.join(d, "m.kiln")).read_bytes()
+
+
+def test_negative_zero_float_attribute_keeps_its_sign(tmp_path):
+    # -0.0 equals the FlatBuffer field's default (0.0): the builder would drop it unless forced.
+    import math
+
+    import kiln
+    from kiln.ir import Graph
+
+    g = Graph("g")
+    x = g.add_input("x", "float32", (2,))
+    g.outputs = [g.op("LeakyRelu", x, alpha=-0.0)]
+    back = kiln.load_graph(kiln.save(g, tmp_path / "z.kiln"))
+    alpha = back.nodes[0].attrs["alpha"]
+    assert alpha == 0.0 and math.copysign(1.0, alpha) == -1.0

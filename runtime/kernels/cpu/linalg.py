@@ -45,9 +45,20 @@ def _matmul_folded(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
     np.matmul loops over the stack, one small BLAS call per matrix (per row when ``a`` is a
     transposed view: [seq, batch, k] @ [k, n] was 128 GEMVs, 8x slower than one GEMM); the
-    reshape copies a non-contiguous ``a`` once, far cheaper than those calls."""
+    reshape copies a non-contiguous ``a`` once, far cheaper than those calls. When ``a`` is a
+    permutation of a contiguous stack (a transposed activation, [seq, batch, k] over memory
+    [batch, seq, k]) the product runs on that memory order instead, without the copy, and comes
+    back permuted the same way: a view, which the reshapes and transposes that follow read as
+    they would the contiguous product."""
     if a.ndim <= 2 or b.ndim != 2:
         return np.matmul(a, b)
+    if not a.flags.c_contiguous and a.strides[-1] == a.itemsize:
+        # Leading axes from the outermost in memory (stable: ties are size-1 axes, in any order).
+        order = sorted(range(a.ndim - 1), key=lambda i: -a.strides[i]) + [a.ndim - 1]
+        base = a.transpose(order)
+        if base.flags.c_contiguous:
+            y = _matmul_folded(base, b)
+            return y.transpose(np.argsort(order))
     lead = a.shape[:-1]
     flat = a.reshape(math.prod(lead), a.shape[-1])
     return np.matmul(flat, b).reshape(lead + (b.shape[1],))

@@ -1,10 +1,18 @@
 """Conv: 2-D convolutions as GEMMs over an im2col buffer, 1x1 convs as one GEMM on a view,
 depthwise convs as a sum over kernel taps of shifted slices times per-channel weights.
 
-The im2col is built from contiguous slices, not 2-D strided windows: the input is zero-padded
-into a reused buffer (no np.pad), split into stride phases, and flattened row by row, so each
-kernel tap's block is one flat slice (see phase_geometry). Columns are made one sample at a
-time so the buffer stays a few MB at any batch size.
+The im2col is built from contiguous slices, not 2-D strided windows: the input is copied
+straight into zeroed stride-phase images (one strided copy per phase, no np.pad and no padded
+copy to split), which are flattened row by row, so each kernel tap's block is one flat slice
+(see phase_geometry). Columns are made for a chunk of samples at a time so the buffer stays a
+few MB at any batch size. Where a GEMM's result is large next to its columns (the 7x7 stem over
+3 channels) the columns are exact [OH, OW] windows instead and each sample's GEMM writes the
+output directly, the bias folded in as a row of ones (see _direct).
+
+Measured alternatives that lost on a 2-core Xeon (OpenBLAS, 2 threads): building the columns in
+cache-sized row strips (the smaller GEMMs cost more than the cheaper copies save), and building
+them with a second Python thread (no gain: the copies are bandwidth-bound and the GEMM already
+uses both cores).
 
 Weights are constants in a loaded model, so their GEMM layout ([group, M/g, C/g*kh*kw]) is made
 once in the factory. Anything else (1-D/3-D, narrow floats, computed weights) runs the
@@ -94,25 +102,44 @@ def _im2col(w: np.ndarray, window, group: int, bias) -> Callable:
     k = c_g * kh * kw
     wg = np.ascontiguousarray(w.reshape(group, m // group, k))
     bias3 = _bias_or_zero(bias, m, w.dtype)
+    # The direct layout folds the bias into the GEMM (one group): a bias column on the
+    # weights times a row of ones under the columns.
+    fold = bias is not None and group == 1
+    w_direct = np.concatenate([wg, bias.reshape(1, m, 1).astype(w.dtype)], axis=2) if fold else wg
 
     def run(x):
         n, c, h, wd = x.shape
         begin, out, hq, wq = phase_geometry(window, (h, wd), (kh, kw))
+        sh, sw = window.strides
+        taps = tap_offsets(window, (kh, kw), wq)
+        y = np.empty((n, m, out[0], out[1]), x.dtype)
+        if _direct(out, wq, m // group, k):
+            buf = np.zeros((sh, sw, 1, c, hq, wq), x.dtype)   # borders stay zero across samples
+            span = out[0] * out[1]
+            cols = np.empty((group, k + fold, span), x.dtype)
+            cols[:, k:] = 1
+            body = cols[:, :k].reshape(c, len(taps), 1, span) if fold else cols.reshape(c, len(taps), 1, span)
+            for s in range(n):
+                _columns(fill_phases(buf, x[s:s + 1], begin, (sh, sw), hq, wq), taps, out, wq, True, body)
+                ys = y[s].reshape(group, m // group, span)
+                np.matmul(w_direct, cols, out=ys)
+                if not fold and bias is not None:
+                    ys += bias3.reshape(group, m // group, 1)
+            return y
         # Flat slices compute wq - OW garbage columns per row; where that waste is large
         # (small maps) copy exact [OH, OW] windows instead.
         exact = (wq - out[1]) * 8 > out[1]
         span = out[0] * (out[1] if exact else wq)
         chunk = _chunk(n, k * group, span, x.dtype.itemsize)
-        sh, sw = window.strides
-        taps = tap_offsets(window, (kh, kw), wq)
-        buf = np.zeros((chunk, c, sh * hq, sw * wq), x.dtype)   # borders stay zero across chunks
-        y = np.empty((n, m, out[0], out[1]), x.dtype)
+        buf = np.zeros((sh, sw, chunk, c, hq, wq), x.dtype)   # borders stay zero across chunks
+        cols = np.empty((c, len(taps), chunk, span), x.dtype)
         for start in range(0, n, chunk):
             part = x[start:start + chunk]
             size = part.shape[0]
-            phases = fill_phases(buf[:size], part, begin, (sh, sw), hq, wq)
-            cols = _columns(phases, taps, out, wq, exact)     # [C*kh*kw, size*span]
-            acc = np.matmul(wg, cols.reshape(group, k, size * span))
+            phases = fill_phases(buf[:, :, :size], part, begin, (sh, sw), hq, wq)
+            body = cols[:, :, :size] if size < chunk else cols
+            _columns(phases, taps, out, wq, exact, body)     # [C*kh*kw, size*span]
+            acc = np.matmul(wg, body.reshape(group, k, size * span))
             acc = acc.reshape(m, size, out[0], -1)[:, :, :, :out[1]]
             # One pass: the copy out to NCHW adds the bias.
             np.add(acc.transpose(1, 0, 2, 3), bias3, out=y[start:start + size])
@@ -120,12 +147,25 @@ def _im2col(w: np.ndarray, window, group: int, bias) -> Callable:
     return run
 
 
-def _columns(phases: np.ndarray, taps: list, out: list, wq: int, exact: bool) -> np.ndarray:
-    """im2col of a chunk: rows ordered (c, i, j) like the weights, columns (sample, position)."""
+def _direct(out: list, wq: int, m: int, k: int) -> bool:
+    """Whether one sample's GEMM should write its [M, OH*OW] result straight into the output.
+
+    That needs exact [OH, OW] columns, which cost more to build than flat ones (a numpy call
+    per output row instead of per tap), but it saves the pass that copies the result out to
+    NCHW. The copy moves M*OH*OW values, the columns K*OH*wq, so it pays where M is large
+    next to K: the 7x7 stem over 3 channels (K 147, M 64) takes 1.9-2.0 instead of 2.1 ms
+    at batch 1 on a 2-core Xeon (17 vs 19 ms at batch 8); a 3x3 conv over 64 channels (K 576,
+    M 64) stays faster with flat columns. Only
+    where a sample gives enough columns for an efficient GEMM on its own.
+    """
+    return out[0] * out[1] >= MIN_COLS and 3 * m > k
+
+
+def _columns(phases: np.ndarray, taps: list, out: list, wq: int, exact: bool, cols: np.ndarray) -> None:
+    """im2col of a chunk into ``cols`` ([C, taps, size, span]): rows ordered (c, i, j) like
+    the weights, columns (sample, position)."""
     _, _, size, c, flat = phases.shape
     oh, ow = out
-    width = ow if exact else wq
-    cols = np.empty((c, len(taps), size, oh * width), phases.dtype)
     for t, (a, b, off) in enumerate(taps):
         src = phases[a, b].transpose(1, 0, 2)                 # [C, size, hq*wq]
         if exact:
@@ -134,7 +174,6 @@ def _columns(phases: np.ndarray, taps: list, out: list, wq: int, exact: bool) ->
             cols[:, t].reshape(c, size, oh, ow)[...] = grid
         else:
             cols[:, t] = src[:, :, off:off + oh * wq]
-    return cols
 
 
 def _depthwise(w: np.ndarray, window, bias) -> Callable:
@@ -148,7 +187,7 @@ def _depthwise(w: np.ndarray, window, bias) -> Callable:
         taps = tap_offsets(window, (kh, kw), wq)
         span = out[0] * wq
         sh, sw = window.strides
-        buf = np.zeros((c, sh * hq, sw * wq), x.dtype)
+        buf = np.zeros((sh, sw, c, hq, wq), x.dtype)
         acc = np.empty((c, span), x.dtype)
         tmp = np.empty_like(acc)
         y = np.empty((n, c, out[0], out[1]), x.dtype)
@@ -194,17 +233,25 @@ def tap_offsets(window, kernel: tuple, wq: int) -> list:
 
 
 def fill_phases(buf: np.ndarray, x: np.ndarray, begin: list, strides: tuple, hq: int, wq: int) -> np.ndarray:
-    """Write ``x`` ([..., H, W]) into the zeroed ``buf`` ([..., sh*hq, sw*wq]) at the begin pads
-    and return the phase images [sh, sw, ..., hq*wq] (a view when the strides are 1)."""
+    """Write ``x`` ([..., H, W]) at the begin pads into the zeroed phase images ``buf``
+    ([sh, sw, ..., hq, wq]; phase (a, b) holds the padded rows a, a + sh, ... and columns
+    b, b + sw, ...) and return them flattened, [sh, sw, ..., hq*wq]. One strided copy per
+    phase straight from ``x``, not a padded copy that is then split (a second full pass).
+    Input rows and columns no window reaches are skipped."""
     sh, sw = strides
     top, left = begin
-    rows = max(0, min(x.shape[-2], buf.shape[-2] - top))   # input rows no window reaches are skipped
-    cols = max(0, min(x.shape[-1], buf.shape[-1] - left))
-    buf[..., top:top + rows, left:left + cols] = x[..., :rows, :cols]
-    lead = buf.shape[:-2]
-    if (sh, sw) == (1, 1):
-        return buf.reshape((1, 1) + lead + (hq * wq,))
-    split = buf.reshape(lead + (hq, sh, wq, sw))
-    nd = len(lead)
-    order = (nd + 1, nd + 3) + tuple(range(nd)) + (nd, nd + 2)
-    return np.ascontiguousarray(split.transpose(order)).reshape((sh, sw) + lead + (hq * wq,))
+    h, w = x.shape[-2:]
+    for a in range(sh):
+        q0, q1 = _phase_range(a, top, sh, h, hq)
+        for b in range(sw):
+            p0, p1 = _phase_range(b, left, sw, w, wq)
+            if q0 < q1 and p0 < p1:
+                r0, c0 = a + sh * q0 - top, b + sw * p0 - left
+                buf[a, b, ..., q0:q1, p0:p1] = x[..., r0:r0 + sh * (q1 - q0 - 1) + 1:sh, c0:c0 + sw * (p1 - p0 - 1) + 1:sw]
+    return buf.reshape(buf.shape[:-2] + (hq * wq,))
+
+
+def _phase_range(phase: int, pad: int, stride: int, size: int, count: int) -> tuple:
+    """The phase positions [q0, q1) (below ``count``) whose padded index phase + stride*q is an
+    input index: pad <= phase + stride*q < pad + size."""
+    return -((phase - pad) // stride), min(count, -((phase - pad - size) // stride))

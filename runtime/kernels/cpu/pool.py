@@ -1,7 +1,16 @@
 """Pooling over strided views: one max/add per kernel tap into a fresh result, instead of the
-reference's window view reduced over its tap axes (which numpy walks element by element). MaxPool splits the padded
-input into stride phases first (nn.phase_geometry), so every tap is a contiguous flat slice
-and the maxima run at full SIMD speed, one sample at a time to stay in cache."""
+reference's window view reduced over its tap axes (which numpy walks element by element).
+
+MaxPool is separable (the max over a kh x kw window is the max over kw of the max over kh), so
+it runs as kh-1 maxima over whole input rows (the row stride and dilation are free in a view:
+the inner axis stays contiguous), then kw-1 maxima along the rows of that sh-times smaller
+result. Padding never takes part and is never materialized: each tap is clipped to the output
+positions whose input index exists (_tap_range), and positions no tap reaches get the lowest
+value. Work goes in blocks of whole planes (sample x channel) of about POOL_BLOCK_BYTES so the
+row result is still in cache when the column maxima read it. On a 2-core Xeon, ResNet's 3x3/2
+pool on [1, 64, 112, 112] went from 1.8-2.4 ms (stride-phase split, then nine maxima over
+arrays larger than L2) to about 0.7 ms; what is left is numpy's per-row loop overhead.
+"""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -11,7 +20,7 @@ import numpy as np
 from kiln.ir.ops.nn import make_window, pad_spatial, static_pads, window_out_shape
 from kiln.runtime.kernels.cpu import kernel, reference_kernel
 from kiln.runtime.kernels.cpu.linalg import BLAS_DTYPES, input_dtype
-from kiln.runtime.kernels.cpu.nn import fill_phases, phase_geometry, tap_offsets, tap_view
+from kiln.runtime.kernels.cpu.nn import tap_view
 
 MAX_DTYPES = BLAS_DTYPES + (np.dtype(np.int8), np.dtype(np.uint8))
 
@@ -35,31 +44,81 @@ def _taps(window) -> list:
     return [(i, j) for i in range(window.kernel[0]) for j in range(window.kernel[1])]
 
 
+# Planes per block: the input rows a block reads plus its row result stay within L2.
+POOL_BLOCK_BYTES = 512 << 10
+
+
 @kernel("MaxPool")
 def max_pool(node, attrs) -> Callable[..., Any]:
     dt = input_dtype(node)
     if dt not in MAX_DTYPES or len(attrs["kernel_shape"]) != 2 or len(node.outputs) > 1:
         return reference_kernel(node, attrs)
     window = _window(attrs)
-    lowest = -np.inf if dt.kind == "f" else np.iinfo(dt).min
+    lowest = dt.type(-np.inf if dt.kind == "f" else np.iinfo(dt).min)
 
     def run(x):
         n, c, h, w = x.shape
-        begin, out, hq, wq = phase_geometry(window, (h, w), window.kernel)
-        offsets = tap_offsets(window, window.kernel, wq)
-        span = out[0] * wq
-        sh, sw = window.strides
-        buf = np.full((c, sh * hq, sw * wq), lowest, x.dtype)   # the padding never wins a max
-        y = np.empty((n, c, out[0], out[1]), x.dtype)
-        for s in range(n):
-            phases = fill_phases(buf, x[s], begin, (sh, sw), hq, wq)
-            a, b, off = offsets[0]
-            acc = phases[a, b, :, off:off + span].copy()
-            for a, b, off in offsets[1:]:
-                np.maximum(acc, phases[a, b, :, off:off + span], out=acc)
-            y[s] = acc.reshape(c, out[0], wq)[:, :, :out[1]]
-        return y
+        (top, left), _, _ = static_pads(window, (h, w))
+        out = window_out_shape(window, (h, w))
+        planes = x.reshape(n * c, h, w)
+        y = np.empty((n * c, out[0], out[1]), x.dtype)
+        if y.size == 0:
+            return y.reshape(n, c, out[0], out[1])
+        block = max(1, POOL_BLOCK_BYTES // max(1, h * w * x.dtype.itemsize))
+        for start in range(0, n * c, block):
+            rows = _max_rows(planes[start:start + block], window, out[0], top, lowest)
+            _max_cols(rows, window, out[1], left, lowest, y[start:start + block])
+        return y.reshape(n, c, out[0], out[1])
     return run
+
+
+def _tap_range(n_out: int, stride: int, shift: int, size: int) -> tuple:
+    """The output positions [lo, hi) whose input index o*stride + shift lies in [0, size)."""
+    lo = min(n_out, max(0, -(shift // stride)))
+    hi = min(n_out, max(0, -((shift - size) // stride)))
+    return lo, max(lo, hi)
+
+
+def _max_taps(dst: np.ndarray, taps: list, lowest) -> None:
+    """dst[..., lo:hi] = max of the (lo, hi, view) taps over the last axis of ``dst``, positions
+    that no tap covers (all padding) the lowest value."""
+    taps = [t for t in taps if t[0] < t[1]]
+    if not taps:
+        dst[...] = lowest
+        return
+    lo, hi, src = taps[0]
+    dst[..., :lo] = lowest
+    dst[..., hi:] = lowest
+    dst[..., lo:hi] = src
+    for lo, hi, src in taps[1:]:
+        np.maximum(dst[..., lo:hi], src, out=dst[..., lo:hi])
+
+
+def _max_rows(x: np.ndarray, window, oh: int, top: int, lowest) -> np.ndarray:
+    """[P, OH, W]: per output row, the max over the kernel's row taps (input columns kept)."""
+    kh, sh, dh = window.kernel[0], window.strides[0], window.dilations[0]
+    p, h, w = x.shape
+    v = np.empty((p, oh, w), x.dtype)
+    taps = []
+    for i in range(kh):
+        shift = i * dh - top
+        lo, hi = _tap_range(oh, sh, shift, h)
+        taps.append((lo, hi, x[:, lo * sh + shift:(hi - 1) * sh + shift + 1:sh]))
+    # The tap ranges are along the row axis: run them on the [P, W, OH] view.
+    _max_taps(v.transpose(0, 2, 1), [(lo, hi, t.transpose(0, 2, 1)) for lo, hi, t in taps], lowest)
+    return v
+
+
+def _max_cols(v: np.ndarray, window, ow: int, left: int, lowest, y: np.ndarray) -> None:
+    """y[..., o] = max over the kernel's column taps j of v[..., o*sw + j*dw - left]."""
+    kw, sw, dw = window.kernel[1], window.strides[1], window.dilations[1]
+    w = v.shape[2]
+    taps = []
+    for j in range(kw):
+        shift = j * dw - left
+        lo, hi = _tap_range(ow, sw, shift, w)
+        taps.append((lo, hi, v[:, :, lo * sw + shift:(hi - 1) * sw + shift + 1:sw]))
+    _max_taps(y, taps, lowest)
 
 
 @kernel("AveragePool")
