@@ -17,10 +17,19 @@ from kiln.ir import Graph, evaluate
 from kiln.ir.passes import infer_shapes
 from kiln.runtime import Program
 from kiln.runtime.kernels import cpu
+from kiln.runtime import plan as plan_module
 from kiln.runtime.plan import FRESH_OPS, PlanBuilder, _is_fresh, execute, ufunc_inplace
 from kiln.runtime.program import _choose_cpu
 
 F32 = np.float32
+
+
+@pytest.fixture(autouse=True)
+def inplace_at_any_size(monkeypatch, request):
+    """These tests use small arrays: let them run in place (the default skips outputs of a
+    static size under INPLACE_MIN_BYTES; test_small_static_outputs_stay_out_of_place checks that)."""
+    if "default_threshold" not in request.keywords:
+        monkeypatch.setattr(plan_module, "INPLACE_MIN_BYTES", 0)
 
 
 def plain(program: Program) -> Program:
@@ -430,3 +439,18 @@ def test_elementwise_kernels_declare_the_protocol():
     node = g.op("Div", x, x).producer
     k = cpu.choose(node, node.schema.fill_attrs(node.attrs))
     assert k.fresh and set(k.inplace) == {0, 1}
+
+
+@pytest.mark.default_threshold
+def test_small_static_outputs_stay_out_of_place():
+    def chain(shape):
+        g = Graph("g")
+        x = g.add_input("x", "float32", shape)
+        y = g.op("Relu", g.op("Add", x, x))
+        g.outputs = [g.op("Mul", y, y)]
+        return Program(g)
+
+    assert plan_module.INPLACE_MIN_BYTES > 4 * 8
+    assert inplace_ops(chain((1, 8))) == []
+    big = (1, plan_module.INPLACE_MIN_BYTES // 4)
+    assert inplace_ops(chain(big)) and inplace_ops(chain(("batch", 8)))
