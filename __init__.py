@@ -14,7 +14,8 @@ from kiln.version import __version__
 __all__ = ["__version__", "IR_VERSION", "OPSET_VERSION", "DType", "Graph", "Node", "TensorType", "Value",
            "evaluate", "verify", "KilnError", "FormatError", "InputError", "ShapeInferenceError",
            "UnknownOpError", "VerifyError", "UnsupportedOpError", "TraceCheckError", "TraceWarning",
-           "ExecutionError", "save", "load_graph", "load_graph_from_bytes", "trace", "load", "Program"]
+           "ExecutionError", "save", "load_graph", "load_graph_from_bytes", "trace", "load", "Program",
+           "export_onnx", "import_onnx"]
 
 
 def trace(model, example_inputs, **kwargs):
@@ -22,3 +23,17 @@ def trace(model, example_inputs, **kwargs):
     Imports torch on first use, so ``import kiln`` stays light."""
     from kiln.frontend.trace import trace as _trace
     return _trace(model, example_inputs, **kwargs)
+
+
+def export_onnx(graph, path, **kwargs):
+    """Write a kiln Graph as an ONNX file (see :func:`kiln.serializer.onnx.export_onnx`).
+    Imports onnx on first use; needs ``pip install kiln[onnx]``."""
+    from kiln.runtime.onnxruntime_backend import optional_module
+    return optional_module("kiln.serializer.onnx", "kiln.export_onnx").export_onnx(graph, path, **kwargs)
+
+
+def import_onnx(model, **kwargs):
+    """Read an ONNX model (a path, a ModelProto or its bytes) into a kiln Graph (see
+    :func:`kiln.serializer.onnx_import.import_onnx`). Imports onnx on first use; needs ``pip install kiln[onnx]``."""
+    from kiln.runtime.onnxruntime_backend import optional_module
+    return optional_module("kiln.serializer.onnx_import", "kiln.import_onnx").import_onnx(model, **kwargs)

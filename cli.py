@@ -108,6 +108,17 @@ def _run_export(args: argparse.Namespace) -> int:
     return cmd_export(args)
 
 
+# ---------------------------------------------------------------------------- convert (serializer/convert_cli.py)
+def _add_convert_args(p: argparse.ArgumentParser) -> None:
+    from kiln.serializer.convert_cli import add_convert_args
+    add_convert_args(p)
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from kiln.serializer.convert_cli import cmd_convert
+    return cmd_convert(args)
+
+
 # ---------------------------------------------------------------------------- run, bench (runtime/cli.py)
 def _add_run_args(p: argparse.ArgumentParser) -> None:
     from kiln.runtime.cli import add_run_args
@@ -135,12 +146,15 @@ COMMANDS: dict[str, Command] = {
              _add_info_args, cmd_info),
     "inspect": ("summarize a .kiln file: header, versions, producer, inputs/outputs, op histogram, parameters",
                 _add_inspect_args, cmd_inspect),
-    "export": ("trace a PyTorch model on example inputs and write it as a .kiln file (ONNX output: not yet)",
+    "export": ("trace a PyTorch model on example inputs and write it as a .kiln file and/or an ONNX file",
                _add_export_args, _run_export),
-    "run": ("run a .kiln file on inputs from .npy/.npz/JSON; write outputs to .npz/.npy or print a summary "
-            "(same as python -m kiln.runtime)", _add_run_args, _run_run),
-    "bench": ("time a .kiln file on random inputs (median/p90), optionally per op with --profile",
-              _add_bench_args, _run_bench),
+    "convert": ("convert a .kiln file to ONNX or an ONNX file to .kiln (by the files' suffixes)",
+                _add_convert_args, _run_convert),
+    "run": ("run a .kiln or .onnx file on inputs from .npy/.npz/JSON; write outputs to .npz/.npy or print a "
+            "summary (same as python -m kiln.runtime); --backend onnxruntime runs it in ONNX Runtime",
+            _add_run_args, _run_run),
+    "bench": ("time a .kiln or .onnx file on random inputs (median/p90), optionally per op with --profile; "
+              "--backend onnxruntime times ONNX Runtime", _add_bench_args, _run_bench),
 }
 
 

@@ -1,4 +1,5 @@
-"""``kiln export``: trace a PyTorch model named on the command line and write a .kiln file.
+"""``kiln export``: trace a PyTorch model named on the command line and write a .kiln file, an ONNX
+file (``--onnx``, through kiln's exporter: the same traced, checked and optimized graph), or both.
 
 Imports nothing heavy at module level (``kiln --help`` must not import torch); torch and the
 tracer are imported when the command runs.
@@ -189,9 +190,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     if len(ranks) != len(specs):
         raise KilnError(f"an input is given twice: {', '.join(s[0] for s in specs)}")
     dynamic = _parse_dynamic(args.dynamic, ranks, args.dynamic_batch)
-    folder = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(folder):
-        raise KilnError(f"cannot write {args.output}: the folder {folder} does not exist")
+    _check_outputs(args)
+    if args.onnx:
+        from kiln.runtime.onnxruntime_backend import optional_module
+        optional_module("kiln.serializer.onnx", "--onnx")  # before the slow steps: a missing onnx fails at once
     progress = _Progress()
     with progress.step(f"loading {args.model}"):
         import torch  # importing torch is most of the time here
@@ -211,9 +213,42 @@ def cmd_export(args: argparse.Namespace) -> int:
             optimize(graph)
             verify(graph)
     graph.metadata.props["source"] = args.model
-    path = _save_step(graph, args.output, progress)
-    _print_export_summary(path, nodes_traced, check, warned, progress)
+    if args.output:
+        path = _save_step(graph, args.output, progress)
+        _print_export_summary(path, nodes_traced, check, warned, progress)
+    if args.onnx:
+        _onnx_step(graph, args.onnx, args.opset, progress)
+        if not args.output:
+            print(f"  nodes       {len(graph.nodes)} in kiln's IR (traced {nodes_traced})")
+            print(f"  check       {check}")
     return 0
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """The files to write (-o and/or --onnx), checked before any slow step."""
+    if not args.output and not args.onnx:
+        raise KilnError("nothing to write: give -o FILE.kiln, --onnx FILE.onnx, or both")
+    if args.opset is not None and not args.onnx:
+        raise KilnError("--opset is the ONNX opset of the --onnx file: give --onnx too")
+    if args.onnx and not args.onnx.lower().endswith(".onnx"):
+        raise KilnError(f"--onnx {args.onnx}: the file name must end in .onnx")
+    for target in filter(None, (args.output, args.onnx)):
+        folder = os.path.dirname(os.path.abspath(target))
+        if not os.path.isdir(folder):
+            raise KilnError(f"cannot write {target}: the folder {folder} does not exist")
+
+
+def _onnx_step(graph, output: str, opset: Optional[int], progress: _Progress) -> None:
+    """Write the ONNX file and a one-line summary of it (read back without its external data)."""
+    from kiln.serializer.convert_cli import onnx_summary
+    from kiln.serializer.onnx import export_onnx
+
+    with progress.step(f"writing {output}"):
+        try:
+            export_onnx(graph, output, opset=opset)
+        except OSError as e:
+            raise KilnError(f"cannot write {output}: {e.strerror or e}") from None
+    print(onnx_summary(output))
 
 
 def _save_step(graph, output: str, progress: _Progress):
@@ -255,7 +290,12 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODULE:ATTR",
                    help="a .py file or dotted module name, and the name in it of an nn.Module instance, an nn.Module "
                         "class (built with no arguments, in eval mode) or a factory function returning a module")
-    p.add_argument("-o", "--output", required=True, help="the .kiln file to write")
+    p.add_argument("-o", "--output", help="the .kiln file to write (may be left out when --onnx is given)")
+    p.add_argument("--onnx", metavar="FILE.onnx",
+                   help="also (or, without -o, only) write the graph as ONNX, through kiln's exporter "
+                        "(needs pip install kiln[onnx])")
+    p.add_argument("--opset", type=int, metavar="N", help="the ai.onnx opset of the --onnx file (default: the "
+                                                          "exporter's)")
     p.add_argument("--input", action="append", required=True, metavar="NAME:SHAPE[:DTYPE[:LOW:HIGH]]",
                    help="an example input, by forward() argument name: shape as sizes joined by 'x', dtype "
                         f"(default float32; one of {', '.join(_EXPORT_DTYPES)}); random data: normal floats, ints "
@@ -266,4 +306,5 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-check", action="store_true",
                    help="skip comparing the graph with the model on fresh random inputs")
     p.add_argument("--no-optimize", action="store_true", help="save the graph as traced, without the pass pipeline")
-    p.epilog = "ONNX output (--onnx) is not available yet: it comes with kiln's ONNX exporter."
+    p.epilog = ("Give -o, --onnx or both: both files hold the same traced, checked and (unless --no-optimize) "
+                "optimized graph.")

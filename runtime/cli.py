@@ -1,6 +1,8 @@
 """``kiln run`` / ``python -m kiln.runtime`` and ``kiln bench``: run a .kiln file from the shell.
 
-Only numpy and kiln's runtime are imported, never torch or onnx: this is the deployed path.
+Only numpy and kiln's runtime are imported, never torch or onnx: this is the deployed path. The
+optional paths load onnx/onnxruntime when asked for: a .onnx model (imported into kiln's runtime on
+the fly) and ``--backend onnxruntime`` (the same commands through ONNX Runtime, to compare).
 
 Inputs are taken as they are (no casts): a .npy array of the wrong dtype is an InputError naming
 the input, the expected type and the actual one. JSON is the one exception, because JSON numbers
@@ -33,13 +35,16 @@ _BENCH_SECONDS = 2.0  # what `kiln bench` spends on timed runs when --repeat is 
 
 
 # ---------------------------------------------------------------------------- loading and inputs
-def load_program(path: str):
+BACKENDS = ("kiln", "onnxruntime")  # runtime.program.BACKENDS, repeated so --help imports nothing
+
+
+def load_program(path: str, backend: str = "kiln", threads: Optional[int] = None):
     """``kiln.load`` with a one-line error for a missing file."""
     from kiln.runtime.program import load
 
     if not os.path.isfile(path):
         raise KilnError(f"no such file: {path}")
-    return load(path)
+    return load(path, backend=backend, threads=threads)
 
 
 def read_inputs(specs: Sequence[str], program) -> dict:
@@ -238,8 +243,14 @@ def format_latency(times: np.ndarray, warmup: int) -> str:
 
 
 # ---------------------------------------------------------------------------- kiln run
+def _add_backend_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=BACKENDS, default="kiln",
+                   help="what runs the model: kiln's CPU runtime (default) or ONNX Runtime (needs "
+                        "pip install kiln[onnx]; a .kiln model is converted to ONNX in memory)")
+
+
 def add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="the .kiln file")
+    p.add_argument("model", help="the .kiln file, or a .onnx file (imported on the fly; needs pip install kiln[onnx])")
     p.add_argument("--input", "-i", action="append", default=[], metavar="SPEC",
                    help="NAME=FILE.npy, NAME=FILE.npz (its array NAME, or its only array), NAME=@FILE.json, "
                         "NAME=JSON (e.g. 'x=[[1,2],[3,4]]'), or FILE.npz (every array, by name); repeatable. "
@@ -252,10 +263,11 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                    help="size of a symbolic dim other than the batch, for --random-inputs")
     p.add_argument("--repeat", type=int, default=0, metavar="N", help="also time N runs and print latency stats")
     p.add_argument("--warmup", type=int, default=3, metavar="W", help="untimed runs before --repeat (default 3)")
+    _add_backend_arg(p)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    program = load_program(args.model)
+    program = load_program(args.model, args.backend)
     inputs = read_inputs(args.input, program)
     if args.random_inputs is not None:
         missing = [s for s in program.inputs if s.name not in inputs]
@@ -278,28 +290,40 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- kiln bench
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="the .kiln file")
+    p.add_argument("model", help="the .kiln or .onnx file")
     p.add_argument("--batch", type=int, default=1, metavar="N", help="size of symbolic batch dims (default 1)")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE",
                    help="size of another symbolic dim (e.g. 'seq=128'); repeatable")
     p.add_argument("--threads", type=int, metavar="T",
                    help="BLAS threads: the benchmark runs in a child process with OMP/OPENBLAS/MKL/VECLIB thread "
-                        "variables set to T (BLAS reads them when numpy is imported)")
+                        "variables set to T (BLAS reads them when numpy is imported); with --backend onnxruntime, "
+                        "ONNX Runtime's intra-op threads")
     p.add_argument("--warmup", type=int, default=10, metavar="W", help="untimed runs first (default 10)")
     p.add_argument("--repeat", type=int, metavar="N",
                    help=f"timed runs (default: as many as fit in {_BENCH_SECONDS:g} s, 10 to 10000)")
     p.add_argument("--profile", action="store_true",
-                   help="also time every instruction and print a per-op table (total, share, calls, mean)")
+                   help="also time every instruction and print a per-op table (total, share, calls, mean); "
+                        "kiln backend only")
+    _add_backend_arg(p)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.threads is not None and not _threads_already(args.threads):
+    ort = args.backend == "onnxruntime"
+    if ort and args.profile:
+        raise KilnError("--profile times kiln's own instructions: it works with --backend kiln only "
+                        "(ONNX Runtime has its own profiler: SessionOptions.enable_profiling)")
+    if not ort and args.threads is not None and not _threads_already(args.threads):
         return _bench_in_child(args)
-    program = load_program(args.model)
+    program = load_program(args.model, args.backend, args.threads if ort else None)
     inputs = random_inputs(program.inputs, args.batch, parse_dims(args.dim), floats_only=False)
-    print(f"model    {args.model} ({len(program.graph.nodes)} nodes, {len(program.plan.instructions)} instructions)")
+    if ort:
+        print(f"model    {args.model} (onnxruntime, {', '.join(program.providers)})")
+        threads = "ORT default" if args.threads is None else f"{args.threads} (ORT intra-op threads)"
+    else:
+        print(f"model    {args.model} ({len(program.graph.nodes)} nodes, "
+              f"{len(program.plan.instructions)} instructions)")
+        threads = "BLAS default" if args.threads is None else f"{args.threads} (BLAS thread variables of this process)"
     print("inputs   " + ", ".join(f"{n}: {a.dtype}{format_shape(a.shape)}" for n, a in inputs.items()))
-    threads = "BLAS default" if args.threads is None else f"{args.threads} (BLAS thread variables of this process)"
     print(f"threads  {threads}")
 
     def run() -> object:

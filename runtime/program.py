@@ -1,5 +1,9 @@
 """``kiln.load``: a .kiln file (or a Graph) turned into a Program whose ``run`` is one loop over a
-flat instruction list. No torch, no onnx: numpy (and flatbuffers to read the file)."""
+flat instruction list. No torch, no onnx: numpy (and flatbuffers to read the file).
+
+``load`` is also where the optional ONNX paths branch off: a ``.onnx`` file is imported into a Graph
+first (needs the ``onnx`` package), and ``backend="onnxruntime"`` hands the model to ONNX Runtime
+behind the same interface (runtime/onnxruntime_backend.py). Both are imported only when asked for."""
 from __future__ import annotations
 
 import os
@@ -44,6 +48,8 @@ def _choose_cpu(node: Node, builder: PlanBuilder):
 class Program:
     """A loaded model. ``run`` is safe to call from several threads at once."""
 
+    backend = "kiln"  # which engine runs it (OrtProgram says "onnxruntime")
+
     def __init__(self, graph: Graph):
         tune_allocator()  # large activations stay in the heap between runs (see runtime/allocator.py)
         self.graph = graph
@@ -81,27 +87,32 @@ class Program:
         return a if a.flags.writeable else a.copy()
 
     def _check_inputs(self, inputs: Union[Mapping[str, Any], Sequence[Any]]) -> list:
-        specs = self.inputs
-        if isinstance(inputs, Mapping):
-            missing = [s.name for s in specs if s.name not in inputs]
-            extra = sorted(set(inputs) - {s.name for s in specs})
-            if missing or extra:
-                raise InputError(f"the model takes inputs {[s.name for s in specs]}; missing {missing}"
-                                 + (f", unexpected {extra}" if extra else ""))
-            given = [inputs[s.name] for s in specs]
-        else:
-            given = list(inputs)
-            if len(given) != len(specs):
-                raise InputError(f"the model takes {len(specs)} inputs ({', '.join(s.name for s in specs)}), "
-                                 f"got {len(given)}")
-        arrays, bindings = [], {}
-        for spec, x in zip(specs, given):
-            a = np.asarray(x)
-            earlier = dict(bindings)  # symbols bound by the inputs before this one
-            if not spec.type.matches(a, bindings):
-                raise InputError(_mismatch(spec, a, earlier))
-            arrays.append(a)
-        return arrays
+        return check_inputs(self.inputs, inputs)
+
+
+def check_inputs(specs: Sequence[TensorSpec], inputs: Union[Mapping[str, Any], Sequence[Any]]) -> list:
+    """``inputs`` (by name or in order) as arrays in the order of ``specs``, or an InputError naming the
+    input, the expected type and the actual one. Shared by every backend, so all check alike."""
+    if isinstance(inputs, Mapping):
+        missing = [s.name for s in specs if s.name not in inputs]
+        extra = sorted(set(inputs) - {s.name for s in specs})
+        if missing or extra:
+            raise InputError(f"the model takes inputs {[s.name for s in specs]}; missing {missing}"
+                             + (f", unexpected {extra}" if extra else ""))
+        given = [inputs[s.name] for s in specs]
+    else:
+        given = list(inputs)
+        if len(given) != len(specs):
+            raise InputError(f"the model takes {len(specs)} inputs ({', '.join(s.name for s in specs)}), "
+                             f"got {len(given)}")
+    arrays, bindings = [], {}
+    for spec, x in zip(specs, given):
+        a = np.asarray(x)
+        earlier = dict(bindings)  # symbols bound by the inputs before this one
+        if not spec.type.matches(a, bindings):
+            raise InputError(_mismatch(spec, a, earlier))
+        arrays.append(a)
+    return arrays
 
 
 def _mismatch(spec: TensorSpec, a: np.ndarray, bindings: dict) -> str:
@@ -124,17 +135,47 @@ def _execution_error(plan: Plan, slots: list, e: Exception) -> ExecutionError:
     return ExecutionError(f"{type(e).__name__}: {e}")
 
 
-def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize: bool = True) -> Program:
-    """Load a .kiln file (or take a Graph) and build its execution plan.
+BACKENDS = ("kiln", "onnxruntime")
 
-    ``optimize`` runs the pass pipeline first (a no-op on a file exported optimized)."""
-    if device != "cpu":
+
+def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize: bool = True,
+         backend: str = "kiln", threads: Optional[int] = None):
+    """Load a .kiln or .onnx file (or take a Graph) and make it runnable.
+
+    ``backend="kiln"`` (default): kiln's CPU runtime builds an execution plan; a .onnx file is imported
+    first (``kiln.import_onnx``), and ``optimize`` runs the pass pipeline (a no-op on a file exported
+    optimized). ``backend="onnxruntime"``: an ``OrtProgram`` with the same interface, running in ONNX
+    Runtime (a .kiln file or Graph is exported to ONNX in memory); ``optimize`` is then ORT's own graph
+    optimization, ``device`` 'cpu', 'cuda[:N]' or 'auto' picks its execution provider, and ``threads`` its
+    intra-op thread count (default: ORT's). Both need ``pip install kiln[onnx]``."""
+    if backend == "onnxruntime":
+        from kiln.runtime.onnxruntime_backend import OrtProgram
+        return OrtProgram(model, device=device, optimize=optimize, threads=threads)
+    if backend != "kiln":
+        raise KilnError(f"unknown backend {backend!r}: choose one of {', '.join(map(repr, BACKENDS))}")
+    if device not in ("cpu", "auto"):
         raise KilnError(f"device '{device}' is not available yet: kiln runs on 'cpu' (the CUDA backend is "
-                        "a later stage)")
-    from kiln.serializer.reader import load_graph
-
-    graph = model.copy() if isinstance(model, Graph) else load_graph(model)
+                        "a later stage; backend='onnxruntime' can use CUDA)")
+    if threads is not None:
+        raise KilnError("threads= sets ONNX Runtime's intra-op threads (backend='onnxruntime'); kiln's CPU runtime "
+                        "uses numpy's BLAS threads, set by OMP_NUM_THREADS/OPENBLAS_NUM_THREADS before numpy is "
+                        "imported (see `kiln bench --threads`)")
+    if isinstance(model, Graph):
+        graph = model.copy()
+    elif is_onnx_path(model):
+        if not os.path.isfile(model):
+            raise KilnError(f"no such file: {os.fspath(model)}")
+        from kiln.runtime.onnxruntime_backend import optional_module
+        graph = optional_module("kiln.serializer.onnx_import", "loading .onnx files").import_onnx(model)
+    else:
+        from kiln.serializer.reader import load_graph
+        graph = load_graph(model)
     if optimize:
         from kiln.ir.passes import optimize as run_optimize
         run_optimize(graph)
     return Program(graph)
+
+
+def is_onnx_path(model: Union[str, os.PathLike]) -> bool:
+    """Whether a model path names an ONNX file (by its suffix, as ``kiln convert`` decides)."""
+    return os.fspath(model).lower().endswith(".onnx")

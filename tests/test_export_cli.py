@@ -95,14 +95,6 @@ def test_dotted_module_name_no_check_no_optimize(tmp_path):
     assert f"nodes       {summary['nodes']} (traced {summary['nodes']})" in r.stdout
 
 
-def test_help_says_onnx_is_not_available_yet():
-    r = kiln_cli("export", "--help")
-    assert r.returncode == 0 and "--dynamic-batch" in r.stdout
-    assert "--onnx" in r.stdout and "not available yet" in r.stdout
-    r = kiln_cli("export", f"{EXAMPLES}:MLP", "-o", "m.kiln", "--input", "x:1x64", "--onnx", "m.onnx")
-    assert r.returncode == 2 and "unrecognized arguments: --onnx" in r.stderr
-
-
 # ---------------------------------------------------------------------------- every zoo model
 ZOO_MODULE = """
 import sys

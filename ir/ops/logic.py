@@ -114,6 +114,19 @@ def cast(x, to=REQUIRED, saturate=1):
         return np.asarray(x).astype(target)
 
 
+def _infer_cast_like(ctx: InferContext) -> TensorType:
+    return same_shape(ctx, ctx.input(1).dtype)
+
+
+@op("CastLike", inputs=[In("input", ALL), In("target_type", ALL)], outputs=["output"],
+    attrs=[Attr("saturate", AttrKind.INT, 1)], infer=_infer_cast_like, since_version=1)
+def cast_like(x, target_type, saturate=1):
+    """Cast to the dtype of ``target_type`` (its values are not read); as Cast otherwise. ONNX
+    function bodies (the expanded forms of many activations) use it to type their constants."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.asarray(x).astype(np.asarray(target_type).dtype)
+
+
 # --------------------------------------------------------------------------- float classification
 
 

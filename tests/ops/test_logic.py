@@ -164,6 +164,14 @@ def test_cast_matches_torch(rng, src, dst):
         np.testing.assert_array_equal(out, expected.numpy())
 
 
+@pytest.mark.parametrize("dst", [DType.INT32, DType.FLOAT16, DType.BOOL, DType.FLOAT64])
+def test_cast_like_takes_the_dtype_of_its_second_input(rng, dst):
+    x = np.array([-2.7, -0.5, 0.0, 0.5, 2.7], np.float32)
+    like = np.zeros((3, 1), dst.numpy)
+    (out,) = check_op("CastLike", [x, like], x.astype(dst.numpy), {})
+    assert out.dtype == dst.numpy and out.shape == x.shape
+
+
 def test_cast_semantics():
     x = np.array([-2.7, -0.5, 0.0, 0.5, 2.7, np.nan], np.float32)
     # Float to int truncates toward zero; NaN is nonzero, so it casts to True.

@@ -1,0 +1,538 @@
+"""Export a kiln Graph to ONNX: ``to_onnx_model`` (in memory) and ``export_onnx`` (a file).
+
+Why this is mostly a 1:1 mapping: every kiln op in the default domain *is* an ai.onnx op with
+the semantics of opset 18 (``kiln.ir.versions.ONNX_OPSET_BASE``; Gelu: opset 20), kiln dtypes
+are the ONNX ``TensorProto`` codes, attribute kinds are ONNX's, and If/Loop bodies follow the
+ONNX conventions (If branches take no inputs, a Loop body takes ``(iteration_num, cond,
+carried...)`` and returns ``(cond, carried..., scans...)``, bodies read outer values by name).
+So each node becomes one NodeProto, each value keeps its name, each symbolic dim becomes a
+``dim_param`` of the same name. What is *not* 1:1 lives here:
+
+- **target opset**: 18 by default, 20 when the graph has a Gelu. Any opset from 18 to
+  ``MAX_OPSET`` may be asked for; the ops kiln has changed only by gaining types, optional
+  attributes with the old behaviour as default, or new modes between opset 18 and
+  ``MAX_OPSET`` (checked against ``onnx.defs``), so the same node means the same thing there.
+  Below 18 the meaning of several ops differs (Reduce* axes, Split, Pad), so it is refused.
+- **expansions**: an op that the target opset lacks (Gelu before 20) or that lives in another
+  domain (kiln's future fused ops) is rewritten into ai.onnx nodes by a function registered
+  with :func:`register_expansion`; an op with neither raises ``UnsupportedOpError``.
+- **attributes newer than the opset** (Cast's ``saturate`` arrived in 19) are dropped when
+  they hold kiln's default, which is the only behaviour the older op has.
+- **graph outputs**: ONNX wants each output name once and each subgraph output produced in
+  that subgraph, so a repeated output, or a body output that is an outer value, goes through
+  an ``Identity``.
+- **types**: symbolic dims become ``dim_param``, unknown dims empty Dimensions, an unknown
+  rank no shape at all. onnxruntime accepts the last, but ``onnx.checker`` wants a shape on
+  every *main-graph* input and output, so a graph whose inputs or outputs have unknown rank
+  exports and runs but does not pass the checker (kiln does not invent a rank for it).
+- **node metadata**: ``node.meta`` (the module ``scope`` and ``source`` line the tracer
+  records) goes to the NodeProto's ``metadata_props`` (lossless, read back by importers) and a
+  one-line ``doc_string`` (what viewers such as Netron show).
+- **external data**: a serialized ModelProto must stay under 2 GB (``PROTOBUF_LIMIT``), so
+  ``export_onnx`` moves initializers to ``<file name>.data`` next to the model when the model
+  would not fit (or when asked), using ONNX's external data fields. Large tensors are aligned
+  to 64 KiB in that file, so onnxruntime can memory-map them.
+
+``onnx`` is an optional dependency of kiln (the ``onnx`` extra); only this module imports it.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+
+try:
+    import onnx
+    from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, TypeProto, ValueInfoProto
+    from onnx import helper, numpy_helper
+except ImportError as e:  # pragma: no cover - depends on the environment
+    from kiln.errors import KilnError
+    raise KilnError("ONNX export needs the 'onnx' package: pip install 'kiln[onnx]'") from e
+
+from kiln.errors import KilnError, UnsupportedOpError
+from kiln.ir.dtypes import dtype as as_dtype
+from kiln.ir.graph import Graph, Node, Value
+from kiln.ir.registry import ONNX_DOMAIN, AttrKind
+from kiln.ir.types import TensorType
+from kiln.ir.versions import ONNX_OPSET_BASE
+from kiln.version import __version__
+
+__all__ = ["to_onnx_model", "export_onnx", "register_expansion", "Emitter", "default_opset",
+           "MIN_OPSET", "MAX_OPSET", "GELU_OPSET", "PROTOBUF_LIMIT", "DATA_SUFFIX"]
+
+MIN_OPSET = ONNX_OPSET_BASE  # kiln ops mean what ai.onnx opset 18 says
+MAX_OPSET = 22               # newest opset checked to keep every kiln op's meaning (see module doc)
+GELU_OPSET = 20              # the first ai.onnx opset with Gelu
+PROTOBUF_LIMIT = 2**31 - 1   # protobuf cannot serialize a message of 2 GB or more
+DATA_SUFFIX = ".data"        # external data goes to "<model file name>.data" (model.onnx.data)
+
+_SMALL_ALIGNMENT = 64        # external data alignment of tensors under _BIG_TENSOR bytes
+_BIG_ALIGNMENT = 1 << 16     # of bigger ones: the mmap granularity of every OS onnxruntime runs on
+_BIG_TENSOR = 1 << 20
+_CHUNK = 64 << 20            # write big tensors in 64 MiB pieces
+
+
+# --------------------------------------------------------------------------- expansions
+
+
+Expansion = Callable[["Emitter", Node], None]
+
+
+@dataclass(frozen=True)
+class _Expansion:
+    fn: Expansion
+    native_since: Optional[int]
+
+
+_EXPANSIONS: dict[tuple[str, str], _Expansion] = {}
+
+
+def register_expansion(domain: str, op: str, *, native_since: Optional[int] = None) -> Callable[[Expansion], Expansion]:
+    """Register ``fn(emitter, node)`` that writes ``domain.op`` nodes as ai.onnx nodes.
+
+    The exporter calls it for every such node instead of emitting the node itself. ``fn`` must
+    define each of the node's outputs (``emitter.outputs``) with ONNX nodes added through
+    ``emitter.add`` (reading ``emitter.inputs``; ``emitter.constant`` makes a constant of a
+    value's dtype). ``native_since`` is for ai.onnx ops that newer opsets have natively: the
+    expansion is used only when the target opset is older than it (Gelu: ``native_since=20``).
+    For a kiln-domain fused op leave it None: the expansion is always used::
+
+        @register_expansion("kiln", "FusedMatMulAdd")
+        def _(em, node):
+            y = em.add("MatMul", [em.inputs[0], em.inputs[1]])
+            em.add("Add", [y, em.inputs[2]], outputs=[em.outputs[0]])
+    """
+
+    def deco(fn: Expansion) -> Expansion:
+        key = (domain, op)
+        if key in _EXPANSIONS:
+            raise ValueError(f"an ONNX expansion of {domain + '.' if domain else ''}{op} is already registered")
+        _EXPANSIONS[key] = _Expansion(fn, native_since)
+        return fn
+
+    return deco
+
+
+def _expansion_for(node: Node, opset: int) -> Optional[_Expansion]:
+    e = _EXPANSIONS.get((node.domain, node.op))
+    if e is None or (e.native_since is not None and opset >= e.native_since):
+        return None
+    return e
+
+
+class Emitter:
+    """What an expansion sees: the node's ONNX value names and a way to add ai.onnx nodes.
+
+    ``inputs`` holds the ONNX name of each input ("" for an omitted optional one) and
+    ``outputs`` the names the expansion must define. Added nodes are named
+    ``<node name>/<op>_<k>`` and carry the node's metadata, so they still point at the module
+    that produced them.
+    """
+
+    def __init__(self, builder: "_Builder", node: Node, out: list):
+        self.node = node
+        self.opset = builder.opset
+        self.inputs = [builder.name_of(v) if v is not None else "" for v in node.inputs]
+        self.outputs = [builder.name_of(v) for v in node.outputs]
+        self._builder = builder
+        self._out = out
+
+    def input_type(self, i: int) -> Optional[TensorType]:
+        v = self.node.inputs[i] if i < len(self.node.inputs) else None
+        return None if v is None else v.type
+
+    def add(self, op_type: str, inputs: Sequence[str], *, outputs: Optional[Sequence[str]] = None,
+            num_outputs: int = 1, **attrs) -> Union[str, list]:
+        """Add one ai.onnx node; returns its output name (a list when it has several)."""
+        b = self._builder
+        if outputs is None:
+            outputs = [b.fresh_value(f"{self.node.name}/{op_type.lower()}") for _ in range(num_outputs)]
+        proto = helper.make_node(op_type, list(inputs), list(outputs), name=b.fresh_node(f"{self.node.name}/{op_type}"),
+                                 **attrs)
+        b.annotate(proto, self.node)
+        self._out.append(proto)
+        return outputs[0] if len(outputs) == 1 else list(outputs)
+
+    def constant(self, value: float, like: int = 0) -> str:
+        """A scalar constant of the dtype of input ``like`` (through CastLike when that dtype is
+        not known statically)."""
+        t = self.input_type(like)
+        if t is not None:
+            return self.add("Constant", [], value=numpy_helper.from_array(np.array(value, t.dtype.numpy)))
+        c = self.add("Constant", [], value=numpy_helper.from_array(np.array(value, np.float32)))
+        return self.add("CastLike", [c, self.inputs[like]])
+
+
+@register_expansion(ONNX_DOMAIN, "Gelu", native_since=GELU_OPSET)
+def _expand_gelu(em: Emitter, node: Node) -> None:
+    """Gelu as its opset-20 definition: x * 0.5 * (1 + erf(x / sqrt 2)), or with the tanh
+    approximation x * 0.5 * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3)))."""
+    x = em.inputs[0]
+    approximate = node.attrs.get("approximate", "none")
+    if approximate == "tanh":
+        cube = em.add("Mul", [em.add("Mul", [x, x]), x])
+        inner = em.add("Add", [x, em.add("Mul", [cube, em.constant(0.044715)])])
+        phi = em.add("Tanh", [em.add("Mul", [inner, em.constant(float(np.sqrt(2.0 / np.pi)))])])
+    elif approximate == "none":
+        phi = em.add("Erf", [em.add("Div", [x, em.constant(float(np.sqrt(2.0)))])])
+    else:
+        raise KilnError(f"{node.describe()}: unknown Gelu approximation {approximate!r}")
+    one_plus = em.add("Add", [phi, em.constant(1.0)])
+    em.add("Mul", [em.add("Mul", [x, one_plus]), em.constant(0.5)], outputs=[em.outputs[0]])
+
+
+# --------------------------------------------------------------------------- types and tensors
+
+
+def _type_proto(t: TensorType) -> TypeProto:
+    """Symbolic dims become dim_param, unknown dims an empty Dimension, an unknown rank no shape."""
+    tp = TypeProto()
+    tt = tp.tensor_type
+    tt.elem_type = t.dtype.value
+    if t.shape is not None:
+        tt.shape.SetInParent()  # a rank-0 shape is an empty but present shape
+        for d in t.shape:
+            dim = tt.shape.dim.add()
+            if isinstance(d, int):
+                dim.dim_value = d
+            elif isinstance(d, str):
+                dim.dim_param = d
+    return tp
+
+
+def _value_info(name: str, t: Optional[TensorType]) -> ValueInfoProto:
+    vi = ValueInfoProto()
+    vi.name = name
+    if t is not None:
+        vi.type.CopyFrom(_type_proto(t))
+    return vi
+
+
+def _tensor_header(arr: np.ndarray, name: str, t: TensorProto) -> None:
+    """Give ``t`` a name, dtype and dims, but no data yet."""
+    t.name = name
+    t.data_type = as_dtype(arr.dtype).value
+    t.dims.extend(int(d) for d in arr.shape)
+
+
+def _raw_view(arr: np.ndarray) -> memoryview:
+    """The bytes ONNX's raw_data holds: C order, little endian (bool as one byte, float16 and
+    bfloat16 as their 16-bit patterns). A view, without a copy, for a little-endian array."""
+    a = np.ascontiguousarray(arr)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
+def _tensor(arr: np.ndarray, name: str = "") -> TensorProto:
+    arr = np.asarray(arr)
+    as_dtype(arr.dtype)  # a clear error for a dtype kiln does not support
+    return numpy_helper.from_array(arr, name)
+
+
+# --------------------------------------------------------------------------- the builder
+
+
+def default_opset(graph: Graph) -> int:
+    """18, or 20 when the graph (or a body) has a Gelu, so Gelu is written as itself."""
+    return GELU_OPSET if any(n.op == "Gelu" and n.domain == ONNX_DOMAIN for n in graph.walk()) else MIN_OPSET
+
+
+def _check_opset(opset: int) -> int:
+    if not isinstance(opset, (int, np.integer)) or isinstance(opset, bool):
+        raise KilnError(f"opset must be an int, not {opset!r}")
+    if not MIN_OPSET <= opset <= MAX_OPSET:
+        raise KilnError(f"kiln exports ai.onnx opsets {MIN_OPSET} to {MAX_OPSET}, not {opset}: kiln ops have "
+                        f"opset-{MIN_OPSET} semantics, which older opsets cannot express")
+    return int(opset)
+
+
+class _Builder:
+    """Builds the ModelProto of one graph. Tensors of ``defer_bytes`` bytes or more that are
+    initializers are left without data and listed in ``deferred``: the caller decides whether
+    they go inline or to an external data file once the size of everything else is known."""
+
+    def __init__(self, graph: Graph, opset: int, defer_bytes: Optional[int] = None):
+        self.graph = graph
+        self.opset = opset
+        self.defer_bytes = defer_bytes
+        self.deferred: list[tuple[TensorProto, np.ndarray]] = []
+        self._names: dict[int, str] = {}
+        self._used_values: set[str] = set()
+        self._used_nodes: set[str] = set()
+        self._counters: dict[str, int] = {}
+        for g in graph.all_graphs():
+            for v in g.values():
+                if v.name:
+                    self._used_values.add(v.name)
+            self._used_nodes.update(n.name for n in g.nodes if n.name)
+
+    # ---- names: kiln names are unique and non-empty already, ONNX accepts any such string
+    def name_of(self, v: Value) -> str:
+        name = self._names.get(id(v))
+        if name is None:
+            name = v.name if v.name else self.fresh_value("value")
+            self._names[id(v)] = name
+        return name
+
+    def _fresh(self, hint: str, used: set) -> str:
+        if hint and hint not in used:
+            used.add(hint)
+            return hint
+        base = hint or "v"
+        while True:
+            k = self._counters.get(base, 0) + 1
+            self._counters[base] = k
+            name = f"{base}_{k}"
+            if name not in used:
+                used.add(name)
+                return name
+
+    def fresh_value(self, hint: str) -> str:
+        return self._fresh(hint, self._used_values)
+
+    def fresh_node(self, hint: str) -> str:
+        return self._fresh(hint, self._used_nodes)
+
+    # ---- model
+    def model(self) -> ModelProto:
+        g = self.graph
+        for name, value in (("inputs", g.inputs), ("outputs", g.outputs)):
+            for v in value:
+                if v.type is None:
+                    raise KilnError(f"graph {name[:-1]} '{v.name}' has no type; run kiln.ir.passes.infer_shapes(graph) "
+                                    "before exporting to ONNX")
+        opset_ids = [helper.make_opsetid(ONNX_DOMAIN, self.opset)]
+        model = ModelProto()
+        # The oldest IR version that can carry this opset, so older runtimes load the file.
+        model.ir_version = helper.find_min_ir_version_for(opset_ids)
+        model.opset_import.extend(opset_ids)
+        model.producer_name = "kiln"
+        model.producer_version = __version__
+        meta = g.metadata
+        if meta.doc_string:
+            model.doc_string = meta.doc_string
+        props = {str(k): str(v) for k, v in meta.props.items()}
+        if (meta.producer_name, meta.producer_version) != ("kiln", __version__) and meta.producer_name:
+            props.setdefault("kiln.source_producer", f"{meta.producer_name} {meta.producer_version}".strip())
+        for k in sorted(props):
+            p = model.metadata_props.add()
+            p.key, p.value = k, props[k]
+        self.graph_proto(g, model.graph)
+        return model
+
+    def graph_proto(self, g: Graph, gp: GraphProto) -> None:
+        """Fill ``gp`` (in place: protobuf copies on assignment, and weights should not be copied)."""
+        gp.name = g.name or ("main" if g.parent is None else self.fresh_node("body"))
+        top = g.parent is None
+        nodes: list[NodeProto] = []
+        for n in g.nodes:
+            self.emit(n, nodes)
+        for v in g.initializers.values():
+            self.initializer(v, gp.initializer.add())
+        gp.input.extend(_value_info(self.name_of(v), v.type) for v in g.inputs)
+        seen: set[str] = set()
+        outputs = []
+        for v in g.outputs:
+            name = self.name_of(v)
+            # A repeated output, or a body output defined outside the body, goes through an
+            # Identity: ONNX wants output names unique and body outputs computed in the body.
+            if name in seen or (not top and v.graph is not g):
+                copy = self.fresh_value(f"{name}_out")
+                node = helper.make_node("Identity", [name], [copy], name=self.fresh_node(f"{name}_out"))
+                nodes.append(node)
+                name = copy
+            seen.add(name)
+            outputs.append(_value_info(name, v.type))
+        gp.node.extend(nodes)
+        gp.output.extend(outputs)
+        out_names = {vi.name for vi in outputs}
+        for n in g.nodes:
+            for v in n.outputs:
+                name = self.name_of(v)
+                if v.type is not None and name not in out_names:
+                    gp.value_info.append(_value_info(name, v.type))
+
+    def initializer(self, v: Value, t: TensorProto) -> None:
+        arr = v.const
+        if self.defer_bytes is not None and arr.nbytes >= self.defer_bytes:
+            _tensor_header(arr, self.name_of(v), t)
+            self.deferred.append((t, arr))
+        else:
+            t.CopyFrom(_tensor(arr, self.name_of(v)))
+
+    # ---- nodes
+    def emit(self, node: Node, out: list) -> None:
+        expansion = _expansion_for(node, self.opset)
+        if expansion is not None:
+            expansion.fn(Emitter(self, node, out), node)
+            return
+        if node.domain != ONNX_DOMAIN:
+            raise UnsupportedOpError(
+                f"{node.describe()}: op '{node.qualified_op}' has no ONNX form; register one with "
+                f"kiln.serializer.onnx.register_expansion({node.domain!r}, {node.op!r})")
+        try:
+            schema = onnx.defs.get_schema(node.op, self.opset, ONNX_DOMAIN)
+        except onnx.defs.SchemaError:
+            raise UnsupportedOpError(f"{node.describe()}: ai.onnx opset {self.opset} has no op '{node.op}'") from None
+        proto = NodeProto()
+        proto.op_type = node.op
+        proto.name = node.name
+        inputs = [self.name_of(v) if v is not None else "" for v in node.inputs]
+        while inputs and inputs[-1] == "":
+            inputs.pop()
+        proto.input.extend(inputs)
+        proto.output.extend(self.name_of(v) for v in node.outputs)
+        kiln_schema = node.schema
+        for k in sorted(node.attrs):
+            value = node.attrs[k]
+            spec = kiln_schema.attrs[k]
+            if k not in schema.attributes:
+                if not spec.required and _same(value, spec.default):
+                    continue  # an attribute newer than the opset, holding the only behaviour the opset has
+                raise UnsupportedOpError(f"{node.describe()}: attribute {k}={value!r} needs a newer opset than "
+                                         f"{self.opset} (ai.onnx {node.op}-{schema.since_version} lacks it)")
+            self.attribute(k, spec.kind, value, proto.attribute.add())
+        self.annotate(proto, node)
+        out.append(proto)
+
+    def annotate(self, proto: NodeProto, node: Node) -> None:
+        if not node.meta:
+            return
+        for k in sorted(node.meta):
+            p = proto.metadata_props.add()
+            p.key, p.value = str(k), str(node.meta[k])
+        scope, source = node.meta.get("scope"), node.meta.get("source")
+        doc = " ".join(s for s in (scope, f"[{source}]" if source else "") if s)
+        if doc:
+            proto.doc_string = doc
+
+    def attribute(self, name: str, kind: AttrKind, value, a: AttributeProto) -> None:
+        a.name = name
+        if kind is AttrKind.INT:
+            a.type, a.i = AttributeProto.INT, int(value)
+        elif kind is AttrKind.FLOAT:
+            a.type, a.f = AttributeProto.FLOAT, float(value)
+        elif kind is AttrKind.STRING:
+            a.type, a.s = AttributeProto.STRING, value.encode("utf-8")
+        elif kind is AttrKind.INTS:
+            a.type = AttributeProto.INTS
+            a.ints.extend(int(x) for x in value)
+        elif kind is AttrKind.FLOATS:
+            a.type = AttributeProto.FLOATS
+            a.floats.extend(float(x) for x in value)
+        elif kind is AttrKind.STRINGS:
+            a.type = AttributeProto.STRINGS
+            a.strings.extend(s.encode("utf-8") for s in value)
+        elif kind is AttrKind.TENSOR:
+            a.type = AttributeProto.TENSOR
+            a.t.CopyFrom(_tensor(value))
+        elif kind is AttrKind.GRAPH:
+            a.type = AttributeProto.GRAPH
+            self.graph_proto(value, a.g)
+        else:  # pragma: no cover - AttrKind is closed
+            raise KilnError(f"attribute kind {kind} has no ONNX form")
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    except (TypeError, ValueError):
+        return False
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def to_onnx_model(graph: Graph, *, opset: Optional[int] = None) -> ModelProto:
+    """The ONNX model of ``graph``, in memory, with every tensor inline.
+
+    ``opset`` is the ai.onnx opset to write (default: :func:`default_opset`). Every value
+    of the graph's inputs and outputs must have a type (run ``infer_shapes`` first). A model
+    with 2 GB of weights or more cannot be serialized inline: use :func:`export_onnx`, which
+    moves them to an external data file."""
+    opset = default_opset(graph) if opset is None else _check_opset(opset)
+    return _Builder(graph, opset).model()
+
+
+def export_onnx(graph: Graph, path: Union[str, os.PathLike], *, opset: Optional[int] = None,
+                external_data: Optional[bool] = None, size_threshold: int = 1024) -> Path:
+    """Write ``graph`` to ``path`` as an ONNX model; returns the path.
+
+    ``external_data``: None (default) stores initializers in ``<file name>.data`` next to the
+    model only when the model would otherwise reach protobuf's 2 GB limit (``PROTOBUF_LIMIT``);
+    True always does, False never does (and fails for a model that big). Only initializers of
+    ``size_threshold`` bytes or more go to the data file. Written atomically: the files are
+    written under temporary names in the target folder and renamed into place (data first), so a
+    reader never sees half a model.
+    """
+    path = Path(path)
+    opset = default_opset(graph) if opset is None else _check_opset(opset)
+    if size_threshold < 0:
+        raise KilnError(f"size_threshold must be >= 0, not {size_threshold}")
+    builder = _Builder(graph, opset, defer_bytes=None if external_data is False else size_threshold)
+    model = builder.model()
+    skeleton = model.ByteSize()
+    # Inline, each deferred tensor adds its bytes plus a raw_data field header (tag + length).
+    inline = skeleton + sum(arr.nbytes + 16 for _, arr in builder.deferred)
+    external = bool(external_data) if external_data is not None else inline > PROTOBUF_LIMIT
+    data_path = path.with_name(path.name + DATA_SUFFIX)
+    if not external:
+        for t, arr in builder.deferred:
+            t.raw_data = _raw_view(arr).tobytes()
+        if inline > PROTOBUF_LIMIT:
+            raise KilnError(f"the ONNX model of '{graph.name}' is {inline / 2**30:.2f} GiB, over protobuf's 2 GB "
+                            "limit: export it with external_data=True (or None)")
+    elif skeleton > PROTOBUF_LIMIT:
+        raise KilnError(f"the ONNX model of '{graph.name}' is over protobuf's 2 GB limit even without its "
+                        f"initializers ({skeleton / 2**30:.2f} GiB)")
+    folder = path.parent if str(path.parent) else Path(".")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder))
+    try:
+        mode = 0o644 & ~_umask()
+        if external:
+            _write_external(tmp / "data", builder.deferred, data_path.name)
+            os.chmod(tmp / "data", mode)
+        with open(tmp / "model", "wb") as f:
+            f.write(model.SerializeToString())
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp / "model", mode)
+        if external:
+            os.replace(tmp / "data", data_path)
+        os.replace(tmp / "model", path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _write_external(file: Path, tensors: list, location: str) -> None:
+    """Write the deferred tensors' bytes to ``file`` and point their protos at it."""
+    pos = 0
+    with open(file, "wb") as f:
+        for t, arr in tensors:
+            raw = _raw_view(arr)
+            align = _BIG_ALIGNMENT if raw.nbytes >= _BIG_TENSOR else _SMALL_ALIGNMENT
+            offset = -(-pos // align) * align
+            f.write(b"\0" * (offset - pos))
+            for start in range(0, raw.nbytes, _CHUNK):
+                f.write(raw[start:start + _CHUNK])
+            pos = offset + raw.nbytes
+            t.data_location = TensorProto.EXTERNAL
+            del t.external_data[:]
+            for k, v in (("location", location), ("offset", str(offset)), ("length", str(raw.nbytes))):
+                e = t.external_data.add()
+                e.key, e.value = k, v
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -1,0 +1,642 @@
+"""Import ONNX models into kiln: ``import_onnx(path | ModelProto | bytes) -> Graph``.
+
+An ONNX graph maps almost one to one onto kiln's IR, because kiln's ops *are* ai.onnx ops
+(opset 18 semantics, Gelu from opset 20) and kiln's dtype codes are ONNX's. What this module
+adds is everything around that mapping that must not go silently wrong:
+
+Opsets. A node's meaning depends on the model's ai.onnx opset. For each node we look up, with
+``onnx.defs``, the version of its op in effect at the model's opset and compare it with the
+version kiln implements (the one in effect at opset 18):
+
+- equal: same semantics, imported as is (most nodes of most models, whatever the opset);
+- older (model opset < 18): the model is upgraded with ``onnx.version_converter`` first, and
+  only when some node needs it (the converter is slow, and fails on some ops it need not touch);
+- newer (model opset > 18): accepted only for ops in ``SAME_SEMANTICS_AS_18``, a reviewed list of
+  version bumps that only added element types or an attribute whose default keeps the old
+  meaning (kiln's schema then rejects the attribute if a model sets it); anything else is an
+  ``UnsupportedOpError`` naming the op, node, opset and the version kiln implements.
+
+Ops kiln lacks, other domains (com.microsoft, ai.onnx.ml), element types kiln has no dtype for
+(string, float8, uint32...), non-tensor values (sequences, maps, optionals) and attributes
+kiln's schema lacks all raise ``UnsupportedOpError`` naming the op, node, domain and opset.
+Malformed models (undefined names, duplicate definitions, broken external data) raise
+``FormatError``. Nothing is dropped or approximated.
+
+Constants. ``Constant`` nodes are folded into initializers (of the graph, or subgraph, they sit
+in) under their output names: kiln's shape inference reads constant inputs only from
+initializers, so shape tensors given as Constants (Reshape/Slice/Unsqueeze arguments, as
+``torch.onnx.export`` writes them) resolve at import time, and a .kiln file stores constants
+as initializers anyway. Initializers also listed as graph inputs (IR version < 4) are constants.
+
+External data. Locations must name a regular file inside the model's folder: absolute paths,
+``..`` components and symlinks resolving outside are rejected, as are offsets/lengths that
+exceed the file or disagree with the tensor's size. The data is read straight into the numpy
+array (no intermediate copy into the protobuf).
+
+Names. kiln needs value names unique across a graph and all its subgraphs, while ONNX lets
+sibling subgraphs (If branches) reuse names and lets names be empty. Graph inputs, outputs and
+initializers of the main graph keep their names exactly; other values keep theirs when unique
+and free of whitespace, else get ``name_N``. Reads resolve through nested scopes, so a subgraph
+may read values of enclosing graphs (outer-scope references) by their ONNX names.
+
+Types. Input/output types come from the model (``dim_param`` -> symbol str, ``dim_value`` -> int,
+missing -> None); everything else is inferred node by node while building, with the same
+algorithm as ``kiln.ir.passes.infer_shapes`` (subgraphs first), so a Loop body input the model
+leaves untyped can take the type of the value fed to it. ``value_info`` entries are hints
+that kiln's inference supersedes, and are not used.
+
+Model-local functions (as written by the dynamo exporter) are inlined with ``onnx.inliner``
+before anything else.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import numpy as np
+import onnx
+from onnx import AttributeProto, TensorProto, numpy_helper
+
+import kiln.ir.ops  # noqa: F401  (registers every op)
+from kiln.errors import FormatError, KilnError, UnsupportedOpError
+from kiln.ir.dtypes import DType
+from kiln.ir.graph import Graph, Value
+from kiln.ir.passes.shape_inference import infer_node
+from kiln.ir.registry import KILN_DOMAIN, ONNX_DOMAIN, all_op_names, get_schema, has_op
+from kiln.ir.types import TensorType
+from kiln.ir.verifier import verify
+from kiln.ir.versions import ONNX_OPSET_BASE
+
+ModelLike = Union[str, os.PathLike, bytes, bytearray, "onnx.ModelProto"]
+
+# Ops whose kiln implementation follows a later ai.onnx version than the base opset.
+KILN_ONNX_VERSION = {"Gelu": 20}
+
+# Ops whose versions after opset 18 keep opset-18 semantics for everything kiln can express,
+# with the newest version checked (a later version is rejected until reviewed). Reviewed
+# against the onnx 1.23 schemas (type constraints, attributes, docs):
+SAME_SEMANTICS_AS_18 = {
+    # 19 adds `dilations` (kiln's schema lacks it: rejected when set); 22 adds bfloat16 and
+    # spells out the ceil_mode rule kiln already follows (no window starts in the end padding).
+    "AveragePool": 22, "MaxPool": 22,
+    # 19 adds float8 types and `saturate` (float8 only; kiln has the attribute); 21/23/24/25/28
+    # add int4/float4/float8e8m0/int2/float6 types; 24 adds `round_mode` (float8e8m0 only).
+    "Cast": 28,
+    # New element types only (int4/uint4, float4, float8e8m0, int2/uint2...).
+    "Constant": 25, "ConstantOfShape": 25, "Flatten": 25, "Identity": 25, "If": 25, "Loop": 25,
+    "Reshape": 25, "Shape": 25, "Size": 25, "Squeeze": 25, "Transpose": 25, "Unsqueeze": 25,
+    # 19 adds mode 'wrap' (rejected by _version_condition), later versions types only.
+    "Pad": 25,
+    # 19: string inputs. 20: float8 inputs. 20: bool inputs (False < True).
+    "Equal": 19, "IsInf": 20, "IsNaN": 20, "ReduceMax": 20, "ReduceMin": 20,
+    # 22: bfloat16 added.
+    "Conv": 22, "ConvTranspose": 22, "Cos": 22, "Sin": 22, "Dropout": 22, "Elu": 22,
+    "GlobalAveragePool": 22, "GlobalMaxPool": 22, "HardSigmoid": 22, "HardSwish": 22,
+    "InstanceNormalization": 22, "Mish": 22, "Selu": 22, "Softplus": 22, "Softsign": 22,
+    # 24/28: bfloat16 added; DepthToSpace-28's schema is identical to 13's.
+    "TopK": 24, "Einsum": 28, "DepthToSpace": 28,
+    # 28 adds `mode` whose default (DCR) is the old behaviour (kiln rejects the attribute).
+    "SpaceToDepth": 28,
+}
+# Not listed on purpose: Range-27 (stash_type changes float16/bfloat16 results).
+
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+_KILN_DTYPES = {d.value: d for d in DType}
+
+
+def import_onnx(model: ModelLike, *, base_dir: Optional[Union[str, os.PathLike]] = None,
+                check: bool = True) -> Graph:
+    """Import an ONNX model (a path, an ``onnx.ModelProto`` or serialized bytes) as a kiln Graph.
+
+    ``base_dir`` is the folder external tensor data is read from (default: the model file's
+    folder; required for a proto/bytes model with external data). The graph's types are
+    inferred while it is built; ``check`` also runs ``kiln.ir.verify`` on the result.
+    Raises ``UnsupportedOpError`` for anything kiln cannot represent exactly and
+    ``FormatError`` for a malformed model.
+    """
+    proto, base = _load(model, base_dir)
+    if len(proto.functions):
+        try:
+            from onnx import inliner
+            proto = inliner.inline_local_functions(proto)
+        except Exception as e:  # noqa: BLE001 - the inliner raises plain C++ errors
+            raise UnsupportedOpError(f"could not inline the model's local functions: {e}") from e
+    opset = _default_opset(proto)
+    if _check_ops(proto.graph, opset, _opset_imports(proto)) and opset is not None:
+        proto = _convert(proto, opset)
+        opset = ONNX_OPSET_BASE
+        _check_ops(proto.graph, opset, _opset_imports(proto))
+    graph = _Importer(proto, base, opset).run()
+    if check:
+        verify(graph)
+    return graph
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _load(model: ModelLike, base_dir) -> tuple["onnx.ModelProto", Optional[Path]]:
+    base = None if base_dir is None else Path(base_dir)
+    if isinstance(model, onnx.ModelProto):
+        return model, base
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        proto = onnx.ModelProto()
+        try:
+            proto.ParseFromString(bytes(model))
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends
+            raise FormatError(f"not a valid ONNX model ({len(model)} bytes): {e}") from e
+        return proto, base
+    if isinstance(model, (str, os.PathLike)):
+        path = Path(model)
+        if not path.is_file():
+            raise FormatError(f"ONNX model file '{path}' does not exist")
+        try:
+            proto = onnx.load(str(path), load_external_data=False)
+        except Exception as e:  # noqa: BLE001
+            raise FormatError(f"'{path}' is not a valid ONNX model: {e}") from e
+        return proto, base if base is not None else path.parent
+    raise TypeError(f"import_onnx takes a path, an onnx.ModelProto or bytes, not {type(model).__name__}")
+
+
+def _opset_imports(proto) -> dict:
+    return {("" if o.domain in _DEFAULT_DOMAINS else o.domain): o.version for o in proto.opset_import}
+
+
+def _default_opset(proto) -> Optional[int]:
+    """The model's ai.onnx opset (None when it imports none: then only other domains may appear,
+    which kiln rejects op by op)."""
+    return _opset_imports(proto).get("")
+
+
+def _convert(proto, opset: int):
+    from onnx import version_converter
+    try:
+        return version_converter.convert_version(proto, ONNX_OPSET_BASE)
+    except Exception as e:  # noqa: BLE001 - the converter raises plain C++ errors
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnsupportedOpError(
+            f"the model uses ai.onnx opset {opset}; kiln implements opset {ONNX_OPSET_BASE} and "
+            f"onnx.version_converter could not upgrade it: {msg}") from e
+
+
+# --------------------------------------------------------------------------- opset checks
+
+
+@functools.lru_cache(maxsize=None)
+def _onnx_since(op: str, opset: int) -> Optional[int]:
+    """The since_version of ai.onnx ``op`` in effect at ``opset`` (None: not defined there)."""
+    try:
+        return onnx.defs.get_schema(op, max_inclusive_version=opset, domain="").since_version
+    except onnx.defs.SchemaError:
+        return None
+
+
+def _kiln_since(op: str) -> Optional[int]:
+    return KILN_ONNX_VERSION.get(op) or _onnx_since(op, ONNX_OPSET_BASE)
+
+
+def _node_label(n, where: str) -> str:
+    """How errors name an ONNX node: by name, else by its first output."""
+    if n.name:
+        name = f"node '{n.name}'"
+    else:
+        first = next((o for o in n.output if o), "")
+        name = f"the unnamed node writing '{first}'" if first else "an unnamed node"
+    return f"{name}{where}"
+
+
+def _check_ops(g, opset: Optional[int], imports: dict, where: str = "") -> bool:
+    """Raise UnsupportedOpError for the first node kiln cannot import at ``opset``; return
+    whether some node needs the model upgraded to opset 18 first."""
+    needs_upgrade = False
+    for n in g.node:
+        domain = "" if n.domain in _DEFAULT_DOMAINS else n.domain
+        label = _node_label(n, where)
+        if domain != "":
+            if domain == KILN_DOMAIN and has_op(n.op_type, KILN_DOMAIN):
+                continue
+            raise UnsupportedOpError(
+                f"op '{n.op_type}' of domain '{domain}' (opset {imports.get(domain, '?')}) in {label} is not "
+                f"supported: kiln implements ai.onnx ops only")
+        if opset is None:
+            raise FormatError(f"{label} uses ai.onnx op '{n.op_type}', but the model imports no ai.onnx opset")
+        if not has_op(n.op_type, ONNX_DOMAIN):
+            raise UnsupportedOpError(
+                f"op '{n.op_type}' (domain ai.onnx, opset {opset}) in {label} is not supported by kiln "
+                f"(kiln's ops: kiln.ir.registry.all_op_names(), {len(all_op_names())} of them)")
+        theirs, ours = _onnx_since(n.op_type, opset), _kiln_since(n.op_type)
+        if theirs is None:
+            raise UnsupportedOpError(
+                f"op '{n.op_type}' in {label} is not defined in ai.onnx opset {opset} "
+                f"(kiln implements {n.op_type}-{ours})")
+        if theirs < ours:
+            needs_upgrade = True
+        elif theirs > ours and not _same_semantics(n, theirs, label):
+            raise UnsupportedOpError(
+                f"op '{n.op_type}' (domain ai.onnx) in {label}: the model's opset {opset} means "
+                f"{n.op_type}-{theirs}, whose semantics differ from {n.op_type}-{ours} that kiln implements "
+                f"(kiln follows ai.onnx opset {ONNX_OPSET_BASE}, Gelu opset 20)")
+        for a in n.attribute:
+            for sub in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)):
+                inner = f" in subgraph '{a.name}' of {label}"
+                needs_upgrade |= _check_ops(sub, opset, imports, inner)
+    return needs_upgrade
+
+
+def _refuse_unsupported_modes(n, inputs: list, attrs: dict, out_names: list, label: str) -> None:
+    """Uses of an op kiln registers that its inference-only kernels do not implement: refused
+    by name here rather than failing later in shape inference or at run time (a refusal, not
+    a wrong graph)."""
+    if n.op_type == "Dropout" and len(inputs) > 2 and inputs[2] is not None:
+        mode = inputs[2].const
+        if mode is None or bool(np.asarray(mode).reshape(-1)[0]):
+            what = "True" if mode is not None else "a computed value"
+            raise UnsupportedOpError(f"{label} (Dropout): training_mode is {what}; kiln runs inference only "
+                                     f"(Dropout with training_mode absent or a constant False)")
+    if n.op_type == "BatchNormalization" and attrs.get("training_mode", 0):
+        raise UnsupportedOpError(f"{label} (BatchNormalization): training_mode=1 (batch statistics and running "
+                                 f"mean/var outputs) is not supported; kiln implements inference mode only")
+    if n.op_type == "MaxPool" and len(out_names) > 1 and out_names[1]:
+        raise UnsupportedOpError(f"{label} (MaxPool): the Indices output is not supported; kiln's MaxPool "
+                                 f"returns the pooled values only")
+
+
+def _same_semantics(n, since: int, label: str) -> bool:
+    newest = SAME_SEMANTICS_AS_18.get(n.op_type)
+    if newest is None or since > newest:
+        return False
+    if n.op_type == "Pad":
+        mode = next((a.s for a in n.attribute if a.name == "mode"), b"constant")
+        if mode == b"wrap":
+            raise UnsupportedOpError(f"op 'Pad' (domain ai.onnx) in {label}: mode 'wrap' (added in Pad-19) is not "
+                                     f"supported; kiln implements Pad-18 (modes constant, reflect, edge)")
+    return True
+
+
+# --------------------------------------------------------------------------- tensors and types
+
+
+def _dtype(code: int, what: str) -> DType:
+    dt = _KILN_DTYPES.get(code)
+    if dt is None:
+        name = TensorProto.DataType.Name(code) if code in TensorProto.DataType.values() else str(code)
+        supported = ", ".join(d.short for d in DType)
+        raise UnsupportedOpError(f"{what} has element type {name}, which kiln does not support ({supported})")
+    return dt
+
+
+def _type(tp, what: str) -> Optional[TensorType]:
+    """A kiln TensorType from an ONNX TypeProto (None when the model gives no type)."""
+    kind = tp.WhichOneof("value")
+    if kind is None:
+        return None
+    if kind != "tensor_type":
+        raise UnsupportedOpError(f"{what} is of ONNX type {kind.replace('_type', '')}; kiln supports tensors only")
+    tt = tp.tensor_type
+    if tt.elem_type == TensorProto.UNDEFINED:
+        return None
+    dt = _dtype(tt.elem_type, what)
+    if not tt.HasField("shape"):
+        return TensorType(dt, None)
+    dims = []
+    for d in tt.shape.dim:
+        which = d.WhichOneof("value")
+        if which == "dim_value" and d.dim_value >= 0:
+            dims.append(int(d.dim_value))
+        elif which == "dim_param" and d.dim_param:
+            dims.append(d.dim_param)
+        else:
+            dims.append(None)
+    return TensorType(dt, dims)
+
+
+def _inside(base: Path, location: str, what: str) -> Path:
+    """The file ``location`` names, checked to lie inside ``base`` (no absolute paths, no '..',
+    no symlink leading out)."""
+    if (not location or os.path.isabs(location) or location.startswith(("/", "\\"))
+            or re.match(r"^[A-Za-z]:", location)):
+        raise FormatError(f"{what}: external data location '{location}' must be a relative path "
+                          f"inside the model's folder")
+    if ".." in re.split(r"[\\/]", location):
+        raise FormatError(f"{what}: external data location '{location}' leaves the model's folder ('..')")
+    root = os.path.realpath(base)
+    full = os.path.realpath(os.path.join(root, location))
+    if os.path.commonpath([root, full]) != root:
+        raise FormatError(f"{what}: external data location '{location}' resolves to '{full}', "
+                          f"outside the model's folder '{root}' (a symlink?)")
+    if not os.path.isfile(full):
+        raise FormatError(f"{what}: external data file '{location}' does not exist in '{root}'")
+    return Path(full)
+
+
+class _Tensors:
+    """Reads TensorProtos (inline or external) into numpy arrays of kiln dtypes."""
+
+    def __init__(self, base: Optional[Path]):
+        self.base = base
+
+    def array(self, t, what: str) -> np.ndarray:
+        dt = _dtype(t.data_type, what)
+        if t.HasField("segment"):
+            raise UnsupportedOpError(f"{what} is a segmented tensor, which kiln does not read")
+        if t.data_location == TensorProto.EXTERNAL:
+            return self._external(t, dt, what)
+        try:
+            arr = numpy_helper.to_array(t)
+        except Exception as e:  # noqa: BLE001
+            raise FormatError(f"{what}: cannot decode its data: {e}") from e
+        if arr.dtype != dt.numpy:
+            arr = arr.astype(dt.numpy)
+        return arr
+
+    def _external(self, t, dt: DType, what: str) -> np.ndarray:
+        info = {e.key: e.value for e in t.external_data}
+        location = info.get("location", "")
+        if self.base is None:
+            raise FormatError(f"{what} keeps its data in external file '{location}'; pass base_dir= "
+                              f"(the folder holding it) to import a model given as a proto or bytes")
+        path = _inside(self.base, location, what)
+        size = path.stat().st_size
+        try:
+            offset = int(info.get("offset", 0))
+            length = int(info["length"]) if "length" in info else size - offset
+        except ValueError as e:
+            raise FormatError(f"{what}: bad external data offset/length: {e}") from e
+        dims = tuple(int(d) for d in t.dims)
+        count = int(np.prod(dims, dtype=np.int64))
+        want = count * dt.itemsize
+        if offset < 0 or length < 0 or offset + length > size:
+            raise FormatError(f"{what}: external data [{offset}, {offset + length}) lies outside "
+                              f"'{location}' ({size} bytes)")
+        if length != want:
+            raise FormatError(f"{what}: external data holds {length} bytes, a {dt} tensor of shape "
+                              f"{list(dims)} needs {want}")
+        arr = np.fromfile(path, dtype=dt.numpy, count=count, offset=offset)
+        if sys.byteorder == "big" and dt.itemsize > 1:
+            arr = arr.byteswap()
+        return arr.reshape(dims)
+
+    def sparse(self, s, what: str) -> np.ndarray:
+        """A dense array from a SparseTensorProto (values at linear or per-dim indices)."""
+        values = self.array(s.values, what)
+        indices = self.array(s.indices, what).astype(np.int64)
+        dims = tuple(int(d) for d in s.dims)
+        out = np.zeros(dims, dtype=values.dtype)
+        if values.size:
+            flat = indices if indices.ndim == 1 else np.ravel_multi_index(tuple(indices.T), dims)
+            out.reshape(-1)[flat] = values.reshape(-1)
+        return out
+
+
+# --------------------------------------------------------------------------- building
+
+
+class _Scope:
+    """ONNX name -> kiln Value for one graph, falling back to the enclosing graphs."""
+
+    def __init__(self, parent: Optional["_Scope"] = None):
+        self.parent = parent
+        self.names: dict[str, Value] = {}
+
+    def lookup(self, name: str) -> Optional[Value]:
+        s: Optional[_Scope] = self
+        while s is not None:
+            v = s.names.get(name)
+            if v is not None:
+                return v
+            s = s.parent
+        return None
+
+    def define(self, name: str, v: Value, what: str) -> None:
+        if name in self.names:
+            raise FormatError(f"{what}: value '{name}' is defined twice in the same graph")
+        self.names[name] = v
+
+
+class _Importer:
+    def __init__(self, proto, base: Optional[Path], opset: Optional[int]):
+        self.proto = proto
+        self.opset = opset
+        self.tensors = _Tensors(base)
+        self.symbols: dict = {}  # shape inference's symbolic shape values, shared over the graph
+        self.used: set[str] = set()  # every value name given out
+        g = proto.graph
+        init_names = {t.name for t in g.initializer} | {s.values.name for s in g.sparse_initializer}
+        # Names only the main graph's own inputs, initializers and outputs may take.
+        self.outputs = {vi.name for vi in g.output}
+        self.reserved = init_names | {vi.name for vi in g.input} | self.outputs
+
+    def run(self) -> Graph:
+        g = self.proto.graph
+        root = Graph(g.name or "main")
+        md = root.metadata
+        md.doc_string = self.proto.doc_string
+        md.props = {p.key: p.value for p in self.proto.metadata_props}
+        producer = f"{self.proto.producer_name} {self.proto.producer_version}".strip()
+        if producer:
+            md.props.setdefault("onnx.producer", producer)
+        if self.opset is not None:
+            md.props.setdefault("onnx.opset", str(self.opset))
+        self._fill(root, g, _Scope(), "", root_level=True)
+        return root
+
+    # ---- names
+    def _pick(self, name: str, hint: str, exact: bool = False) -> str:
+        """A graph-unique kiln name for ONNX ``name``: itself when possible (always for ``exact``
+        names: the main graph's interface and initializers), else ``base_N``."""
+        if exact:
+            if name in self.used:
+                raise FormatError(f"value name '{name}' is defined more than once in the model")
+            self.used.add(name)
+            return name
+        if name and name not in self.used and name not in self.reserved and not re.search(r"\s", name):
+            self.used.add(name)
+            return name
+        base = re.sub(r"\s+", "_", name or hint) or "v"
+        base = re.sub(r"_\d+$", "", base) or base
+        i = 1
+        while f"{base}_{i}" in self.used or f"{base}_{i}" in self.reserved:
+            i += 1
+        self.used.add(f"{base}_{i}")
+        return f"{base}_{i}"
+
+    # ---- graphs
+    def _fill(self, kg: Graph, g, scope: _Scope, where: str, root_level: bool = False,
+              input_types: Optional[list] = None) -> None:
+        """Build ONNX graph ``g`` into the empty kiln graph ``kg``."""
+        what_g = f"graph '{g.name}'{where}" if g.name else f"the graph{where}"
+        for t in g.initializer:
+            arr = self.tensors.array(t, f"initializer '{t.name}'{where}")
+            v = kg.add_initializer(self._pick(t.name, "init", exact=root_level), arr)
+            scope.define(t.name, v, what_g)
+        for s in g.sparse_initializer:
+            name = s.values.name
+            arr = self.tensors.sparse(s, f"sparse initializer '{name}'{where}")
+            v = kg.add_initializer(self._pick(name, "init", exact=root_level), arr)
+            scope.define(name, v, what_g)
+        inputs = [vi for vi in g.input if vi.name not in scope.names]  # IR < 4: initializers listed too
+        for i, vi in enumerate(inputs):
+            what = f"input '{vi.name}' of {what_g}"
+            t = _type(vi.type, what)
+            if t is None and input_types is not None and i < len(input_types):
+                t = input_types[i]
+            if t is None:
+                raise FormatError(f"{what} has no type")
+            v = kg.add_input(self._pick(vi.name, "input", exact=root_level), t.dtype, t.shape)
+            scope.define(vi.name, v, what_g)
+        declared = {}
+        for vi in g.output:
+            t = _type(vi.type, f"output '{vi.name}' of {what_g}")
+            if t is not None:
+                declared[vi.name] = t
+        for n in g.node:
+            self._node(kg, n, scope, declared, where)
+        outs = []
+        for vi in g.output:
+            v = scope.lookup(vi.name)
+            if v is None:
+                raise FormatError(f"output '{vi.name}' of {what_g} is not defined by any node, input or initializer")
+            outs.append(v)
+        kg.outputs = outs
+
+    def _subgraph(self, kg: Graph, g, attr: str, scope: _Scope, label: str,
+                  input_types: Optional[list]) -> Graph:
+        sub = kg.subgraph(g.name or attr)
+        self._fill(sub, g, _Scope(scope), f" in subgraph '{attr}' of {label}", input_types=input_types)
+        return sub
+
+    # ---- nodes
+    def _node(self, kg: Graph, n, scope: _Scope, declared: dict, where: str) -> None:
+        label = _node_label(n, where)
+        domain = "" if n.domain in _DEFAULT_DOMAINS else n.domain
+        inputs: list[Optional[Value]] = []
+        for name in n.input:
+            if not name:
+                inputs.append(None)
+                continue
+            v = scope.lookup(name)
+            if v is None:
+                raise FormatError(f"{label} ({n.op_type}) reads '{name}', which is not defined before it "
+                                  f"(ONNX graphs list nodes in topological order)")
+            inputs.append(v)
+        while inputs and inputs[-1] is None:
+            inputs.pop()
+        if n.op_type == "Constant" and domain == "":
+            self._constant(kg, n, scope, label, declared)
+            return
+        schema = get_schema(n.op_type, domain)
+        for i, v in enumerate(inputs):
+            self._check_input_type(n, schema, i, v, label)
+        attrs: dict[str, Any] = {}
+        for a in n.attribute:
+            attrs[a.name] = self._attr(kg, n, a, schema, scope, label, inputs)
+        out_names = list(n.output)
+        while len(out_names) > 1 and not out_names[-1]:
+            out_names.pop()  # trailing unused optional outputs
+        _refuse_unsupported_modes(n, inputs, attrs, out_names, label)
+        hint = n.name or n.op_type.lower()
+        top = kg.parent is None
+        names = [self._pick(o, f"{hint}_unused" if not o else hint, exact=top and o in self.outputs)
+                 for o in out_names]
+        types = [declared.get(o) if o else None for o in out_names]
+        try:
+            node = kg.add_node(n.op_type, inputs, attrs, domain=domain, name=n.name or None,
+                               output_names=names, output_types=types)
+        except KilnError as e:
+            raise FormatError(f"{label} ({n.op_type}): {e}") from e
+        for o, v in zip(out_names, node.outputs):
+            if o:
+                scope.define(o, v, label)
+        infer_node(node, self.symbols)
+
+    def _attr(self, kg: Graph, n, a, schema, scope: _Scope, label: str, inputs: list) -> Any:
+        op = n.op_type
+        if a.ref_attr_name:
+            raise UnsupportedOpError(f"{label} ({op}): attribute '{a.name}' refers to function attribute "
+                                     f"'{a.ref_attr_name}'; kiln imports only concrete attribute values")
+        spec = schema.attrs.get(a.name)
+        if spec is None:
+            known = ", ".join(sorted(schema.attrs)) or "none"
+            raise UnsupportedOpError(f"{label} ({op}, opset {self.opset}): attribute '{a.name}' is not supported "
+                                     f"by kiln's {op} (its attributes: {known})")
+        what = f"attribute '{a.name}' of {label} ({op})"
+        t = a.type
+        if t == AttributeProto.GRAPH:
+            body_types = self._loop_body_types(inputs) if op == "Loop" else None
+            return self._subgraph(kg, a.g, a.name, scope, label, body_types)
+        if t == AttributeProto.TENSOR:
+            return self.tensors.array(a.t, what)
+        if t == AttributeProto.SPARSE_TENSOR:
+            return self.tensors.sparse(a.sparse_tensor, what)
+        if t == AttributeProto.FLOAT:
+            return float(a.f)
+        if t == AttributeProto.INT:
+            return int(a.i)
+        if t == AttributeProto.STRING:
+            return a.s.decode("utf-8", errors="replace")
+        if t == AttributeProto.FLOATS:
+            return [float(x) for x in a.floats]
+        if t == AttributeProto.INTS:
+            return [int(x) for x in a.ints]
+        if t == AttributeProto.STRINGS:
+            return [s.decode("utf-8", errors="replace") for s in a.strings]
+        kind = AttributeProto.AttributeType.Name(t) if t in AttributeProto.AttributeType.values() else str(t)
+        raise UnsupportedOpError(f"{what} is of kind {kind}; kiln's {op} wants {spec.kind.value}")
+
+    def _check_input_type(self, n, schema, i: int, v: Optional[Value], label: str) -> None:
+        """An input dtype kiln's op does not accept is a missing feature, not a broken model."""
+        if v is None or v.type is None:
+            return
+        try:
+            param = schema.input_param(i)
+        except IndexError:
+            return  # too many inputs: verify reports it
+        if v.type.dtype not in param.types:
+            allowed = ", ".join(sorted(t.short for t in param.types))
+            raise UnsupportedOpError(f"{label} ({n.op_type}, opset {self.opset}): input {i} ('{param.name}') is "
+                                     f"{v.type.dtype}, which kiln's {n.op_type} does not accept ({allowed})")
+
+    @staticmethod
+    def _loop_body_types(inputs: list) -> list:
+        """Fallback types of a Loop body's inputs: iteration number, condition, then each carried
+        value with its initial dtype (shape unknown: it may change from one iteration to the next)."""
+        carried = [None if v is None or v.type is None else TensorType(v.type.dtype, None) for v in inputs[2:]]
+        return [TensorType(DType.INT64, ()), TensorType(DType.BOOL, ()), *carried]
+
+    def _constant(self, kg: Graph, n, scope: _Scope, label: str, declared: dict) -> None:
+        """Fold a Constant node into an initializer named after its output."""
+        given = []
+        for a in n.attribute:
+            what = f"attribute '{a.name}' of {label} (Constant)"
+            if a.ref_attr_name:
+                raise UnsupportedOpError(f"{what} refers to function attribute '{a.ref_attr_name}'")
+            if a.name == "value":
+                given.append(self.tensors.array(a.t, what))
+            elif a.name == "sparse_value":
+                given.append(self.tensors.sparse(a.sparse_tensor, what))
+            elif a.name == "value_float":
+                given.append(np.array(a.f, np.float32))
+            elif a.name == "value_floats":
+                given.append(np.array(list(a.floats), np.float32))
+            elif a.name == "value_int":
+                given.append(np.array(a.i, np.int64))
+            elif a.name == "value_ints":
+                given.append(np.array(list(a.ints), np.int64))
+            elif a.name in ("value_string", "value_strings"):
+                raise UnsupportedOpError(f"{label} (Constant) holds strings; kiln has no string tensors")
+            else:
+                raise FormatError(f"{label} (Constant) has an unknown attribute '{a.name}'")
+        if len(given) != 1 or len(n.output) != 1 or not n.output[0]:
+            raise FormatError(f"{label} (Constant) must have exactly one value attribute and one output")
+        name = n.output[0]
+        arr = given[0]
+        want = declared.get(name)
+        if want is not None and not want.matches(arr):
+            raise FormatError(f"{label} (Constant): output '{name}' is declared {want} but holds "
+                              f"{TensorType.of(arr)}")
+        v = kg.add_initializer(self._pick(name, "const", exact=kg.parent is None and name in self.outputs), arr)
+        scope.define(name, v, label)

@@ -1,0 +1,479 @@
+"""ONNX export (issue 6): every exported model passes ``onnx.checker.check_model(full_check=True)``
+and runs in onnxruntime (CPU) with kiln's outputs; symbolic dims stay named, initializers keep
+their names, Gelu expands below opset 20, big models go to external data, and every registered
+op has a one-node export case (a new op without one fails ``test_every_op_has_a_case``)."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+
+import kiln  # noqa: E402
+from kiln.ir import Graph, evaluate  # noqa: E402
+from kiln.ir.dtypes import DType  # noqa: E402
+from kiln.ir.passes import infer_shapes  # noqa: E402
+from kiln.ir.registry import all_schemas  # noqa: E402
+from kiln.ir.types import TensorType  # noqa: E402
+from kiln.serializer import onnx as kx  # noqa: E402
+from op_harness import build_single  # noqa: E402
+from sample_graphs import CONST_DTYPES, feature_graph, if_block, loop_block  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-6
+# gpt's logits reach |30| and come out of float32 dot products that onnxruntime sums in another
+# order than kiln's kernels: a logit near zero that is the difference of such sums is off by up to
+# ~2e-6 (both right to float32 rounding of the partial sums), more than 1e-6 absolute allows.
+# Every other zoo model stays within rtol 1e-5, atol 1e-6 (measured max excess 2e-7).
+ZOO_ATOL = {"gpt": 1e-5}
+
+
+def session(model) -> "ort.InferenceSession":
+    data = model if isinstance(model, (str, bytes)) else model.SerializeToString()
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3  # unused initializers in test graphs are expected, not worth a warning
+    return ort.InferenceSession(data, opts, providers=["CPUExecutionProvider"])
+
+
+def assert_outputs_match(got: list, want: list, names: list, rtol: float = RTOL, atol: float = ATOL) -> None:
+    assert len(got) == len(want)
+    for name, g, w in zip(names, got, want):
+        assert (g.dtype, g.shape) == (w.dtype, w.shape), \
+            f"{name}: onnxruntime {g.dtype}{g.shape}, kiln {w.dtype}{w.shape}"
+        if w.dtype.kind == "f":
+            np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, equal_nan=True, err_msg=name)
+        else:
+            np.testing.assert_array_equal(g, w, err_msg=name)
+
+
+def dims_of(vi) -> list:
+    return [d.dim_param if d.HasField("dim_param") else d.dim_value if d.HasField("dim_value") else None
+            for d in vi.type.tensor_type.shape.dim]
+
+
+# --------------------------------------------------------------------------- the zoo
+
+torch = pytest.importorskip("torch")
+import zoo  # noqa: E402
+from kiln.frontend.tracer import to_numpy  # noqa: E402
+
+
+def _zoo_params():
+    out = []
+    for e in zoo.ZOO:
+        missing = e.needs is not None and importlib.util.find_spec(e.needs) is None
+        out.append(pytest.param(e, id=e.name,
+                                marks=pytest.mark.skip(reason=f"{e.needs} is not installed") if missing else ()))
+    return out
+
+
+@pytest.mark.parametrize("entry", _zoo_params())
+def test_zoo_model_exports_and_matches_onnxruntime(entry):
+    model, inputs, spec = entry.factory()
+    graph = kiln.trace(model, inputs, dynamic=spec)
+    proto = kx.to_onnx_model(graph)
+    onnx.checker.check_model(proto, full_check=True)
+    # Names: inputs in order with kiln's symbols as dim_param; initializers under their own names.
+    assert [i.name for i in proto.graph.input] == [v.name for v in graph.inputs]
+    for vi, v in zip(proto.graph.input, graph.inputs):
+        assert dims_of(vi) == list(v.type.shape)
+    for name, dims in spec.items():
+        vi = next(i for i in proto.graph.input if i.name == name)
+        for d, sym in dims.items():
+            assert dims_of(vi)[d] == sym
+    assert {t.name for t in proto.graph.initializer} == set(graph.initializers)
+    assert not {t.name for t in proto.graph.initializer} & {i.name for i in proto.graph.input}
+
+    sess = session(proto)
+    program = kiln.load(graph)
+    names, examples = zoo.input_list(model, inputs)
+    example_sizes = {sym: examples[names.index(n)].shape[d] for n, dims in spec.items() for d, sym in dims.items()}
+    out_names = [o.name for o in sess.get_outputs()]
+    assert out_names == [v.name for v in graph.outputs]
+    for k, sizes in enumerate([example_sizes, entry.other_sizes[1]]):
+        names, tensors = zoo.fresh_inputs(model, inputs, spec, sizes, seed=40 + k)
+        feeds = {n: to_numpy(t) for n, t in zip(names, tensors)}
+        want = program.run(feeds, as_list=True)
+        got = sess.run(None, feeds)
+        assert_outputs_match(got, want, [f"{entry.name} at {dict(sizes)}: {n}" for n in out_names],
+                             atol=ZOO_ATOL.get(entry.name, ATOL))
+
+
+# --------------------------------------------------------------------------- control flow
+
+
+def control_graph() -> Graph:
+    """If and Loop (with an If in its body) on a symbolic batch, both reading outer values."""
+    g = Graph("control")
+    x = g.add_input("x", "float32", ("batch", 4))
+    scale = g.add_initializer("scale", np.array([0.5, -1.0, 2.0, 1.5], np.float32))
+    branched = if_block(g, x, scale)
+    looped = loop_block(g, branched, 3)
+    g.outputs = [branched, looped, g.op("Add", looped, x)]
+    infer_shapes(g)
+    return g
+
+
+@pytest.mark.parametrize("opset", [18, 20])
+def test_if_and_loop_export_and_run(opset):
+    g = control_graph()
+    proto = kx.to_onnx_model(g, opset=opset)
+    onnx.checker.check_model(proto, full_check=True)
+    ops = {n.op_type for n in proto.graph.node}
+    assert {"If", "Loop"} <= ops
+    loop = next(n for n in proto.graph.node if n.op_type == "Loop")
+    body = next(a.g for a in loop.attribute if a.name == "body")
+    assert [i.name for i in body.input] == [v.name for v in g.find_node(loop.name).attrs["body"].inputs]
+    assert "If" in {n.op_type for n in body.node}
+    sess = session(proto)
+    program = kiln.load(g)
+    rng = np.random.default_rng(3)
+    for batch, sign in ((2, 1.0), (5, -1.0), (1, 1.0)):  # both branches of the If
+        feeds = {"x": (sign * np.abs(rng.standard_normal((batch, 4)))).astype(np.float32)}
+        assert_outputs_match(sess.run(None, feeds), program.run(feeds, as_list=True), ["if", "loop", "add"])
+
+
+def test_feature_graph_exports_every_dtype_and_attribute_kind():
+    g = feature_graph()
+    # onnx.checker requires a shape on main-graph inputs/outputs; give z's unknown rank one.
+    g.inputs[2].type = TensorType("float32", ("n", None))
+    for n in g.nodes:
+        if n.inputs and n.inputs[0] is g.inputs[2]:
+            n.outputs[0].type = None
+    infer_shapes(g)
+    proto = kx.to_onnx_model(g)
+    onnx.checker.check_model(proto, full_check=True)
+    assert proto.opset_import[0].version == 20 and proto.ir_version == 9  # Gelu present -> opset 20
+    assert proto.producer_name == "kiln" and proto.producer_version == kiln.__version__
+    assert proto.doc_string == g.metadata.doc_string
+    assert {p.key: p.value for p in proto.metadata_props} == g.metadata.props
+    # Initializers: names kept, every dtype bit for bit (bfloat16, float16, bool, ints, 0-d, empty).
+    tensors = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
+    for name, v in g.initializers.items():
+        assert tensors[name].dtype == v.const.dtype and tensors[name].shape == v.const.shape, name
+        assert tensors[name].tobytes() == v.const.tobytes(), name
+    assert {DType(t.data_type) for t in proto.graph.initializer} >= set(CONST_DTYPES)
+    # Node names and module paths.
+    matmul = next(n for n in proto.graph.node if n.op_type == "MatMul")
+    assert {p.key: p.value for p in matmul.metadata_props} == {"scope": "layer.0", "source": "model.py:12"}
+    assert matmul.doc_string == "layer.0 [model.py:12]"
+    assert [n.name for n in proto.graph.node][:len(g.nodes)] == [n.name for n in g.nodes]
+    # Unknown dims are empty Dimensions, symbols dim_params.
+    assert dims_of(proto.graph.input[0]) == ["batch", "seq", 4]
+    assert dims_of(proto.graph.input[1]) == [None, 4]
+    # Repeated-looking outputs (two initializers with equal data) stay distinct outputs.
+    out_names = [o.name for o in proto.graph.output]
+    assert len(set(out_names)) == len(out_names) == len(g.outputs)
+    # Runs in onnxruntime (its Python API cannot hand back bfloat16 arrays: skip that output).
+    sess = session(proto)
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((2, 3, 4)).astype(np.float32),
+             "y": rng.standard_normal((5, 4)).astype(np.float32),
+             "z": rng.standard_normal((2, 2)).astype(np.float32)}
+    names = [o.name for o in sess.get_outputs() if "bfloat16" not in o.type]
+    want = kiln.load(g).run(feeds)
+    assert_outputs_match(sess.run(names, feeds), [want[n] for n in names], names)
+
+
+def test_repeated_and_outer_outputs_go_through_identity():
+    g = Graph("g")
+    x = g.add_input("x", "float32", (2,))
+    y = g.op("Relu", x)
+    body = g.subgraph("then")
+    body.outputs = [y]  # a branch returning an outer value directly
+    other = g.subgraph("else")
+    other.outputs = [other.op("Neg", y)]
+    cond = g.op("Greater", g.op("ReduceSum", x, keepdims=0), g.add_constant(np.array(0, np.float32)))
+    node = g.add_node("If", [cond], {"then_branch": body, "else_branch": other}, num_outputs=1)
+    g.outputs = [y, y, node.output]
+    infer_shapes(g)
+    proto = kx.to_onnx_model(g)
+    onnx.checker.check_model(proto, full_check=True)
+    names = [o.name for o in proto.graph.output]
+    assert names[0] == y.name and len(set(names)) == 3
+    feeds = {"x": np.array([1.0, -3.0], np.float32)}
+    got = session(proto).run(None, feeds)
+    np.testing.assert_array_equal(got[0], [1.0, 0.0])
+    np.testing.assert_array_equal(got[1], [1.0, 0.0])
+    np.testing.assert_array_equal(got[2], [-1.0, -0.0])
+
+
+# --------------------------------------------------------------------------- Gelu and opsets
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_expands_below_opset_20_and_stays_gelu_at_20(approximate):
+    g = Graph("gelu")
+    x = g.add_input("x", "float32", ("batch", 8))
+    y = g.op("Gelu", x, approximate=approximate)
+    y.producer.meta["scope"] = "mlp.act"
+    g.outputs = [y]
+    infer_shapes(g)
+    feeds = {"x": np.linspace(-6, 6, 24, dtype=np.float32).reshape(3, 8)}
+    want = evaluate(g, feeds)[0]
+    assert kx.default_opset(g) == 20
+    for opset, expect_gelu in ((18, False), (19, False), (20, True), (None, True)):
+        proto = kx.to_onnx_model(g, opset=opset)
+        onnx.checker.check_model(proto, full_check=True)
+        ops = [n.op_type for n in proto.graph.node]
+        if expect_gelu:
+            assert ops == ["Gelu"]
+        else:
+            assert "Gelu" not in ops and ("Tanh" if approximate == "tanh" else "Erf") in ops
+            assert all(dict((p.key, p.value) for p in n.metadata_props) == {"scope": "mlp.act"}
+                       for n in proto.graph.node)
+        assert proto.graph.output[0].name == y.name
+        got = session(proto).run(None, feeds)[0]
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_gelu_expansion_keeps_half_precision():
+    g = Graph("gelu16")
+    x = g.add_input("x", "float16", (4,))
+    g.outputs = [g.op("Gelu", x)]
+    infer_shapes(g)
+    proto = kx.to_onnx_model(g, opset=18)
+    onnx.checker.check_model(proto, full_check=True)
+    feeds = {"x": np.array([-2, -0.5, 0.5, 3], np.float16)}
+    got = session(proto).run(None, feeds)[0]
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), evaluate(g, feeds)[0].astype(np.float32), rtol=2e-3, atol=1e-3)
+
+
+def test_opset_outside_the_supported_range_is_refused():
+    g, _ = build_single("Relu", [np.ones((2,), np.float32)])
+    for bad in (17, kx.MAX_OPSET + 1):
+        with pytest.raises(kiln.KilnError, match="opsets 18 to"):
+            kx.to_onnx_model(g, opset=bad)
+
+
+def test_cast_saturate_is_dropped_before_opset_19():
+    g, _ = build_single("Cast", [np.ones((2,), np.float32)], {"to": DType.INT32.value, "saturate": 1})
+    assert not any(a.name == "saturate" for a in kx.to_onnx_model(g, opset=18).graph.node[0].attribute)
+    assert any(a.name == "saturate" for a in kx.to_onnx_model(g, opset=19).graph.node[0].attribute)
+    onnx.checker.check_model(kx.to_onnx_model(g, opset=18), full_check=True)
+
+
+# --------------------------------------------------------------------------- other domains
+
+
+def test_non_onnx_op_needs_a_registered_expansion():
+    from kiln.ir.registry import In, _REGISTRY, op
+
+    @op("AddRelu", domain="kiln.test", inputs=[In("A"), In("B")], infer=lambda ctx: ctx.input(0))
+    def _add_relu(a, b):
+        return np.maximum(a + b, 0)
+
+    try:
+        g = Graph("fused")
+        a = g.add_input("a", "float32", (3,))
+        b = g.add_input("b", "float32", (3,))
+        g.outputs = [g.op("AddRelu", a, b, domain="kiln.test")]
+        with pytest.raises(kiln.UnsupportedOpError, match=r"kiln\.test\.AddRelu.*register_expansion"):
+            kx.to_onnx_model(g)
+
+        @kx.register_expansion("kiln.test", "AddRelu")
+        def _expand(em, node):
+            em.add("Relu", [em.add("Add", em.inputs)], outputs=em.outputs)
+
+        with pytest.raises(ValueError, match="already registered"):
+            kx.register_expansion("kiln.test", "AddRelu")(_expand)
+        proto = kx.to_onnx_model(g)
+        onnx.checker.check_model(proto, full_check=True)
+        assert [n.op_type for n in proto.graph.node] == ["Add", "Relu"]
+        feeds = {"a": np.array([1, -2, 3], np.float32), "b": np.array([0.5, 1, -4], np.float32)}
+        np.testing.assert_array_equal(session(proto).run(None, feeds)[0], [1.5, 0, 0])
+    finally:
+        _REGISTRY.pop(("kiln.test", "AddRelu"), None)
+        kx._EXPANSIONS.pop(("kiln.test", "AddRelu"), None)
+
+
+# --------------------------------------------------------------------------- files and external data
+
+
+def weights_graph() -> Graph:
+    rng = np.random.default_rng(0)
+    g = Graph("weights")
+    sizes = [63, 67, 64, 64]  # 63 x 67 floats: a tensor whose end is not 64-byte aligned
+    x = g.add_input("x", "float32", ("batch", sizes[0]))
+    h = x
+    for i in range(3):
+        w = g.add_initializer(f"layers.{i}.weight", rng.standard_normal(sizes[i:i + 2]).astype(np.float32))
+        b = g.add_initializer(f"layers.{i}.bias", rng.standard_normal((sizes[i + 1],)).astype(np.float32))
+        h = g.op("Relu", g.op("Add", g.op("MatMul", h, w), b))
+    g.outputs = [g.op("Reshape", h, g.add_initializer("shape", np.array([-1, 64], np.int64)))]
+    infer_shapes(g)
+    return g
+
+
+def test_export_writes_a_self_contained_file_by_default(tmp_path):
+    g = weights_graph()
+    path = kx.export_onnx(g, tmp_path / "m.onnx")
+    assert path == tmp_path / "m.onnx" and not (tmp_path / "m.onnx.data").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]  # no temporary file left
+    onnx.checker.check_model(str(path), full_check=True)
+    loaded = onnx.load(str(path))
+    assert all(not t.external_data for t in loaded.graph.initializer)
+    assert loaded == kx.to_onnx_model(g)
+    feeds = {"x": np.random.default_rng(1).standard_normal((3, 63)).astype(np.float32)}
+    assert_outputs_match(session(str(path)).run(None, feeds), kiln.load(g).run(feeds, as_list=True), ["y"],
+                         rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["forced", "over_limit"])
+def test_external_data(tmp_path, monkeypatch, how):
+    g = weights_graph()
+    if how == "forced":
+        path = kx.export_onnx(g, tmp_path / "m.onnx", external_data=True, size_threshold=1024)
+    else:
+        monkeypatch.setattr(kx, "PROTOBUF_LIMIT", 40_000)  # the three weights (48 KiB) no longer fit inline
+        path = kx.export_onnx(g, tmp_path / "m.onnx", size_threshold=1024)
+    data = tmp_path / "m.onnx.data"
+    assert data.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data"]
+    raw = onnx.load(str(path), load_external_data=False)
+    external = {t.name for t in raw.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    assert external == {f"layers.{i}.weight" for i in range(3)}  # the biases and "shape" are under 1024 bytes
+    for t in raw.graph.initializer:
+        if t.name in external:
+            info = {e.key: e.value for e in t.external_data}
+            assert info["location"] == "m.onnx.data" and int(info["offset"]) % 64 == 0
+    assert path.stat().st_size < 4096 < data.stat().st_size
+    onnx.checker.check_model(str(path), full_check=True)
+    full = onnx.load(str(path))
+    for t in full.graph.initializer:
+        np.testing.assert_array_equal(onnx.numpy_helper.to_array(t), g.initializers[t.name].const)
+    feeds = {"x": np.random.default_rng(2).standard_normal((2, 63)).astype(np.float32)}
+    assert_outputs_match(session(str(path)).run(None, feeds), kiln.load(g).run(feeds, as_list=True), ["y"],
+                         rtol=1e-5, atol=1e-5)
+
+
+def test_external_data_false_refuses_a_model_over_the_limit(tmp_path, monkeypatch):
+    monkeypatch.setattr(kx, "PROTOBUF_LIMIT", 40_000)
+    with pytest.raises(kiln.KilnError, match="2 GB"):
+        kx.export_onnx(weights_graph(), tmp_path / "m.onnx", external_data=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_graph_input_without_type_is_an_error():
+    g = Graph("g")
+    x = g.add_input("x", "float32", (2,))
+    g.outputs = [g.op("Relu", x)]
+    x.type = None
+    with pytest.raises(kiln.KilnError, match="infer_shapes"):
+        kx.to_onnx_model(g)
+
+
+# --------------------------------------------------------------------------- one node per op
+
+
+def _f(*shape, lo=None, seed=0):
+    a = np.random.default_rng(seed + len(shape)).standard_normal(shape).astype(np.float32)
+    return np.abs(a) + lo if lo is not None else a
+
+
+X = _f(2, 3, 4)
+IMG = _f(1, 2, 5, 5)
+I64 = np.int64
+B = np.array([[True, False, True], [False, False, True]])
+B2 = np.array([[True, True, False], [False, True, True]])
+
+UNARY = ["Abs", "Ceil", "Cos", "Erf", "Exp", "Floor", "Neg", "Relu", "Sigmoid", "Sign", "Sin", "Tanh", "Softplus",
+         "Softsign", "Mish", "HardSwish", "Identity", "IsNaN", "IsInf"]
+BINARY = ["Add", "Sub", "Mul", "Max", "Min", "Mean", "Sum", "Equal", "Greater", "GreaterOrEqual", "Less",
+          "LessOrEqual"]
+
+# op -> list of (inputs, attrs, const_inputs, num_outputs). Inputs after the first are usually
+# initializers (const_inputs): that is how traced graphs give shapes, axes and weights.
+CASES: dict = {op: [([X], {}, (), None)] for op in UNARY}
+CASES.update({op: [([X, _f(3, 4, seed=1)], {}, (), None)] for op in BINARY})
+CASES.update({
+    "Div": [([X, _f(3, 4, lo=0.5)], {}, (), None)],
+    "Pow": [([_f(2, 3, lo=0.1), _f(2, 3)], {}, (), None)],
+    "Sqrt": [([_f(2, 3, lo=0.0)], {}, (), None)],
+    "Log": [([_f(2, 3, lo=0.1)], {}, (), None)],
+    "Reciprocal": [([_f(2, 3, lo=0.5)], {}, (), None)],
+    "Not": [([B], {}, (), None)],
+    "And": [([B, B2], {}, (), None)],
+    "Or": [([B, B2], {}, (), None)],
+    "Xor": [([B, B2], {}, (), None)],
+    "Where": [([B, _f(2, 3), _f(2, 3, seed=2)], {}, (), None)],
+    "Elu": [([X], {"alpha": 0.7}, (), None)],
+    "Selu": [([X], {}, (), None)],
+    "HardSigmoid": [([X], {"alpha": 0.3, "beta": 0.4}, (), None)],
+    "LeakyRelu": [([X], {"alpha": 0.05}, (), None)],
+    "Gelu": [([X], {}, (), None), ([X], {"approximate": "tanh"}, (), None)],
+    "PRelu": [([X, _f(4)], {}, (1,), None)],
+    "ArgMax": [([X], {"axis": 1}, (), None)],
+    "ArgMin": [([X], {"axis": -1, "keepdims": 0}, (), None)],
+    "AveragePool": [([IMG], {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "strides": [2, 2]}, (), None)],
+    "MaxPool": [([IMG], {"kernel_shape": [2, 2], "strides": [2, 2]}, (), None)],
+    "GlobalAveragePool": [([IMG], {}, (), None)],
+    "GlobalMaxPool": [([IMG], {}, (), None)],
+    "Conv": [([IMG, _f(3, 2, 3, 3), _f(3)], {"pads": [1, 1, 1, 1]}, (1, 2), None)],
+    "ConvTranspose": [([IMG, _f(2, 3, 3, 3)], {"strides": [2, 2]}, (1,), None)],
+    "BatchNormalization": [([IMG, _f(2), _f(2), _f(2), _f(2, lo=0.5)], {"epsilon": 1e-3}, (1, 2, 3, 4), None)],
+    "InstanceNormalization": [([IMG, _f(2), _f(2)], {}, (1, 2), None)],
+    "LayerNormalization": [([X, _f(4), _f(4)], {"axis": -1, "epsilon": 1e-5}, (1, 2), None)],
+    "Cast": [([X], {"to": DType.INT32.value}, (), None), ([X], {"to": DType.FLOAT16.value}, (), None)],
+    "CastLike": [([X, np.zeros((1,), np.int32)], {}, (1,), None)],
+    "Clip": [([X, np.float32(-0.5), np.float32(0.5)], {}, (1, 2), None)],
+    "Concat": [([X, _f(2, 1, 4)], {"axis": 1}, (), None)],
+    "ConstantOfShape": [([np.array([2, 3], I64)], {"value": np.array([1.5], np.float32)}, (0,), None)],
+    "CumSum": [([X, np.array(1, I64)], {"reverse": 1}, (1,), None)],
+    "DepthToSpace": [([_f(1, 8, 2, 2)], {"blocksize": 2, "mode": "CRD"}, (), None)],
+    "SpaceToDepth": [([_f(1, 2, 4, 4)], {"blocksize": 2}, (), None)],
+    "Dropout": [([X], {}, (), None)],
+    "Einsum": [([_f(3, 4), _f(4, 5)], {"equation": "ij,jk->ik"}, (), None)],
+    "Expand": [([_f(3, 1), np.array([2, 3, 4], I64)], {}, (1,), None)],
+    "Flatten": [([X], {"axis": 2}, (), None)],
+    "Gather": [([X, np.array([[0, 2], [1, 1]], I64)], {"axis": 1}, (1,), None)],
+    "GatherElements": [([X, np.array([[[0, 1, 2, 0]] * 3] * 2, I64)], {"axis": 2}, (1,), None)],
+    "Gemm": [([_f(2, 4), _f(3, 4), _f(3)], {"transB": 1, "alpha": 0.5}, (1, 2), None)],
+    "MatMul": [([X, _f(4, 5)], {}, (1,), None)],
+    "Softmax": [([X], {"axis": -1}, (), None)],
+    "LogSoftmax": [([X], {"axis": 1}, (), None)],
+    "Pad": [([X, np.array([0, 1, 0, 0, 2, 1], I64), np.float32(0.5)], {"mode": "constant"}, (1, 2), None),
+            ([X, np.array([0, 1, 1, 0, 1, 1], I64)], {"mode": "reflect"}, (1,), None)],
+    "Range": [([np.array(1, I64), np.array(10, I64), np.array(3, I64)], {}, (0, 1, 2), None)],
+    "Reshape": [([X, np.array([0, -1], I64)], {}, (1,), None)],
+    "ScatterND": [([X, np.array([[0, 1], [1, 2]], I64), _f(2, 4)], {}, (1,), None)],
+    "Shape": [([X], {"start": 1}, (), None)],
+    "Size": [([X], {}, (), None)],
+    "Slice": [([X, np.array([1, 0], I64), np.array([3, 4], I64), np.array([1, 2], I64), np.array([1, 2], I64)],
+               {}, (1, 2, 3, 4), None)],
+    "Split": [([X, np.array([1, 3], I64)], {"axis": 2}, (1,), 2), ([X], {"axis": 1, "num_outputs": 3}, (), 3)],
+    "Squeeze": [([_f(2, 1, 3), np.array([1], I64)], {}, (1,), None)],
+    "Unsqueeze": [([X, np.array([0, -1], I64)], {}, (1,), None)],
+    "Tile": [([X, np.array([1, 2, 1], I64)], {}, (1,), None)],
+    "TopK": [([X, np.array([2], I64)], {"axis": -1}, (1,), None)],
+    "Transpose": [([X], {"perm": [2, 0, 1]}, (), None)],
+    "Trilu": [([X, np.array(1, I64)], {"upper": 0}, (1,), None)],
+    "Constant": [([], {"value": np.arange(6, dtype=np.int32).reshape(2, 3)}, (), None),
+                 ([], {"value_floats": [1.0, 2.5]}, (), None)],
+})
+CASES.update({op: [([X, np.array([0, 2], I64)], {"keepdims": 1}, (1,), None), ([X], {"keepdims": 0}, (), None)]
+              for op in ["ReduceL2", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceProd", "ReduceSum"]})
+ELSEWHERE = {"If": "test_if_and_loop_export_and_run", "Loop": "test_if_and_loop_export_and_run"}
+
+
+def test_every_op_has_a_case():
+    ops = {s.name for s in all_schemas() if s.domain == ""}
+    missing = ops - set(CASES) - set(ELSEWHERE)
+    assert not missing, f"ops without an ONNX export case: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("op,k", [(op, k) for op in sorted(CASES) for k in range(len(CASES[op]))])
+def test_op_exports_checks_and_runs(op, k):
+    inputs, attrs, const_inputs, num_outputs = CASES[op][k]
+    g, feeds = build_single(op, inputs, attrs, const_inputs=const_inputs, num_outputs=num_outputs,
+                            symbolic_batch=True)
+    want = evaluate(g, feeds)
+    for opset in sorted({18, kx.default_opset(g), kx.MAX_OPSET}):
+        proto = kx.to_onnx_model(g, opset=opset)
+        onnx.checker.check_model(proto, full_check=True)
+        sess = session(proto)
+        got = sess.run(None, {i.name: a for i, a in zip(sess.get_inputs(), feeds)})
+        assert_outputs_match(got, want, [f"{op} opset {opset}: {v.name}" for v in g.outputs])
