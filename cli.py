@@ -140,6 +140,17 @@ def _run_bench(args: argparse.Namespace) -> int:
     return cmd_bench(args)
 
 
+# ---------------------------------------------------------------------------- serve (server/cli.py)
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    from kiln.server.cli import add_serve_args
+    add_serve_args(p)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from kiln.server.cli import cmd_serve
+    return cmd_serve(args)
+
+
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 COMMANDS: dict[str, Command] = {
     "info": ("print versions, IR/opset versions and which optional backends are installed",
@@ -155,6 +166,8 @@ COMMANDS: dict[str, Command] = {
             _add_run_args, _run_run),
     "bench": ("time a .kiln or .onnx file on random inputs (median/p90), optionally per op with --profile; "
               "--backend onnxruntime times ONNX Runtime", _add_bench_args, _run_bench),
+    "serve": ("serve a .kiln file or a model repository over HTTP (KServe/Triton V2 inference protocol) with "
+              "dynamic batching, worker processes and Prometheus metrics", _add_serve_args, _run_serve),
 }
 
 

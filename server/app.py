@@ -1,0 +1,574 @@
+"""The HTTP face of ``kiln serve``: the KServe/Triton Open Inference Protocol (V2) over FastAPI.
+
+:func:`create_app` turns a list of :class:`~kiln.server.repository.ModelEntry` into an ASGI app. Routes:
+
+=======================================================  ===============================================
+``GET  /v2/health/live``                                 200 while the process serves HTTP at all
+``GET  /v2/health/ready``                                200 once every model is loaded, 503 while loading,
+                                                         after a load failure, and while draining
+``GET  /v2``                                             server metadata (name, version, extensions)
+``GET  /v2/models/{m}[/versions/{v}]``                   model metadata; symbolic dims are -1
+``GET  /v2/models/{m}[/versions/{v}]/ready``             200 ready, 503 not (yet / any more) ready
+``POST /v2/models/{m}[/versions/{v}]/infer``             inference (JSON tensors or the binary extension)
+``GET  /metrics``                                        Prometheus text (see server/metrics.py)
+``GET  /docs``, ``/openapi.json``                        FastAPI's OpenAPI documentation
+=======================================================  ===============================================
+
+Design decisions, and why:
+
+- **Every error is ``{"error": "..."}``** with a status that says whose fault it is, including the
+  errors FastAPI/Starlette raise themselves (404 unknown route, 405 wrong method, 422 validation):
+  clients of the V2 protocol (tritonclient among them) read the ``error`` key. 404 unknown model or
+  version; 400 bad input (anything :mod:`kiln.server.protocol` or the model's signature refuses); 413
+  body over ``max_body_bytes``; 415 a content type or encoding we cannot read; 503 + ``Retry-After``
+  when the model's queue is full, while loading and while draining; 504 the request's deadline passed;
+  500 the model or its worker process failed.
+- **The infer route reads the raw body itself** instead of declaring a pydantic body: a declared body
+  would be parsed (and a 64 MB JSON body materialized as Python objects) before any check. The
+  ``Content-Length`` is checked first and the stream is counted while it arrives, so an oversized body
+  is refused with 413 after at most ``max_body_bytes`` of it have been read, before any parsing. A
+  ``Content-Encoding: gzip``/``deflate`` body (tritonclient's ``request_compression_algorithm``) is
+  inflated with the same bound, so a small compressed bomb cannot expand past it either.
+- **Requests are checked against the model's signature before they are queued** (names, datatypes,
+  ranks, fixed dims and shared symbolic dims, with the runtime's own ``check_inputs``): a bad request
+  fails alone with 400 instead of failing the batch it would have been stacked into.
+- **Element counts are bounded by the body size.** Every tensor element takes at least one byte of the
+  body (JSON or binary), so ``parse_infer_request`` gets ``max_elements = max_body_bytes`` and refuses a
+  huge declared shape before allocating anything.
+- **Readiness** is false until every model version's executor has started, and false again from the
+  moment a shutdown begins (:meth:`ServerState.begin_drain`), so a load balancer stops sending traffic
+  while queued and running requests finish. Liveness stays true until the process exits.
+- **Models load in the background** (the lifespan starts a task and returns), so ``/v2/health/live``
+  answers during a slow load and orchestrators can tell "loading" from "dead".
+- **Timeouts**: each model's ``timeout_ms`` is the default deadline; a request may lower it with its
+  ``timeout_ms`` parameter (or Triton's ``timeout`` in microseconds, decoded by the protocol module),
+  never raise it.
+- Large bodies are decoded and large responses encoded on a worker thread, so one 50 MB request does
+  not stall every other connection's event loop; small ones are handled inline, where a thread hop
+  would cost more than the work.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import time
+import zlib
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kiln.errors import InputError, KilnError
+from kiln.runtime.program import check_inputs
+from kiln.server import protocol
+from kiln.server.errors import QueueFull, RequestTimeout, WorkerError
+from kiln.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kiln.server.metrics import Metrics
+from kiln.server.repository import ModelEntry
+from kiln.version import __version__
+
+log = logging.getLogger("kiln.server")
+
+DEFAULT_MAX_BODY_BYTES = 64 << 20
+#: Bodies (and responses) larger than this are decoded (encoded) on a worker thread.
+_OFFLOAD_BYTES = 256 << 10
+#: Seconds a client is told to wait (``Retry-After``) after a 503.
+RETRY_AFTER_S = 1
+_JSON_TYPES = ("", "application/json", "application/octet-stream")
+
+ExecutorFactory = Callable[[ModelEntry], Any]
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": message}`` with ``status`` (and extra ``headers``)."""
+
+    def __init__(self, status: int, message: str, headers: Optional[dict] = None, outcome: str = "invalid_request"):
+        super().__init__(message)
+        self.status, self.message, self.headers, self.outcome = status, message, headers or {}, outcome
+
+
+def _error_response(status: int, message: str, headers: Optional[dict] = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def default_executor(entry: ModelEntry):
+    """The executor ``kiln serve`` uses: worker processes, or threads in the server with ``workers=0``."""
+    from kiln.server.workers import ProcessExecutor, ThreadExecutor
+    if entry.config.workers == 0:
+        return ThreadExecutor(entry.path, entry.config)
+    return ProcessExecutor(entry.path, entry.config, entry.config.workers)
+
+
+@dataclass
+class ServedModel:
+    """One model version being served: its entry, and (once loading starts) its executor, (once
+    loaded) its batcher."""
+
+    entry: ModelEntry
+    executor: Any = None
+    batcher: Any = None
+    error: Optional[str] = None  # why loading failed
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def version(self) -> str:
+        return self.entry.version
+
+    @property
+    def loaded(self) -> bool:
+        return self.batcher is not None
+
+    @property
+    def ready(self) -> bool:
+        return self.loaded and bool(self.executor.ready)
+
+
+@dataclass
+class ServerState:
+    """Everything the routes share: the models by name and version, metrics, and the lifecycle flags."""
+
+    models: dict[str, dict[str, ServedModel]]
+    metrics: Metrics
+    max_body_bytes: int
+    executor_factory: ExecutorFactory
+    on_ready: Optional[Callable[["ServerState"], Any]] = None
+    on_load_error: Optional[Callable[[BaseException], Any]] = None
+    loaded: bool = False
+    load_error: Optional[BaseException] = None
+    draining: bool = False
+    _load_task: Optional[asyncio.Task] = None
+    _drain_task: Optional[asyncio.Task] = None
+
+    @property
+    def ready(self) -> bool:
+        return self.loaded and not self.draining and all(m.ready for m in self.served())
+
+    def served(self) -> list[ServedModel]:
+        return [m for versions in self.models.values() for m in versions.values()]
+
+    def resolve(self, name: str, version: Optional[str]) -> ServedModel:
+        """The served model version for a URL, or ApiError(404). No version: the highest one."""
+        versions = self.models.get(name)
+        if versions is None:
+            known = ", ".join(sorted(self.models)) or "none"
+            raise ApiError(404, f"unknown model '{name}' (served models: {known})")
+        if version is None or version == "":
+            return versions[max(versions, key=int)]
+        model = versions.get(version)
+        if model is None:
+            raise ApiError(404, f"model '{name}' has no version '{version}' (served versions: "
+                                f"{', '.join(sorted(versions, key=int))})")
+        return model
+
+    # ------------------------------------------------------------------ lifecycle
+    async def load(self) -> None:
+        """Start every executor and build its batcher, all model versions at once (each start runs on its
+        own thread: a repository of big models loads in the time of the slowest, not the sum). The server
+        is ready when this returns without error; otherwise the first error goes to ``on_load_error``."""
+        results = await asyncio.gather(*(self._load_one(m) for m in self.served()), return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for e in failures:
+            if isinstance(e, asyncio.CancelledError):
+                raise e
+        if failures:
+            self.load_error = failures[0]
+            if self.on_load_error is not None:
+                self.on_load_error(failures[0])
+            else:
+                log.error("loading models failed: %s", failures[0])
+            return
+        self.loaded = True
+        if self.on_ready is not None:
+            self.on_ready(self)
+
+    async def _load_one(self, model: ServedModel) -> None:
+        from kiln.server.batcher import DynamicBatcher
+        started = time.perf_counter()
+        try:
+            model.executor = self.executor_factory(model.entry)
+            start = model.executor.start
+            if inspect.iscoroutinefunction(start):
+                await start()
+            else:  # a blocking start (kiln.load, spawning processes) must not stall the event loop
+                await asyncio.to_thread(start)
+        except Exception as e:
+            model.error = str(e) if isinstance(e, KilnError) else f"{type(e).__name__}: {e}"
+            raise
+        model.batcher = DynamicBatcher(model.executor, model.entry.config, self.metrics, model.name, model.version)
+        log.info("loaded model %s version %s from %s in %.2f s", model.name, model.version, model.entry.path,
+                 time.perf_counter() - started)
+
+    def begin_drain(self) -> asyncio.Task:
+        """Stop taking new requests (readiness turns false at once) and drain every batcher: queued and
+        running requests finish. Idempotent; returns the one drain task."""
+        self.draining = True
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+        return self._drain_task
+
+    async def _drain(self) -> None:
+        batchers = [m.batcher for m in self.served() if m.batcher is not None]
+        results = await asyncio.gather(*(b.drain() for b in batchers), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                log.error("draining a batcher failed: %s", r)
+
+    async def shutdown(self) -> None:
+        """Drain, then close every executor (worker processes exit)."""
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
+            try:
+                await self._load_task
+            except BaseException:  # noqa: BLE001 - a cancelled or failed load has nothing left to report
+                pass
+        await self.begin_drain()
+        for model in self.served():
+            try:
+                if model.batcher is not None:
+                    await model.batcher.close()  # stops its scheduler, then closes the executor
+                elif model.executor is not None:
+                    await model.executor.close()
+            except Exception as e:  # noqa: BLE001 - keep closing the others
+                log.error("closing model %s version %s failed: %s", model.name, model.version, e)
+
+
+# ---------------------------------------------------------------------------------------------- the app
+_INFER_REQUEST_SCHEMA = {
+    "type": "object",
+    "required": ["inputs"],
+    "properties": {
+        "id": {"type": "string", "description": "echoed in the response"},
+        "parameters": {
+            "type": "object",
+            "description": "binary_data_output (bool): all outputs as binary; timeout_ms (number): a "
+                           "deadline lower than the model's; timeout (int, microseconds): Triton's spelling",
+        },
+        "inputs": {"type": "array", "items": {
+            "type": "object", "required": ["name", "shape", "datatype"],
+            "properties": {
+                "name": {"type": "string"},
+                "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                "datatype": {"type": "string", "enum": sorted(protocol.DATATYPES)},
+                "data": {"description": "row-major values, flat or nested (absent with binary_data_size)"},
+                "parameters": {"type": "object", "description": "binary_data_size: bytes of this tensor "
+                                                               "in the binary section after the JSON header"},
+            }}},
+        "outputs": {"type": "array", "items": {
+            "type": "object", "required": ["name"],
+            "properties": {"name": {"type": "string"},
+                           "parameters": {"type": "object",
+                                          "description": "binary_data (bool): return this output as binary"}}}},
+    },
+}
+
+_INFER_DOC = {
+    "requestBody": {
+        "required": True,
+        "description": "A V2 inference request. With the binary tensor extension the body is the JSON header "
+                       "followed by the raw tensors, and the `Inference-Header-Content-Length` header gives the "
+                       "JSON header's length.",
+        "content": {
+            "application/json": {
+                "schema": _INFER_REQUEST_SCHEMA,
+                "example": {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32",
+                                        "data": [0.1, 0.2, 0.3, 0.4]}]},
+            },
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+        },
+    },
+}
+
+
+def _error_doc(*codes: int) -> dict:
+    text = {400: "bad input", 404: "unknown model or version", 413: "body too large",
+            415: "unsupported content type or encoding", 500: "the model or its worker failed",
+            503: "queue full, loading or shutting down (see Retry-After)", 504: "deadline exceeded"}
+    schema = {"type": "object", "properties": {"error": {"type": "string"}}}
+    return {c: {"description": text[c], "content": {"application/json": {"schema": schema}}} for c in codes}
+
+
+def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               executor_factory: Optional[ExecutorFactory] = None, metrics: Optional[Metrics] = None,
+               on_ready: Optional[Callable[[ServerState], Any]] = None,
+               on_load_error: Optional[Callable[[BaseException], Any]] = None) -> FastAPI:
+    """The V2 inference app for ``entries`` (from :func:`kiln.server.repository.discover`).
+
+    ``executor_factory(entry)`` builds each model version's executor (default: :func:`default_executor`;
+    tests pass fakes). Executors are started, and batchers built, in the background once the app's
+    lifespan starts; ``on_ready(state)`` is called when all are loaded, ``on_load_error(exc)`` if one
+    fails. The lifespan's shutdown drains every batcher and closes every executor. ``app.state.kiln``
+    is the :class:`ServerState`."""
+    if not entries:
+        raise KilnError("nothing to serve: no model entries")
+    if max_body_bytes <= 0:
+        raise KilnError(f"max_body_bytes must be positive, got {max_body_bytes}")
+    factory = executor_factory or default_executor
+    metrics = metrics or Metrics()
+    models: dict[str, dict[str, ServedModel]] = {}
+    for entry in entries:
+        if entry.version in models.get(entry.name, {}):
+            raise KilnError(f"model {entry.name!r} version {entry.version} is listed twice")
+        models.setdefault(entry.name, {})[entry.version] = ServedModel(entry)
+    state = ServerState(models, metrics, max_body_bytes, factory, on_ready, on_load_error)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        for model in state.served():
+            metrics.add_model(model.name, model.version)
+        state._load_task = asyncio.get_running_loop().create_task(state.load())
+        try:
+            yield
+        finally:
+            await state.shutdown()
+
+    app = FastAPI(
+        title="kiln serve",
+        version=__version__,
+        description="The KServe/Triton Open Inference Protocol (V2) for kiln models: health, metadata and "
+                    "inference with JSON tensors or the binary tensor extension. Errors are "
+                    "`{\"error\": \"...\"}`.",
+        lifespan=lifespan,
+    )
+    app.state.kiln = state
+
+    # -------------------------------------------------------------- errors: always {"error": ...}
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return _error_response(exc.status, exc.message, exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return _error_response(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        parts = ["{}: {}".format(".".join(str(p) for p in e.get("loc", ())), e.get("msg", "")) for e in exc.errors()]
+        return _error_response(422, "invalid request: " + "; ".join(parts))
+
+    # -------------------------------------------------------------- health and metadata
+    @app.get("/v2/health/live", tags=["health"], summary="Server liveness",
+             responses={200: {"description": "the server process is serving HTTP"}})
+    async def live():
+        return {"live": True}
+
+    @app.get("/v2/health/ready", tags=["health"], summary="Server readiness",
+             responses={200: {"description": "every model is loaded and the server is not shutting down"},
+                        **_error_doc(503)})
+    async def ready():
+        if state.ready:
+            return {"ready": True}
+        return _error_response(503, _not_ready_reason(state), {"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.get("/v2", tags=["metadata"], summary="Server metadata")
+    async def server_metadata():
+        return {"name": "kiln", "version": __version__, "extensions": ["binary_tensor_data"]}
+
+    async def model_metadata(model_name: str, model_version: Optional[str] = None):
+        model = state.resolve(model_name, model_version)
+        if not model.loaded:
+            raise ApiError(503, _model_not_ready_reason(state, model), {"Retry-After": str(RETRY_AFTER_S)})
+        ex = model.executor
+        return {
+            "name": model.name,
+            "versions": sorted(state.models[model.name], key=int),
+            "platform": model.entry.config.backend,
+            "inputs": [protocol.tensor_metadata(s) for s in ex.inputs],
+            "outputs": [protocol.tensor_metadata(s) for s in ex.outputs],
+        }
+
+    async def model_ready(model_name: str, model_version: Optional[str] = None):
+        model = state.resolve(model_name, model_version)
+        if model.ready and not state.draining:
+            return {"name": model.name, "version": model.version, "ready": True}
+        return _error_response(503, _model_not_ready_reason(state, model), {"Retry-After": str(RETRY_AFTER_S)})
+
+    async def infer(request: Request, model_name: str, model_version: Optional[str] = None):
+        return await _infer(state, request, model_name, model_version)
+
+    meta_doc = dict(tags=["metadata"], summary="Model metadata (inputs and outputs; -1 marks a symbolic dim)",
+                    responses=_error_doc(404, 503))
+    ready_doc = dict(tags=["health"], summary="Model readiness (200 ready, 503 not ready)",
+                     responses=_error_doc(404, 503))
+    infer_doc = dict(tags=["inference"], summary="Run inference",
+                     description="JSON tensors (`data` flat or nested, row-major) or the binary tensor "
+                                 "extension in the request and the response. Requests are batched dynamically "
+                                 "with concurrent ones.",
+                     openapi_extra=_INFER_DOC,
+                     responses={200: {"description": "the outputs (JSON, or JSON header + binary tensors)"},
+                                **_error_doc(400, 404, 413, 415, 500, 503, 504)})
+    for prefix in ("/v2/models/{model_name}", "/v2/models/{model_name}/versions/{model_version}"):
+        app.add_api_route(prefix, model_metadata, methods=["GET"], **meta_doc)
+        app.add_api_route(prefix + "/ready", model_ready, methods=["GET"], **ready_doc)
+        app.add_api_route(prefix + "/infer", infer, methods=["POST"], **infer_doc)
+
+    @app.get("/metrics", tags=["metrics"], summary="Prometheus metrics (text exposition format 0.0.4)",
+             response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    async def prometheus():
+        return Response(metrics.render(), media_type=None, headers={"content-type": METRICS_CONTENT_TYPE})
+
+    return app
+
+
+def _not_ready_reason(state: ServerState) -> str:
+    if state.draining:
+        return "server is shutting down"
+    if state.load_error is not None:
+        return f"loading models failed: {state.load_error}"
+    loading = [f"{m.name}/{m.version}" for m in state.served() if not m.ready]
+    return "models are loading: " + ", ".join(loading)
+
+
+def _model_not_ready_reason(state: ServerState, model: ServedModel) -> str:
+    if state.draining:
+        return "server is shutting down"
+    if model.error is not None:
+        return f"model '{model.name}' version {model.version} failed to load: {model.error}"
+    if model.loaded:
+        return f"model '{model.name}' version {model.version} is not ready (its workers are restarting)"
+    return f"model '{model.name}' version {model.version} is loading"
+
+
+# ---------------------------------------------------------------------------------------------- infer
+async def _infer(state: ServerState, request: Request, name: str, version: Optional[str]) -> Response:
+    model = state.resolve(name, version)  # 404 before reading anything
+    started = time.perf_counter()
+    try:
+        response = await _infer_model(state, model, request)
+    except ApiError as e:
+        state.metrics.observe_request(model.name, model.version, e.outcome, time.perf_counter() - started)
+        raise
+    state.metrics.observe_request(model.name, model.version, "success", time.perf_counter() - started)
+    return response
+
+
+def _unavailable(message: str, retry_after_s: float = RETRY_AFTER_S) -> ApiError:
+    return ApiError(503, message, {"Retry-After": str(max(1, math.ceil(retry_after_s)))}, outcome="rejected")
+
+
+async def _infer_model(state: ServerState, model: ServedModel, request: Request) -> Response:
+    if state.draining:
+        raise _unavailable("server is shutting down")
+    if not model.loaded:
+        raise _unavailable(_model_not_ready_reason(state, model))
+
+    headers = request.headers
+    media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type not in _JSON_TYPES:
+        raise ApiError(415, f"unsupported content type '{media_type}': send application/json (or "
+                            "application/octet-stream with the binary tensor extension)")
+    header_length = None
+    raw = headers.get("inference-header-content-length")
+    if raw is not None:
+        try:
+            header_length = int(raw)
+        except ValueError:
+            raise ApiError(400, f"Inference-Header-Content-Length must be an integer, got '{raw}'") from None
+        if header_length < 0:
+            raise ApiError(400, f"Inference-Header-Content-Length must be >= 0, got {header_length}")
+    body = await _read_body(request, state.max_body_bytes)
+
+    try:
+        if len(body) > _OFFLOAD_BYTES:
+            req = await asyncio.to_thread(protocol.parse_infer_request, body, header_length,
+                                          max_elements=state.max_body_bytes)
+        else:
+            req = protocol.parse_infer_request(body, header_length, max_elements=state.max_body_bytes)
+    except protocol.ProtocolError as e:
+        raise ApiError(e.status, e.message) from None
+    del body
+
+    ex = model.executor
+    try:
+        check_inputs(ex.inputs, req.inputs)
+    except InputError as e:
+        raise ApiError(400, str(e)) from None
+    output_names = [s.name for s in ex.outputs]
+    if req.outputs is not None:
+        unknown = [o.name for o in req.outputs if o.name not in output_names]
+        if unknown:
+            raise ApiError(400, f"unknown output(s) {unknown}; the model's outputs are {output_names}")
+
+    timeout_ms = model.entry.config.timeout_ms
+    if req.timeout_ms is not None:
+        if req.timeout_ms <= 0:
+            raise ApiError(400, f"timeout_ms must be positive, got {req.timeout_ms}")
+        timeout_ms = min(timeout_ms, req.timeout_ms)
+
+    try:
+        outputs = await model.batcher.submit(req.inputs, timeout_ms / 1000.0)
+    except QueueFull as e:  # also Draining
+        raise _unavailable(str(e), e.retry_after_s) from None
+    except RequestTimeout as e:
+        raise ApiError(504, str(e) or f"request timed out after {timeout_ms:g} ms", outcome="timeout") from None
+    except InputError as e:  # also BatchTooLarge
+        raise ApiError(400, str(e)) from None
+    except WorkerError as e:
+        raise ApiError(500, str(e), outcome="backend") from None
+    except KilnError as e:  # ExecutionError: a kernel failed on this request
+        raise ApiError(500, f"inference failed: {e}", outcome="backend") from None
+    except Exception as e:  # noqa: BLE001 - answered as 500, logged with its traceback
+        log.exception("inference on model %s version %s failed", model.name, model.version)
+        raise ApiError(500, f"inference failed: {type(e).__name__}: {e}", outcome="backend") from None
+
+    if req.outputs is not None:
+        outputs = {o.name: outputs[o.name] for o in req.outputs}
+    encode = protocol.encode_infer_response
+    args = (model.name, model.version, req.id, outputs, req.outputs, req.binary_default)
+    if sum(np.asarray(a).nbytes for a in outputs.values()) > _OFFLOAD_BYTES:
+        body, extra = await asyncio.to_thread(encode, *args)
+    else:
+        body, extra = encode(*args)
+    return Response(content=body, status_code=200, headers=extra)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it (or its declared length) passes ``limit``;
+    a gzip/deflate ``Content-Encoding`` is inflated under the same limit."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            n = int(declared)
+        except ValueError:
+            raise ApiError(400, f"invalid Content-Length '{declared}'") from None
+        if n > limit:
+            raise ApiError(413, _too_large(limit, f"declared {n:,} bytes"))
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("identity", "", "gzip", "deflate"):
+        raise ApiError(415, f"unsupported Content-Encoding '{encoding}' (use gzip, deflate or none)")
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise ApiError(413, _too_large(limit, f"more than {limit:,} bytes received"))
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if encoding in ("gzip", "deflate") and body:
+        # wbits 32+15 accepts zlib and gzip framing; raw deflate (some clients' "deflate") is retried.
+        for wbits in (32 + zlib.MAX_WBITS, -zlib.MAX_WBITS):
+            inflater = zlib.decompressobj(wbits)
+            try:
+                out = inflater.decompress(body, limit + 1)
+            except zlib.error:
+                continue
+            if len(out) > limit or inflater.unconsumed_tail:
+                raise ApiError(413, _too_large(limit, "after decompression"))
+            if not inflater.eof:
+                raise ApiError(400, f"truncated {encoding} body")
+            return out
+        raise ApiError(400, f"the body is not valid {encoding} data")
+    return body
+
+
+def _too_large(limit: int, what: str) -> str:
+    return (f"request body too large ({what}); this server accepts at most {limit:,} bytes "
+            f"(kiln serve --max-body-mb)")

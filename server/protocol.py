@@ -1,0 +1,521 @@
+"""The KServe/Triton Open Inference Protocol (V2) over REST: a pure codec, no web framework.
+
+Why a module of its own: every byte a client sends passes through here before it can reach a
+model, so this is where hostile or careless input is stopped. ``parse_infer_request`` turns a
+request body into numpy arrays and raises :class:`ProtocolError` (with an HTTP status and a
+message naming the offending input) for anything malformed; ``encode_infer_response`` turns
+outputs back into a body that the real ``tritonclient[http]`` ``InferResult`` parses unchanged.
+Keeping it free of FastAPI makes it testable byte for byte and usable from other front ends.
+
+Wire format (https://kserve.github.io/website/docs/concepts/architecture/data-plane/v2-protocol
+and Triton's binary tensor data extension, checked against tritonclient's http client):
+
+* A request is a JSON object ``{"id"?, "parameters"?, "inputs": [...], "outputs"?: [...]}``.
+  Each input is ``{"name", "shape", "datatype", "parameters"?, "data"?}``. ``data`` is a flat
+  row-major list or a nested list of exactly the declared shape.
+* Binary tensor extension: the JSON header is followed by raw tensor bytes. The HTTP header
+  ``Inference-Header-Content-Length`` gives the JSON length; an input with
+  ``parameters.binary_data_size`` takes that many bytes, in input order, little-endian, row
+  major, no padding; BOOL is one byte, 0 or 1. The sizes must account for the body exactly.
+* Outputs: ``outputs[i].parameters.binary_data`` asks for one output as binary; the request
+  parameter ``binary_data_output`` is the default for outputs not listed (tritonclient sends it
+  when no outputs are named). A binary response carries ``Inference-Header-Content-Length`` and
+  ``parameters.binary_data_size`` per binary output.
+
+Decisions, documented here because clients see them:
+
+* Datatypes: BOOL, UINT8..UINT64, INT8..INT64, FP16, FP32, FP64. BYTES and BF16 are refused
+  with 400 (kiln models take numeric tensors; send BF16 as FP32).
+* JSON values must have the JSON type of the datatype, as Triton requires: integer types take
+  JSON integers only (no 1.5, no 1.0, no NaN/Infinity, no true/false) within the type's range;
+  BOOL takes only ``true``/``false`` (not 0/1); float types take numbers, including Python's
+  ``NaN``/``Infinity`` extension, but not finite values that overflow the type (1e39 for FP32).
+* Size cap: an input whose declared element count exceeds ``max_elements`` gets 413 (Content
+  Too Large): a client sending a legitimately large tensor learns it hit a server limit, not that
+  its request is malformed. The cap is checked from the shape alone, before any data is looked
+  at, and nothing is ever allocated from a shape: JSON data must have exactly prod(shape)
+  elements and binary data exactly prod(shape) * itemsize bytes actually present in the body.
+* Timeouts: request parameter ``timeout_ms`` (milliseconds, > 0) or Triton's ``timeout``
+  (integer microseconds, as tritonclient's ``infer(timeout=...)`` sends; 0 means "none", as in
+  Triton). If both are given the smaller wins. The server applies ``min(server default, this)``.
+* Binary inputs are zero-copy read-only views of the body (copied only when misaligned): the
+  runtime never writes its inputs. JSON inputs are fresh arrays.
+* ``"outputs": []`` means the same as no ``outputs``: every output. This module knows nothing
+  of models: missing, extra or unknown inputs and outputs, and shapes or datatypes that do not
+  match the model, are the caller's checks (``inputs: []`` parses fine here).
+* Non-finite floats in JSON responses are written as ``NaN``/``Infinity`` (Python's and
+  rapidjson's extension, which tritonclient parses); ask for binary outputs to stay strict.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+DATATYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8),
+    "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32),
+    "UINT64": np.dtype(np.uint64),
+    "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+}
+_BY_NUMPY = {dt: name for name, dt in DATATYPES.items()}
+# V2 names of kiln dtypes (DType.short) for model metadata; bfloat16 is named but not accepted.
+_BY_SHORT = {dt.name: name for name, dt in DATATYPES.items()}
+_BY_SHORT.update({"bool": "BOOL", "bfloat16": "BF16"})
+_REFUSED = {
+    "BYTES": "BYTES (string) tensors are not supported: kiln models take numeric tensors",
+    "BF16": "BF16 tensors are not supported over this protocol: send FP32",
+}
+# Wire byte order is little-endian; on little-endian hosts that is the native dtype itself.
+_WIRE = {dt: dt if sys.byteorder == "little" else dt.newbyteorder("<") for dt in DATATYPES.values()}
+_MAX_RANK = 32  # numpy's portable limit; far above any real model input
+_NONE = object()  # "no such element" (None is a JSON value: null)
+
+
+class ProtocolError(Exception):
+    """A request the protocol layer refuses: ``status`` is the HTTP status (400, 413, 500)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class RequestedOutput:
+    """An output the client named, and whether it wants it as binary data."""
+
+    name: str
+    binary: bool
+
+
+@dataclass
+class InferRequest:
+    """A validated inference request: every input is a numpy array of its declared shape."""
+
+    id: Optional[str]
+    inputs: dict[str, np.ndarray]
+    outputs: Optional[list[RequestedOutput]] = None  # None: all outputs, each binary iff binary_default
+    binary_default: bool = False  # parameters.binary_data_output
+    timeout_ms: Optional[float] = None  # from parameters timeout_ms / timeout (µs); None: server default
+    parameters: dict = field(default_factory=dict)  # the request's parameters object, as sent
+
+
+def v2_datatype(np_dtype: Any) -> str:
+    """The V2 datatype name of a numpy dtype (``"FP32"`` for float32, either byte order)."""
+    if getattr(np_dtype, "name", np_dtype) == "bfloat16":
+        return "BF16"
+    try:
+        dt = np.dtype(np_dtype)
+    except TypeError as e:
+        raise ProtocolError(500, f"dtype {np_dtype!r} has no V2 datatype") from e
+    if dt.kind in "OSU":
+        return "BYTES"
+    name = _BY_NUMPY.get(dt.newbyteorder("="))
+    if name is None:
+        raise ProtocolError(500, f"dtype {dt} has no V2 datatype")
+    return name
+
+
+def tensor_metadata(spec) -> dict:
+    """``{"name", "datatype", "shape"}`` of a runtime TensorSpec; symbolic/unknown dims are -1.
+
+    A shape of unknown rank (rare for graph inputs) is reported as ``[-1]``: V2 metadata has no
+    way to say "any rank".
+    """
+    datatype = _BY_SHORT.get(spec.dtype)
+    if datatype is None:
+        raise ProtocolError(500, f"tensor {spec.name!r} has dtype {spec.dtype}, which has no V2 datatype")
+    shape = spec.shape
+    dims = [-1] if shape is None else [d if isinstance(d, int) else -1 for d in shape]
+    return {"name": spec.name, "datatype": datatype, "shape": dims}
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+
+
+def parse_infer_request(body: bytes, header_length: Optional[int], *, max_elements: int) -> InferRequest:
+    """Parse and validate a V2 infer request body (see the module docstring for the rules).
+
+    ``header_length`` is the value of the ``Inference-Header-Content-Length`` HTTP header (None
+    when absent: the whole body is JSON). Raises :class:`ProtocolError` for anything invalid.
+    """
+    if not body:
+        raise ProtocolError(400, "empty request body: expected a JSON inference request")
+    view = memoryview(body)
+    if header_length is None:
+        header = bytes(body)
+        binary = view[len(body):]
+    else:
+        if isinstance(header_length, bool) or not isinstance(header_length, int) or header_length <= 0:
+            raise ProtocolError(400, f"Inference-Header-Content-Length must be a positive integer, "
+                                     f"got {header_length!r}")
+        if header_length > len(body):
+            raise ProtocolError(400, f"Inference-Header-Content-Length is {header_length} but the body "
+                                     f"has only {len(body)} bytes")
+        header = bytes(view[:header_length])
+        binary = view[header_length:]
+
+    try:
+        request = json.loads(header)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ProtocolError(400, f"malformed JSON in request: {e}") from None
+    if not isinstance(request, dict):
+        raise ProtocolError(400, f"the request must be a JSON object, got {_json_type(request)}")
+
+    request_id = request.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise ProtocolError(400, f"request 'id' must be a string, got {_json_type(request_id)}")
+    params = _object(request.get("parameters"), "request 'parameters'")
+    binary_default = _bool_param(params, "binary_data_output", "request parameter")
+    timeout_ms = _timeout_ms(params)
+
+    inputs_json = request.get("inputs")
+    if inputs_json is None:
+        raise ProtocolError(400, "the request has no 'inputs'")
+    if not isinstance(inputs_json, list):
+        raise ProtocolError(400, f"'inputs' must be a list, got {_json_type(inputs_json)}")
+    # Bools hide inside numeric JSON lists (numpy turns [true, 2] into [1, 2]); look for them
+    # only when the header contains a JSON true/false at all, which the usual request does not.
+    maybe_bools = b"true" in header or b"false" in header
+
+    inputs: dict[str, np.ndarray] = {}
+    offset = 0
+    for i, item in enumerate(inputs_json):
+        if not isinstance(item, dict):
+            raise ProtocolError(400, f"inputs[{i}] must be an object, got {_json_type(item)}")
+        name = item.get("name")
+        if not isinstance(name, str) or not name:
+            raise ProtocolError(400, f"inputs[{i}] needs a non-empty string 'name'")
+        if name in inputs:
+            raise ProtocolError(400, f"input '{name}' appears more than once")
+        what = f"input '{name}'"
+        datatype = _datatype(item.get("datatype"), what)
+        shape = _shape(item.get("shape"), what)
+        count = _element_count(shape, max_elements, what)
+        in_params = _object(item.get("parameters"), f"{what} 'parameters'")
+        if "shared_memory_region" in in_params:
+            raise ProtocolError(400, f"{what} uses shared memory, which this server does not support")
+        size = in_params.get("binary_data_size")
+        has_data = "data" in item
+        if size is not None:
+            if has_data:
+                raise ProtocolError(400, f"{what} has both 'data' and a binary_data_size")
+            if header_length is None:
+                raise ProtocolError(400, f"{what} has a binary_data_size but the request has no "
+                                         f"Inference-Header-Content-Length header")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ProtocolError(400, f"{what} binary_data_size must be a non-negative integer, "
+                                         f"got {size!r}")
+            inputs[name] = _from_binary(binary, offset, size, shape, count, datatype, what)
+            offset += size
+        elif has_data:
+            inputs[name] = _from_json(item["data"], shape, count, datatype, what, maybe_bools)
+        else:
+            raise ProtocolError(400, f"{what} has neither 'data' nor a binary_data_size")
+    if offset != len(binary):
+        raise ProtocolError(400, f"the inputs' binary_data_size values add up to {offset} bytes but "
+                                 f"{len(binary)} bytes follow the JSON header")
+
+    return InferRequest(id=request_id, inputs=inputs, outputs=_requested_outputs(request, binary_default),
+                        binary_default=binary_default, timeout_ms=timeout_ms, parameters=params)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    return "an object"
+
+
+def _object(value: Any, what: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ProtocolError(400, f"{what} must be an object, got {_json_type(value)}")
+    return value
+
+
+def _bool_param(params: dict, key: str, what: str) -> bool:
+    value = params.get(key, False)
+    if not isinstance(value, bool):
+        raise ProtocolError(400, f"{what} '{key}' must be true or false, got {value!r}")
+    return value
+
+
+def _timeout_ms(params: dict) -> Optional[float]:
+    found = []
+    ms = params.get("timeout_ms")
+    if ms is not None:
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
+            raise ProtocolError(400, f"request parameter 'timeout_ms' must be a positive number of "
+                                     f"milliseconds, got {ms!r}")
+        found.append(float(ms))
+    us = params.get("timeout")
+    if us is not None:
+        if isinstance(us, bool) or not isinstance(us, int) or us < 0:
+            raise ProtocolError(400, f"request parameter 'timeout' must be a non-negative integer number "
+                                     f"of microseconds, got {us!r}")
+        if us > 0:  # Triton: 0 means no timeout requested
+            found.append(us / 1000.0)
+    return min(found) if found else None
+
+
+def _datatype(value: Any, what: str) -> np.dtype:
+    if not isinstance(value, str):
+        raise ProtocolError(400, f"{what} needs a string 'datatype'")
+    dt = DATATYPES.get(value)
+    if dt is None:
+        if value in _REFUSED:
+            raise ProtocolError(400, f"{what}: {_REFUSED[value]}")
+        raise ProtocolError(400, f"{what} has unknown datatype {value!r}; expected one of "
+                                 f"{', '.join(DATATYPES)}")
+    return dt
+
+
+def _shape(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ProtocolError(400, f"{what} needs a 'shape' list")
+    if len(value) > _MAX_RANK:
+        raise ProtocolError(400, f"{what} has rank {len(value)}; at most {_MAX_RANK} dims are supported")
+    for d in value:
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ProtocolError(400, f"{what} shape {value} must be non-negative integers")
+    return tuple(value)
+
+
+def _element_count(shape: tuple[int, ...], max_elements: int, what: str) -> int:
+    # Every dim is capped too, so that a zero elsewhere cannot smuggle in a dim numpy rejects.
+    count = 0 if 0 in shape else 1
+    for d in shape:
+        count *= d
+        if count > max_elements or d > max_elements:  # stop early: never multiply out an absurd shape
+            raise ProtocolError(413, f"{what} declares shape {_short_list(shape)}, over this server's "
+                                     f"limit of {max_elements} elements per input")
+    return count
+
+
+def _short_list(shape: tuple[int, ...]) -> str:
+    return str(list(shape)) if len(shape) <= 8 else "[" + ", ".join(map(str, shape[:8])) + ", ...]"
+
+
+def _from_binary(binary: memoryview, offset: int, size: int, shape: tuple[int, ...], count: int,
+                 dt: np.dtype, what: str) -> np.ndarray:
+    expected = count * dt.itemsize
+    if size != expected:
+        raise ProtocolError(400, f"{what} binary_data_size is {size} bytes but shape {list(shape)} of "
+                                 f"{_BY_NUMPY[dt]} needs {expected}")
+    if offset + size > len(binary):
+        raise ProtocolError(400, f"{what} binary data ends at byte {offset + size} of the binary part "
+                                 f"but only {len(binary)} bytes follow the JSON header")
+    raw = binary[offset:offset + size]
+    if dt.kind == "b":
+        octets = np.frombuffer(raw, dtype=np.uint8)
+        if count and octets.max() > 1:
+            raise ProtocolError(400, f"{what} BOOL binary data must be bytes 0 or 1")
+    arr = np.frombuffer(raw, dtype=_WIRE[dt]).reshape(shape)
+    if not arr.flags.aligned or not arr.dtype.isnative:  # a misaligned view or a big-endian host
+        arr = arr.astype(dt)
+    return arr
+
+
+def _from_json(data: Any, shape: tuple[int, ...], count: int, dt: np.dtype, what: str,
+               maybe_bools: bool) -> np.ndarray:
+    if not isinstance(data, list):
+        raise ProtocolError(400, f"{what} 'data' must be a list, got {_json_type(data)}")
+    if count == 0:
+        if next(_leaves(data), _NONE) is not _NONE:
+            raise ProtocolError(400, f"{what} has shape {list(shape)} (no elements) but 'data' has values")
+        return np.empty(shape, dtype=dt)
+    try:
+        arr = np.asarray(data)
+    except (ValueError, TypeError, RecursionError):
+        raise ProtocolError(400, f"{what} 'data' is a ragged nested list; it must be flat or "
+                                 f"nested to shape {list(shape)}") from None
+    if arr.ndim != 1 and arr.shape != shape:
+        raise ProtocolError(400, f"{what} 'data' is nested as {list(arr.shape)}, which is not its "
+                                 f"shape {list(shape)} (send it flat or nested to the shape)")
+    if arr.size != count:
+        raise ProtocolError(400, f"{what} has {arr.size} data values but shape {list(shape)} needs {count}")
+
+    kind = arr.dtype.kind
+    datatype = _BY_NUMPY[dt]
+    if dt.kind == "b":
+        if kind != "b":
+            bad = next((v for v in _leaves(data) if not isinstance(v, bool)), _NONE)
+            raise ProtocolError(400, f"{what} is BOOL: its data must be true or false, got {_show(bad)}")
+        return arr.reshape(shape)
+    if kind == "b" or (maybe_bools and kind in "iuf" and any(isinstance(v, bool) for v in _leaves(data))):
+        raise ProtocolError(400, f"{what} is {datatype}: its data must be numbers, not true/false")
+    if dt.kind in "iu":
+        if kind in "iu":
+            info = np.iinfo(dt)
+            lo, hi = int(arr.min()), int(arr.max())
+            if lo < info.min or hi > info.max:
+                bad = lo if lo < info.min else hi
+                raise ProtocolError(400, f"{what}: value {bad} is out of range for {datatype}")
+            return arr.astype(dt).reshape(shape)
+        # numpy fell back to float64 or objects: either a bad value, or valid ints past int64 mixed
+        # with others (UINT64 data such as [1, 2**64 - 1]); settle it value by value.
+        problem = _bad_int(data, dt, datatype)
+        if problem:
+            raise ProtocolError(400, f"{what}: {problem}")
+        return np.array(list(_leaves(data)), dtype=dt).reshape(shape)
+    # float datatypes
+    if kind not in "iuf":
+        bad = next((v for v in _leaves(data) if isinstance(v, bool) or not isinstance(v, (int, float))),
+                   _NONE)
+        if bad is not _NONE:
+            raise ProtocolError(400, f"{what} is {datatype}: its data must be numbers, got {_show(bad)}")
+        arr = _huge_ints_to_float(data, what, datatype)  # numbers numpy kept as objects: ints past 64 bits
+    with np.errstate(over="ignore"):
+        out = arr.astype(dt)
+    if not np.isfinite(out).all() and (np.isfinite(arr) & ~np.isfinite(out)).any():
+        raise ProtocolError(400, f"{what}: a value is out of range for {datatype}")
+    return out.reshape(shape)
+
+
+def _huge_ints_to_float(data: list, what: str, datatype: str) -> np.ndarray:
+    try:
+        return np.asarray([float(v) for v in _leaves(data)], dtype=np.float64)
+    except OverflowError:
+        raise ProtocolError(400, f"{what}: a value is out of range for {datatype}") from None
+
+
+def _bad_int(data: list, dt: np.dtype, datatype: str) -> Optional[str]:
+    """Why integer data must be refused, naming the first bad value; None if it is all valid."""
+    info = np.iinfo(dt)
+    for v in _leaves(data):
+        if isinstance(v, bool):
+            return f"{datatype} data must be integers, not {str(v).lower()}"
+        if isinstance(v, int):
+            if not info.min <= v <= info.max:
+                return f"value {v} is out of range for {datatype}"
+        elif isinstance(v, float):
+            return f"{datatype} data must be JSON integers, got {_show(v)}"
+        else:
+            return f"{datatype} data must be integers, got {_show(v)}"
+    return None
+
+
+def _leaves(data: Any) -> Iterator[Any]:
+    """The scalars of a nested list in row-major order."""
+    if isinstance(data, list):
+        for item in data:
+            if isinstance(item, list):
+                yield from _leaves(item)
+            else:
+                yield item
+    else:
+        yield data
+
+
+def _show(value: Any) -> str:
+    """A JSON value as the client wrote it (true, null, "a"), for error messages."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):  # pragma: no cover - parsed JSON always dumps
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _requested_outputs(request: dict, binary_default: bool) -> Optional[list[RequestedOutput]]:
+    outputs_json = request.get("outputs")
+    if outputs_json is None:
+        return None
+    if not isinstance(outputs_json, list):
+        raise ProtocolError(400, f"'outputs' must be a list, got {_json_type(outputs_json)}")
+    if not outputs_json:
+        return None  # as if absent: all outputs
+    outputs: list[RequestedOutput] = []
+    seen: set[str] = set()
+    for i, item in enumerate(outputs_json):
+        if not isinstance(item, dict):
+            raise ProtocolError(400, f"outputs[{i}] must be an object, got {_json_type(item)}")
+        name = item.get("name")
+        if not isinstance(name, str) or not name:
+            raise ProtocolError(400, f"outputs[{i}] needs a non-empty string 'name'")
+        if name in seen:
+            raise ProtocolError(400, f"output '{name}' is requested more than once")
+        seen.add(name)
+        params = _object(item.get("parameters"), f"output '{name}' 'parameters'")
+        if "shared_memory_region" in params:
+            raise ProtocolError(400, f"output '{name}' asks for shared memory, which this server does "
+                                     f"not support")
+        if params.get("classification", 0) not in (0, None):
+            raise ProtocolError(400, f"output '{name}' asks for classification, which this server does "
+                                     f"not support")
+        binary = params.get("binary_data", binary_default)
+        if not isinstance(binary, bool):
+            raise ProtocolError(400, f"output '{name}' parameter 'binary_data' must be true or false, "
+                                     f"got {binary!r}")
+        outputs.append(RequestedOutput(name, binary))
+    return outputs
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+
+
+def encode_infer_response(model_name: str, model_version: str, request_id: Optional[str],
+                          outputs: dict[str, np.ndarray], requested: Optional[list[RequestedOutput]],
+                          binary_default: bool) -> tuple[bytes, dict[str, str]]:
+    """Encode outputs as a V2 response body; returns ``(body, headers)``.
+
+    ``requested`` None sends every output (in dict order), binary iff ``binary_default``;
+    otherwise the requested outputs in request order with their own binary flags. Headers hold
+    ``Content-Type`` and, when any output is binary, ``Inference-Header-Content-Length``.
+    """
+    chosen = ([RequestedOutput(name, binary_default) for name in outputs] if requested is None
+              else requested)
+    entries = []
+    buffers: list[Any] = []
+    for req in chosen:
+        if req.name not in outputs:
+            raise ProtocolError(400, f"output '{req.name}' is not an output of model '{model_name}'")
+        arr = np.asarray(outputs[req.name])
+        datatype = _BY_NUMPY.get(arr.dtype.newbyteorder("="))
+        if datatype is None:
+            raise ProtocolError(500, f"output '{req.name}' has dtype {arr.dtype}, which this protocol "
+                                     f"cannot send")
+        dt = DATATYPES[datatype]
+        entry: dict[str, Any] = {"name": req.name, "datatype": datatype, "shape": list(arr.shape)}
+        if req.binary:
+            data = np.ascontiguousarray(arr, dtype=_WIRE[dt])
+            raw = memoryview(data).cast("B") if data.size else b""
+            entry["parameters"] = {"binary_data_size": data.nbytes}
+            buffers.append(raw)
+        else:
+            entry["data"] = arr.reshape(-1).tolist()
+        entries.append(entry)
+
+    response: dict[str, Any] = {"model_name": model_name, "model_version": str(model_version)}
+    if request_id is not None:
+        response["id"] = request_id
+    response["outputs"] = entries
+    header = json.dumps(response, separators=(",", ":")).encode()
+    if not buffers:
+        return header, {"Content-Type": "application/json"}
+    body = b"".join([header, *buffers])
+    return body, {"Content-Type": "application/octet-stream",
+                  "Inference-Header-Content-Length": str(len(header))}

@@ -1,0 +1,574 @@
+"""Executors: where a model's batches run, in threads of the server process or in worker processes.
+
+Both implement one small protocol (:class:`Executor`) that the batcher drives: ``start()`` loads the
+model (blocking; call it before serving), ``await run(inputs)`` runs one batch, ``await close()`` stops,
+``inputs``/``outputs`` are the program's TensorSpecs, ``ready`` says whether a run can be served now and
+``capacity`` how many runs are worth having in flight at once (the batcher never exceeds it).
+
+:class:`ThreadExecutor` (``--workers 0``) loads the model in the server process and runs batches on a
+thread pool of ``instances`` threads: ``Program.run`` is thread-safe and numpy releases the GIL in its
+kernels, so this is the cheapest path for small models.
+
+:class:`ProcessExecutor` runs N worker processes, each of which does ``kiln.load(path)`` itself. Why
+processes: Python-level work in the runtime (the instruction loop, small kernels) holds the GIL, so one
+process cannot use more than one core for it; and a crash in a kernel takes down a worker, not the
+server. Why this costs little memory: a .kiln file is memory-mapped and its weights are used in place,
+so N workers share the same page-cache pages.
+
+Workers are fresh interpreters (``python -c "...kiln.server.workers._worker_entry..."``), never a
+``fork`` of the threaded server, and import only kiln and numpy, never torch or onnx (unless
+``backend='onnxruntime'`` asks for ONNX Runtime). Not multiprocessing's ``spawn`` context: spawn
+re-runs the parent's ``__main__`` script in every child, so a user's serving script would re-import
+whatever it imports (torch, say) in each worker, or start servers recursively without a
+``__main__`` guard. The child gets its end of a socketpair by fd and wraps it in
+``multiprocessing.connection.Connection``, which gives the same framed pickle messages as a Pipe.
+Unless the environment already sets them, each worker's BLAS thread variables (OMP/OpenBLAS/MKL) are
+``cpu_count // workers``, so N workers do not oversubscribe the cores N times over.
+
+Each worker talks to the server over its own duplex connection: the server sends
+``("run", id, {name: array})`` (numpy arrays pickled, protocol 5), the worker answers
+``("ok", id, outputs)`` or ``("err", id, exception)``. A worker has ``instances`` threads, so up to that
+many batches are in flight per worker. One reader thread per worker receives the answers and resolves
+the asyncio futures through ``loop.call_soon_threadsafe``. Requests carry ids, so answers may come back
+in any order.
+
+A worker that dies (a crash, an OOM kill, SIGKILL) closes its end of the pipe: the reader thread gets
+EOF at once, fails every batch that worker had in flight with :class:`WorkerError` (so no caller hangs)
+and starts a replacement (retrying with back-off if the replacement cannot load the model). Workers
+ignore SIGINT/SIGTERM, so a Ctrl-C sent to the whole process group does not kill batches the server is
+draining; a worker lives exactly as long as its pipe to the server, and exits on EOF if the server dies.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from kiln.errors import ExecutionError, KilnError
+from kiln.server.errors import WorkerError
+
+log = logging.getLogger("kiln.server")
+
+# Payloads larger than this are pickled and written to the pipe on a helper thread, so one big request
+# never stalls the event loop while the worker reads it.
+_BIG_PAYLOAD = 1 << 20
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """What the batcher needs from a place that runs batches."""
+
+    inputs: Sequence[Any]   # runtime.program.TensorSpec, known after start()
+    outputs: Sequence[Any]
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def capacity(self) -> int: ...
+
+    def start(self) -> None: ...
+
+    async def run(self, inputs: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]: ...
+
+    async def close(self) -> None: ...
+
+
+def _instances(config: Any) -> int:
+    n = int(getattr(config, "instances", 1) or 1)
+    if n < 1:
+        raise KilnError(f"instances must be at least 1, got {n}")
+    return n
+
+
+class ThreadExecutor:
+    """The model loaded in this process; batches run on a pool of ``config.instances`` threads.
+
+    ``path`` is anything ``kiln.load`` takes (a .kiln/.onnx path or a Graph)."""
+
+    def __init__(self, path: Any, config: Any):
+        self.path = path
+        self.backend = getattr(config, "backend", "kiln") or "kiln"
+        self.instances = _instances(config)
+        self.program = None
+        self.inputs: List[Any] = []
+        self.outputs: List[Any] = []
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._closed = False
+
+    def start(self) -> None:
+        from kiln.runtime.program import load
+        self.program = load(self.path, backend=self.backend)
+        self.inputs, self.outputs = list(self.program.inputs), list(self.program.outputs)
+        self._pool = ThreadPoolExecutor(self.instances, thread_name_prefix="kiln-run")
+
+    @property
+    def ready(self) -> bool:
+        return self._pool is not None and not self._closed
+
+    @property
+    def capacity(self) -> int:
+        return self.instances
+
+    async def run(self, inputs: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        if not self.ready:
+            raise WorkerError("the executor is not running (not started, or closed)")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.program.run, inputs)
+
+    async def close(self) -> None:
+        """Finish the batches already running, then release the threads."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool is not None:
+            await asyncio.to_thread(self._pool.shutdown, True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Worker process side. Runs in the spawned child: keep it to kiln + numpy.
+
+def _portable(e: BaseException) -> BaseException:
+    """``e`` if it survives pickling (kiln's errors do), else an ExecutionError that says what it was."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any unpicklable exception becomes a plain message
+        return ExecutionError(f"{type(e).__name__}: {e}")
+
+
+def _worker_main(conn, path: str, backend: str, threads: int) -> None:
+    """The worker process: load the model, report its signature, then serve ``run`` messages until the
+    server says ``stop`` or its end of the pipe closes."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)  # the server decides when workers stop (see module docstring)
+    try:
+        from kiln.runtime.program import load
+        program = load(path, backend=backend)
+    except BaseException as e:  # noqa: BLE001 - reported to the server, which raises it from start()
+        conn.send(("failed", _portable(e)))
+        return
+    conn.send(("ready", os.getpid(), list(program.inputs), list(program.outputs)))
+    send_lock = threading.Lock()
+
+    def answer(msg) -> None:
+        with send_lock:
+            conn.send(msg)
+
+    def execute(rid: int, inputs: dict) -> None:
+        try:
+            msg = ("ok", rid, program.run(inputs))
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+            msg = ("err", rid, _portable(e))
+        try:
+            answer(msg)
+        except (OSError, ValueError):
+            pass  # the server is gone; the main loop sees EOF and exits
+
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="kiln-worker") if threads > 1 else None
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = msg[0]
+            if kind == "run":
+                if pool is None:
+                    execute(msg[1], msg[2])
+                else:
+                    pool.submit(execute, msg[1], msg[2])
+            elif kind == "info":
+                answer(("ok", msg[1], {"pid": os.getpid(), "modules": sorted(sys.modules)}))
+            elif kind == "stop":
+                break
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+def _worker_entry(argv: Sequence[str]) -> None:
+    """``python -c`` entry point of a worker: argv is [fd, path, backend, threads]."""
+    from multiprocessing.connection import Connection
+    fd, path, backend, threads = argv
+    _worker_main(Connection(int(fd)), path, backend, int(threads))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Server side.
+
+_ENTRY = "import sys; from kiln.server.workers import _worker_entry; _worker_entry(sys.argv[1:])"
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
+
+
+class _Proc:
+    """A worker's subprocess.Popen with the few verbs the executor needs."""
+
+    def __init__(self, popen: subprocess.Popen):
+        self.popen = popen
+        self.pid = popen.pid
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        try:
+            self.popen.kill()
+        except OSError:
+            pass
+
+    def join(self, timeout: float) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        return self.popen.poll()
+
+
+def _resolve(fut: asyncio.Future, ok: bool, value: Any) -> None:
+    if not fut.done():
+        if ok:
+            fut.set_result(value)
+        else:
+            fut.set_exception(value)
+
+
+def _resolve_threadsafe(fut: asyncio.Future, ok: bool, value: Any) -> None:
+    try:
+        fut.get_loop().call_soon_threadsafe(_resolve, fut, ok, value)
+    except RuntimeError:
+        pass  # that event loop is closed: nobody is waiting any more
+
+
+def _describe_exit(code: Optional[int]) -> str:
+    if code is None:
+        return "its pipe closed"
+    if code < 0:
+        try:
+            return f"it was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"it was killed by signal {-code}"
+    return f"it exited with code {code}"
+
+
+class _Worker:
+    def __init__(self, process, conn, pid: int):
+        self.process = process
+        self.conn = conn
+        self.pid = pid
+        self.inflight: Dict[int, asyncio.Future] = {}
+        self.alive = True
+        self.send_lock = threading.Lock()
+
+
+class ProcessExecutor:
+    """``n_workers`` worker processes (default ``config.workers``), each loading ``path`` itself.
+
+    Every worker runs up to ``config.instances`` batches at once, so ``capacity`` is workers x instances;
+    a batch goes to the live worker with the fewest in flight."""
+
+    start_timeout_s = 300.0   # how long a worker may take to load the model
+    stop_timeout_s = 10.0     # how long close() waits for a worker to exit before killing it
+    respawn_delays_s = (0.0, 0.5, 1.0, 2.0, 5.0)  # back-off between attempts to replace a dead worker
+
+    def __init__(self, path: Any, config: Any, n_workers: Optional[int] = None):
+        self.path = os.fspath(path)
+        self.backend = getattr(config, "backend", "kiln") or "kiln"
+        self.instances = _instances(config)
+        self.n_workers = int(n_workers if n_workers is not None else getattr(config, "workers", 1))
+        if self.n_workers < 1:
+            raise KilnError(f"a ProcessExecutor needs at least 1 worker, got {self.n_workers} "
+                            "(workers=0 means threads: use ThreadExecutor)")
+        self.inputs: List[Any] = []
+        self.outputs: List[Any] = []
+        self.restarts = 0  # workers replaced after dying
+        self._lock = threading.Lock()
+        self._workers: List[_Worker] = []
+        self._waiters: List[asyncio.Future] = []  # run() calls waiting for a free worker slot
+        self._ids = itertools.count()
+        self._started = False
+        self._closed = False
+        self._stop = threading.Event()  # set by close(): no more replacements
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Spawn the workers and wait until every one has loaded the model (they load in parallel).
+        Raises the worker's error (e.g. a FormatError) if the model cannot be loaded."""
+        if self._started:
+            return
+        pending = [self._spawn() for _ in range(self.n_workers)]
+        workers, error = [], None
+        for process, conn in pending:
+            try:
+                workers.append(self._handshake(process, conn))
+            except BaseException as e:  # noqa: BLE001 - stop the others, then raise the first error
+                error = error or e
+        if error is not None:
+            for w in workers:
+                self._kill(w)
+            raise error
+        self._started = True
+        for w in workers:
+            self._adopt(w)
+
+    def _spawn(self):
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        # The child imports kiln the way this process did (an editable install, PYTHONPATH, sys.path edits).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
+        threads = str(max(1, (os.cpu_count() or 1) // self.n_workers))
+        for var in _THREAD_VARS:
+            env.setdefault(var, threads)
+        try:
+            popen = subprocess.Popen([sys.executable, "-c", _ENTRY, str(theirs.fileno()), self.path, self.backend,
+                                      str(self.instances)], pass_fds=(theirs.fileno(),), env=env,
+                                     stdin=subprocess.DEVNULL)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()  # only the worker holds that end now: its death gives us EOF
+        from multiprocessing.connection import Connection
+        return _Proc(popen), Connection(ours.detach())
+
+    def _handshake(self, process, conn) -> _Worker:
+        deadline = time.monotonic() + self.start_timeout_s
+        try:
+            while not conn.poll(0.1):
+                if not process.is_alive():
+                    break
+                if time.monotonic() > deadline:
+                    raise KilnError(f"a worker did not load {self.path} within {self.start_timeout_s:.0f} s")
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                process.join(1.0)
+                raise KilnError(f"a worker failed while loading {self.path}: "
+                                f"{_describe_exit(process.exitcode)}") from None
+            if msg[0] == "failed":
+                raise msg[1]
+            _, pid, inputs, outputs = msg
+            if not self.inputs and not self.outputs:
+                self.inputs, self.outputs = inputs, outputs
+            return _Worker(process, conn, pid)
+        except BaseException:
+            conn.close()
+            if process.is_alive():
+                process.kill()
+            process.join(5.0)
+            raise
+
+    def _adopt(self, w: _Worker) -> None:
+        with self._lock:
+            if self._closed:
+                closed = True
+            else:
+                closed = False
+                self._workers.append(w)
+        if closed:
+            self._kill(w)
+            return
+        threading.Thread(target=self._read, args=(w,), name=f"kiln-worker-{w.pid}-reader", daemon=True).start()
+        self._wake()
+
+    def _read(self, w: _Worker) -> None:
+        """Reader thread of one worker: resolve answers; on EOF, fail what it had and replace it."""
+        while True:
+            try:
+                msg = w.conn.recv()
+            except (EOFError, OSError):
+                break
+            except Exception as e:  # noqa: BLE001 - an answer that cannot be unpickled: treat as a dead pipe
+                log.error("worker %d sent an unreadable message (%s); replacing it", w.pid, e)
+                w.process.kill()
+                break
+            with self._lock:
+                fut = w.inflight.pop(msg[1], None)
+            if fut is not None:
+                _resolve_threadsafe(fut, msg[0] == "ok", msg[2])
+            self._wake()
+        self._on_exit(w)
+
+    def _on_exit(self, w: _Worker) -> None:
+        with self._lock:
+            w.alive = False
+            if w in self._workers:
+                self._workers.remove(w)
+            lost, w.inflight = w.inflight, {}
+            closing = self._closed
+        w.process.join(1.0)  # the pipe closes as the process dies, so this is quick
+        reason = _describe_exit(w.process.exitcode)
+        w.conn.close()
+        if closing:
+            err = WorkerError(f"worker {w.pid} stopped: the executor was closed")
+        else:
+            err = WorkerError(f"worker process {w.pid} died while running this request ({reason}); "
+                              "it is being replaced")
+            log.error("kiln worker %d for %s died (%s) with %d batch(es) in flight; replacing it",
+                      w.pid, self.path, reason, len(lost))
+        for fut in lost.values():
+            _resolve_threadsafe(fut, False, err)
+        if not closing:
+            self._replace()
+
+    def _replace(self) -> None:
+        """Start a new worker in place of a dead one (runs on the dead worker's reader thread)."""
+        delays = itertools.chain(self.respawn_delays_s, itertools.repeat(self.respawn_delays_s[-1]))
+        for attempt, delay in enumerate(delays):
+            if self._stop.wait(delay):
+                return
+            try:
+                w = self._handshake(*self._spawn())
+            except BaseException as e:  # noqa: BLE001 - keep trying: the server stays up on its other workers
+                if attempt < 3 or attempt % 20 == 0:
+                    log.error("could not replace a kiln worker for %s (attempt %d): %s", self.path, attempt + 1, e)
+                continue
+            self.restarts += 1
+            self._adopt(w)
+            return
+
+    def _kill(self, w: _Worker) -> None:
+        try:
+            w.conn.close()
+        except OSError:
+            pass
+        if w.process.is_alive():
+            w.process.kill()
+        w.process.join(5.0)
+
+    async def close(self) -> None:
+        """Ask every worker to stop, wait for them (killing any that hang), and fail whatever is still
+        waiting with WorkerError. Drain the batcher first to let running batches finish."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            workers = list(self._workers)
+            waiters, self._waiters = self._waiters, []
+        self._stop.set()
+        for fut in waiters:
+            _resolve_threadsafe(fut, True, None)  # they wake, see closed and raise
+        await asyncio.to_thread(self._stop_workers, workers)
+
+    def _stop_workers(self, workers: List[_Worker]) -> None:
+        for w in workers:
+            try:
+                with w.send_lock:
+                    w.conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + self.stop_timeout_s
+        for w in workers:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+            if w.process.is_alive():
+                log.warning("kiln worker %d did not stop within %.0f s; killing it", w.pid, self.stop_timeout_s)
+                w.process.kill()
+                w.process.join(5.0)
+
+    # -- state -----------------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        with self._lock:
+            return self._started and not self._closed and any(w.alive for w in self._workers)
+
+    @property
+    def capacity(self) -> int:
+        return self.n_workers * self.instances
+
+    @property
+    def pids(self) -> List[int]:
+        """Process ids of the live workers."""
+        with self._lock:
+            return [w.pid for w in self._workers if w.alive]
+
+    # -- running ---------------------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        with self._lock:
+            waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            _resolve_threadsafe(fut, True, None)
+
+    async def _submit(self, worker_pick, message_of, wait: bool = True) -> Any:
+        """Reserve a slot on a worker (waiting for one if all are busy or being replaced, unless not
+        ``wait``), send it ``message_of(id)`` and await the answer. A message that cannot be written
+        (the worker died since it was picked) provably never ran, so it goes to another worker."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._lock:
+                if self._closed or not self._started:
+                    raise WorkerError("the executor is not running (not started, or closed)")
+                w = worker_pick()
+                if w is None:
+                    if not wait:
+                        raise WorkerError("that worker is no longer running")
+                    waiter = loop.create_future()
+                    self._waiters.append(waiter)
+                else:
+                    rid = next(self._ids)
+                    fut = loop.create_future()
+                    w.inflight[rid] = fut
+            if w is None:
+                await waiter
+                continue
+            try:
+                payload = pickle.dumps(message_of(rid), protocol=5)
+                if len(payload) > _BIG_PAYLOAD:
+                    await asyncio.to_thread(self._send, w, payload)
+                else:
+                    self._send(w, payload)
+            except (OSError, ValueError):
+                with self._lock:  # the worker is gone (its reader thread replaces it): try another one
+                    w.inflight.pop(rid, None)
+                    w.alive = False
+                fut.cancel()
+                continue
+            except BaseException:
+                with self._lock:
+                    w.inflight.pop(rid, None)
+                self._wake()
+                raise
+            break
+        try:
+            return await fut
+        finally:
+            if not fut.done():  # our caller was cancelled: forget the slot's future (the answer is dropped)
+                fut.cancel()
+
+    @staticmethod
+    def _send(w: _Worker, payload: bytes) -> None:
+        with w.send_lock:
+            w.conn.send_bytes(payload)
+
+    def _least_busy(self) -> Optional[_Worker]:
+        free = [w for w in self._workers if w.alive and len(w.inflight) < self.instances]
+        return min(free, key=lambda w: len(w.inflight)) if free else None
+
+    async def run(self, inputs: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        return await self._submit(self._least_busy, lambda rid: ("run", rid, dict(inputs)))
+
+    async def worker_info(self) -> List[Dict[str, Any]]:
+        """Ask each live worker for its pid and the modules it has imported (``sys.modules``): a
+        diagnostic, used by the tests to check that workers never import torch or onnx."""
+        infos = []
+        for pid in self.pids:
+            def pick(pid=pid):
+                return next((w for w in self._workers if w.pid == pid and w.alive), None)
+            infos.append(await self._submit(pick, lambda rid: ("info", rid), wait=False))
+        return infos
