@@ -536,3 +536,30 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+# --------------------------------------------------------------------------- kiln.FusedElementwise
+
+
+@register_expansion("kiln", "FusedElementwise")
+def _expand_fused_elementwise(em: Emitter, node: Node) -> None:
+    """The body's nodes inlined: body inputs take the node's input names, body outputs the node's
+    output names, body initializers become Constant nodes. Each body node is emitted like a
+    top-level one (so a Gelu in the body is expanded below opset 20 too). A body output that is
+    not computed by a body node, or is repeated, goes through an Identity (ONNX is SSA)."""
+    body: Graph = node.attrs["body"]
+    b = em._builder
+    for v, name in zip(body.inputs, em.inputs):
+        b._names[id(v)] = name
+    for v in body.initializers.values():
+        em.add("Constant", [], outputs=[b.name_of(v)], value=_tensor(v.const))
+    late = []
+    for v, name in zip(body.outputs, em.outputs):
+        if v.producer is not None and v.producer.graph is body and id(v) not in b._names:
+            b._names[id(v)] = name
+        else:
+            late.append((v, name))
+    for inner in body.nodes:
+        b.emit(inner, em._out)
+    for v, name in late:
+        em.add("Identity", [b.name_of(v)], outputs=[name])

@@ -2,3 +2,4 @@
 from kiln.ir.ops import (  # noqa: F401
     activation, control, elementwise, indexing, layout, linalg, logic, nn, normalization, pool, reduce, shape,
     tensor)
+from kiln.ir.ops import fused  # noqa: F401,E402  (kiln.FusedElementwise: the fusion pass's op)

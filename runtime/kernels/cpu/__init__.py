@@ -47,4 +47,4 @@ def choose(node: Node, attrs: dict) -> Callable[..., Any]:
     return factory(node, attrs)
 
 
-from kiln.runtime.kernels.cpu import activation, elementwise, linalg, nn, norm, pool, shape  # noqa: E402,F401  (registers kernels)
+from kiln.runtime.kernels.cpu import activation, elementwise, fused, linalg, nn, norm, pool, shape  # noqa: E402,F401  (registers kernels)
