@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from kiln.errors import KilnError, TraceWarning, UnsupportedOpError
 from kiln.frontend.symbolic import SymInt
-from kiln.ir.dtypes import DType, dtype as as_dtype
+from kiln.ir.dtypes import DType
 from kiln.ir.graph import Graph, Value
 from kiln.ir.passes.shape_inference import infer_node
 from kiln.ir.types import TensorType
@@ -111,7 +111,7 @@ class Tracer(TorchFunctionMode):
             return out
         if _is_python_function(func):
             with self:
-                return torch.overrides.redispatch_function(func, types, args, kwargs)
+                return _redispatch(func, types, args, kwargs)
         out = func(*args, **kwargs)
         if not any(isinstance(t, torch.Tensor) for t in _flatten(out)):
             return out
@@ -268,6 +268,20 @@ def _writes_in_place(func: Callable) -> bool:
     """``add_``, ``relu_``, ``__iadd__``: torch's naming of ops that write into their first argument."""
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.startswith("__")) or (name.startswith("__i") and name.endswith("__"))
+
+
+def _redispatch(func, types, args, kwargs):
+    """Call ``func`` skipping one level of ``__torch_function__`` dispatch, so a Python composite
+    runs its body with the tracer still active: ``torch.overrides.redispatch_function`` where
+    torch has it (recent releases), else the C hook it wraps (torch 2.11 has only the hook)."""
+    public = getattr(torch.overrides, "redispatch_function", None)
+    if public is not None:
+        return public(func, types, args, kwargs)
+    hook = getattr(torch._C, "_skip_one_hop_torch_function", None)
+    if hook is None:
+        raise UnsupportedOpError(f"tracing through the Python function '{op_name(func)}' needs torch's "
+                                 f"redispatch hook, which torch {torch.__version__} lacks; upgrade torch")
+    return hook(func, types, args, kwargs or {})
 
 
 def _is_python_function(func: Callable) -> bool:

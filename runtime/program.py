@@ -139,7 +139,7 @@ BACKENDS = ("kiln", "onnxruntime")
 
 
 def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize: bool = True,
-         backend: str = "kiln", threads: Optional[int] = None):
+         backend: str = "kiln", threads: Optional[int] = None, **cuda_options):
     """Load a .kiln or .onnx file (or take a Graph) and make it runnable.
 
     ``backend="kiln"`` (default): kiln's CPU runtime builds an execution plan; a .onnx file is imported
@@ -147,15 +147,21 @@ def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize
     optimized). ``backend="onnxruntime"``: an ``OrtProgram`` with the same interface, running in ONNX
     Runtime (a .kiln file or Graph is exported to ONNX in memory); ``optimize`` is then ORT's own graph
     optimization, ``device`` 'cpu', 'cuda[:N]' or 'auto' picks its execution provider, and ``threads`` its
-    intra-op thread count (default: ORT's). Both need ``pip install kiln[onnx]``."""
+    intra-op thread count (default: ORT's). Both need ``pip install kiln[onnx]``.
+
+    ``device="cuda"`` (kiln backend): a ``CudaProgram`` on the current CUDA device through CuPy
+    (``pip install kiln[gpu]``); ``cuda_options`` go to it (``output="cupy"|"numpy"``,
+    ``tf32=False``, ``cuda_graphs=True``, ``fuse=True``)."""
     if backend == "onnxruntime":
         from kiln.runtime.onnxruntime_backend import OrtProgram
         return OrtProgram(model, device=device, optimize=optimize, threads=threads)
     if backend != "kiln":
         raise KilnError(f"unknown backend {backend!r}: choose one of {', '.join(map(repr, BACKENDS))}")
-    if device not in ("cpu", "auto"):
-        raise KilnError(f"device '{device}' is not available yet: kiln runs on 'cpu' (the CUDA backend is "
-                        "a later stage; backend='onnxruntime' can use CUDA)")
+    cuda = device == "cuda"
+    if device not in ("cpu", "auto", "cuda"):
+        raise KilnError(f"unknown device '{device}': kiln runs on 'cpu' or 'cuda' ('auto' is the CPU)")
+    if cuda_options and not cuda:
+        raise KilnError(f"options {sorted(cuda_options)} are for device='cuda'")
     if threads is not None:
         raise KilnError("threads= sets ONNX Runtime's intra-op threads (backend='onnxruntime'); kiln's CPU runtime "
                         "uses numpy's BLAS threads, set by OMP_NUM_THREADS/OPENBLAS_NUM_THREADS before numpy is "
@@ -173,6 +179,18 @@ def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize
     if optimize:
         from kiln.ir.passes import optimize as run_optimize
         run_optimize(graph)
+    if cuda:
+        try:
+            from kiln.runtime.cuda_program import CudaProgram, device_count
+            usable = device_count() > 0
+        except ImportError as e:
+            usable, why = False, f"CuPy is not importable ({e})"
+        else:
+            why = "CuPy sees no CUDA device"
+        if not usable:
+            raise KilnError(f"device 'cuda' is not available yet in this environment: {why}; it needs CuPy "
+                            "and an NVIDIA GPU (pip install kiln[gpu])")
+        return CudaProgram(graph, **cuda_options)
     return Program(graph)
 
 

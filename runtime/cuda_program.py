@@ -1,0 +1,401 @@
+"""``kiln.load(path, device="cuda")``: a Program that runs on an NVIDIA GPU through CuPy.
+
+Same public interface as :class:`kiln.runtime.program.Program` (``inputs``, ``outputs``,
+``metadata``, ``run(inputs, as_list=False)``), same execution plan (runtime/plan.py), kernels
+from runtime/kernels/cuda. What differs, and why:
+
+- **Loading.** Elementwise chains are fused into ``kiln.FusedElementwise`` nodes first (when
+  the pass exists), so each chain is one generated kernel (runtime/kernels/cuda/codegen.py).
+- **Placement.** Values live on the device, except the small integer tensors of shape
+  arithmetic (``Shape``, ``Size`` and nodes whose inputs are all such host values or small
+  constants, with a small static output): those run on the host with the CPU kernels, so a
+  Reshape's computed target shape never costs a device round trip (and never blocks a CUDA-graph
+  capture). Small constants stay host arrays; device kernels get them uploaded once at load.
+- **Fallbacks.** A node with no native CUDA kernel runs its CPU kernel on host copies of its
+  inputs and uploads the results. Each such node is counted in ``fallback_ops``, so "every op
+  runs" holds and what is native is visible.
+- **Memory.** Constants are uploaded once, at load, into the slot template; numpy inputs are
+  copied in once per run; outputs are CuPy arrays (``output="numpy"`` copies them back).
+- **TF32.** Off by default: float32 matmuls/convolutions use full float32 (CuPy's compute type
+  for float32 is set to the default, not TF32). ``tf32=True`` allows TF32 (about 3e-4 relative
+  error). CuPy's setting is per process, so the last program loaded decides.
+- **CUDA graphs** (``cuda_graphs=True``; the default ``"auto"`` uses them for plans of at least
+  ``GRAPH_MIN_INSTRUCTIONS`` instructions). The first run for an input-shape signature
+  runs eagerly on a private stream and memory pool, then the plan is captured into a CUDA graph
+  (``Stream.begin_capture``/``end_capture``) over pre-allocated input buffers; later runs with
+  that signature copy the inputs in and replay the graph: one launch for the whole model. Up to
+  ``MAX_GRAPHS`` signatures are kept (least recently used first out). A plan that cannot be
+  captured (it synchronizes with the host: a data-dependent shape, an index check, a fallback)
+  runs eagerly for that signature, which ``graph_failures`` records.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import cupy as cp
+import numpy as np
+
+from kiln.errors import ExecutionError, KilnError
+from kiln.ir.graph import Graph, Node, Value
+from kiln.runtime.kernels import cpu, cuda
+from kiln.runtime.kernels.cuda.elementwise import host_fallback
+from kiln.runtime.plan import Plan, PlanBuilder, execute
+from kiln.runtime.program import TensorSpec, check_inputs
+
+# Values of at most this many elements may live on the host (shape arithmetic, small constants).
+SMALL = 64
+MAX_GRAPHS = 8
+GRAPH_MIN_INSTRUCTIONS = 4  # cuda_graphs="auto" captures plans of at least this many instructions
+OUTPUTS = ("cupy", "numpy")
+
+
+def set_tf32(allowed: bool) -> None:
+    """Let cuBLAS use TF32 for float32 products (CuPy's per-process compute type)."""
+    from cupy._core import _routines_linalg as rl
+
+    from kiln.runtime.kernels.cuda import linalg
+    rl.set_compute_type(np.float32, rl.COMPUTE_TYPE_TF32 if allowed else rl.COMPUTE_TYPE_DEFAULT)
+    linalg.set_tf32(allowed)
+
+
+def _static_size(v: Value) -> Optional[int]:
+    t = v.type
+    if t is None or t.shape is None or not all(isinstance(d, int) for d in t.shape):
+        return None
+    return math.prod(t.shape)
+
+
+def _small(v: Optional[Value]) -> bool:
+    n = _static_size(v) if v is not None else 0
+    return n is not None and n <= SMALL
+
+
+class CudaProgram:
+    """A loaded model on the GPU. ``run`` takes numpy or CuPy arrays."""
+
+    backend = "kiln-cuda"
+
+    def __init__(self, graph: Graph, *, output: str = "cupy", tf32: bool = False,
+                 cuda_graphs: Union[bool, str] = "auto", fuse: bool = True):
+        if output not in OUTPUTS:
+            raise KilnError(f"output must be one of {', '.join(map(repr, OUTPUTS))}, not {output!r}")
+        set_tf32(tf32)
+        self.output = output
+        self.tf32 = tf32
+        self.fused_groups = 0
+        if fuse:
+            try:
+                from kiln.ir.passes.fuse import fuse_elementwise
+            except ImportError:  # the fusion pass is not in this tree yet
+                fuse_elementwise = None
+            if fuse_elementwise is not None:
+                self.fused_groups = fuse_elementwise(graph)
+        self.graph = graph
+        self._host: set = set()          # values placed on the host
+        self._host_nodes: list = []      # nodes run on the host by design (shape arithmetic)
+        self._kernels: list = []         # (node, kernel) of every instruction, for fallback counts
+        builder = PlanBuilder(self._choose)
+        self.plan: Plan = builder.build(graph, inplace=False)
+        self._template = self._upload_constants(builder)
+        self.inputs = [TensorSpec(v.name, v.type) for v in graph.inputs]
+        self.outputs = [TensorSpec(v.name, v.type) for v in graph.outputs]
+        md = graph.metadata
+        self.metadata = {"producer_name": md.producer_name, "producer_version": md.producer_version,
+                         "doc_string": md.doc_string, **md.props}
+        if cuda_graphs not in (True, False, "auto"):
+            raise KilnError(f"cuda_graphs must be True, False or 'auto', not {cuda_graphs!r}")
+        # "auto": graphs where launches are many; a plan of a few kernels gains nothing from a
+        # graph and would pay its input and output copies (a fused 8192^2 chain: 0.14 ms eager,
+        # 0.60 ms through a graph's copies on an H200).
+        self.cuda_graphs = cuda_graphs if cuda_graphs != "auto" else \
+            len(self.plan.instructions) >= GRAPH_MIN_INSTRUCTIONS
+        self._graphs: OrderedDict = OrderedDict()
+        self.graph_failures: dict = {}   # signature -> why capture failed
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ plan building
+
+    def _choose(self, node: Node, builder: PlanBuilder):
+        if node.domain == "" and node.op in ("If", "Loop"):
+            k = _control_kernel(node, builder, self)
+            self._kernels.append((node, k))
+            return k
+        attrs = node.schema.fill_attrs(node.attrs)
+        if self._on_host(node):
+            for v in node.outputs:
+                self._host.add(v)
+            self._host_nodes.append(node)
+            k = _host_kernel(cpu.choose(node, attrs))
+            self._kernels.append((node, k))
+            return k
+        k = cuda.choose(node, attrs)
+        if k is None:
+            k = host_fallback(cpu.choose(node, attrs))
+        elif node.op in ("Shape", "Size") and node.domain == "":
+            for v in node.outputs:
+                self._host.add(v)
+        k = self._adapt(node, k)
+        self._kernels.append((node, k))
+        return k
+
+    def _on_host(self, node: Node) -> bool:
+        """Shape arithmetic: every input a host value or a small constant, every output small."""
+        if node.domain != "" or node.schema.has_subgraphs or not node.inputs:
+            return False
+        for v in node.inputs:
+            if v is None:
+                continue
+            if not (v in self._host or (v.const is not None and v.const.size <= SMALL)):
+                return False
+        return all(_small(v) for v in node.outputs)
+
+    def _adapt(self, node: Node, k):
+        """Give a device kernel device arrays where it reads data: small constants uploaded once,
+        host values (shape arithmetic feeding data, Loop counters) uploaded per call."""
+        host_pos = set(cuda.host_inputs(node))
+        fixed, dynamic = {}, []
+        for i, v in enumerate(node.inputs):
+            if v is None or i in host_pos:
+                continue
+            if v.const is not None and v.const.size <= SMALL:
+                fixed[i] = cp.asarray(v.const)
+            elif v in self._host or (v.producer is None and v.graph is not self.graph) or \
+                    (v.producer is not None and v.producer.domain == "" and v.producer.op in ("If", "Loop")):
+                dynamic.append(i)
+        if not fixed and not dynamic:
+            return k
+
+        def run(*args):
+            args = list(args)
+            for i, d in fixed.items():
+                args[i] = d
+            for i in dynamic:
+                if isinstance(args[i], np.ndarray):
+                    args[i] = cp.asarray(args[i])
+            return k(*args)
+        run.fallback = getattr(k, "fallback", False)
+        run.inner = k
+        return run
+
+    def _upload_constants(self, builder: PlanBuilder) -> list:
+        """The slot template with large constants on the device (small ones stay host arrays)."""
+        template = list(builder.template)
+        for i, c in enumerate(template):
+            if isinstance(c, np.ndarray) and c.size > SMALL:
+                template[i] = cp.asarray(c)
+        return template
+
+    # ------------------------------------------------------------------ reporting
+
+    @property
+    def fallback_ops(self) -> dict:
+        """``{op: count}`` of instructions that ran (or will run) on the host for want of a
+        native kernel (by design host-side shape arithmetic is not counted: see ``host_ops``)."""
+        counts: dict = {}
+        for node, k in self._kernels:
+            if _is_fallback(k):
+                counts[node.qualified_op] = counts.get(node.qualified_op, 0) + 1
+        return counts
+
+    @property
+    def host_ops(self) -> dict:
+        counts: dict = {}
+        for node in self._host_nodes:
+            counts[node.qualified_op] = counts.get(node.qualified_op, 0) + 1
+        return counts
+
+    # ------------------------------------------------------------------ running
+
+    def run(self, inputs: Union[Mapping[str, Any], Sequence[Any]], *, as_list: bool = False):
+        """Run on numpy or CuPy arrays given by name (a dict) or in order; returns a dict by output
+        name (or a list with ``as_list``) of CuPy arrays (numpy with ``output="numpy"``)."""
+        arrays = self._check_inputs(inputs)
+        outs = None
+        if self.cuda_graphs:
+            outs = self._run_graph(arrays)
+        if outs is None:
+            outs = self._run_eager([a if isinstance(a, cp.ndarray) else cp.asarray(a) for a in arrays])
+        outs = [self._output(o) for o in outs]
+        return outs if as_list else dict(zip((o.name for o in self.outputs), outs))
+
+    __call__ = run
+
+    def _output(self, a: Any) -> Any:
+        if self.output == "numpy":
+            return a.get() if isinstance(a, cp.ndarray) else np.array(a)
+        return a if isinstance(a, cp.ndarray) else cp.asarray(a)
+
+    def _check_inputs(self, inputs) -> list:
+        """The shared checks (runtime.program.check_inputs); CuPy arrays are checked through
+        zero-byte numpy stand-ins of their shape and dtype, then used as they are."""
+        mapping = isinstance(inputs, Mapping)
+        given = list(inputs.values()) if mapping else list(inputs)
+        if not any(isinstance(a, cp.ndarray) for a in given):
+            return check_inputs(self.inputs, inputs)
+
+        def proxy(a):
+            if isinstance(a, cp.ndarray):
+                return np.lib.stride_tricks.as_strided(np.zeros((), a.dtype), a.shape, (0,) * a.ndim)
+            return a
+        checked = check_inputs(self.inputs, {k: proxy(v) for k, v in inputs.items()} if mapping
+                               else [proxy(a) for a in given])
+        ordered = [inputs[s.name] for s in self.inputs] if mapping else given
+        return [g if isinstance(g, cp.ndarray) else c for g, c in zip(ordered, checked)]
+
+    def _run_eager(self, arrays: list) -> list:
+        slots = list(self._template)
+        for s, a in zip(self.plan.input_slots, arrays):
+            slots[s] = a
+        try:
+            execute(self.plan, slots)
+        except KilnError:
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised naming the node
+            raise _execution_error(self.plan, slots, e) from e
+        return [slots[s] for s in self.plan.output_slots]
+
+    def _run_graph(self, arrays: list) -> Optional[list]:
+        sig = tuple((a.shape, a.dtype.str) for a in arrays)
+        if sig in self.graph_failures:
+            return None
+        with self._lock:
+            entry = self._graphs.get(sig)
+            if entry is None:
+                entry = self._capture(arrays, sig)
+                if entry is None:
+                    return None
+                self._graphs[sig] = entry
+                while len(self._graphs) > MAX_GRAPHS:
+                    self._graphs.popitem(last=False)
+            else:
+                self._graphs.move_to_end(sig)
+            graph, stream, in_bufs, outs, _pool = entry
+            caller = cp.cuda.get_current_stream()
+            # The inputs are copied in on the graph's stream after the caller's pending work.
+            stream.wait_event(caller.record())
+            with stream:
+                for buf, a in zip(in_bufs, arrays):
+                    if isinstance(a, cp.ndarray):
+                        cp.copyto(buf, a)
+                    else:
+                        buf.set(np.ascontiguousarray(a), stream=stream)
+                graph.launch(stream)
+            caller.wait_event(stream.record())
+            # The graph's buffers are rewritten by the next replay: the caller gets copies.
+            return [o.copy() if isinstance(o, cp.ndarray) else o for o in outs]
+
+    def _capture(self, arrays: list, sig: tuple):
+        pool = cp.cuda.MemoryPool()
+        stream = cp.cuda.Stream(non_blocking=True)
+        try:
+            with cp.cuda.using_allocator(pool.malloc), stream:
+                in_bufs = [cp.empty(a.shape, a.dtype) for a in arrays]
+                for buf, a in zip(in_bufs, arrays):
+                    if isinstance(a, cp.ndarray):
+                        cp.copyto(buf, a)
+                    else:
+                        buf.set(np.ascontiguousarray(a), stream=stream)
+                # Warm-up: compiles kernels, fills caches and the private pool with the blocks
+                # the captured run will take (so nothing is cudaMalloc'd during the capture).
+                self._run_eager(in_bufs)
+                stream.synchronize()
+                stream.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
+                try:
+                    outs = self._run_eager(in_bufs)
+                finally:
+                    graph = stream.end_capture()
+            stream.synchronize()
+        except Exception as e:  # noqa: BLE001 - this signature then runs eagerly
+            self.graph_failures[sig] = f"{type(e).__name__}: {e}"
+            return None
+        return graph, stream, in_bufs, outs, pool
+
+    def captured_graphs(self) -> int:
+        return len(self._graphs)
+
+
+def _is_fallback(k) -> bool:
+    while k is not None:
+        if getattr(k, "fallback", False):
+            return True
+        k = getattr(k, "inner", None)
+    return False
+
+
+def _host_kernel(k):
+    """A CPU kernel for host-placed shape arithmetic (its inputs are host values already;
+    a device array reaching it is copied back)."""
+    def run(*args):
+        return k(*[a.get() if isinstance(a, cp.ndarray) else a for a in args])
+    return run
+
+
+def _control_kernel(node: Node, builder: PlanBuilder, program: CudaProgram):
+    """If and Loop with device bodies: the condition and trip count are read on the host."""
+    from kiln.runtime.control import _empty_scan
+    if node.op == "If":
+        then_plan = builder.build(node.attrs["then_branch"], liveness=False, inplace=False)
+        else_plan = builder.build(node.attrs["else_branch"], liveness=False, inplace=False)
+
+        def run_if(slots: list, cond) -> Any:
+            plan = then_plan if bool(cuda.host(cond).reshape(-1)[0]) else else_plan
+            execute(plan, slots)
+            outs = tuple(slots[s] for s in plan.output_slots)
+            return outs[0] if len(outs) == 1 else outs
+        run_if.with_slots = True
+        return run_if
+
+    body = node.attrs["body"]
+    for v in body.inputs[:2]:
+        program._host.add(v)
+    plan = builder.build(body, liveness=False, inplace=False)
+    n_carried = len(body.inputs) - 2
+    scan_types = [v.type for v in body.outputs[1 + n_carried:]]
+
+    def run_loop(slots: list, m=None, cond=None, *carried) -> Any:
+        if m is None and cond is None:
+            raise ValueError("a Loop with neither a trip count M nor a cond input never ends")
+        trips = None if m is None else int(cuda.host(m).reshape(-1)[0])
+        go = True if cond is None else bool(cuda.host(cond).reshape(-1)[0])
+        values = list(carried)
+        scans: list = [[] for _ in scan_types]
+        i = 0
+        while go and (trips is None or i < trips):
+            for s, a in zip(plan.input_slots, [np.array(i, np.int64), np.array(go), *values]):
+                slots[s] = a
+            execute(plan, slots)
+            outs = [slots[s] for s in plan.output_slots]
+            if cond is not None:
+                go = bool(cuda.host(outs[0]).reshape(-1)[0])
+            values = outs[1:1 + n_carried]
+            for k, v in enumerate(outs[1 + n_carried:]):
+                scans[k].append(v if isinstance(v, cp.ndarray) else cp.asarray(v))
+            i += 1
+        stacked = [cp.stack(s) if s else cp.asarray(_empty_scan(t)) for s, t in zip(scans, scan_types)]
+        results = (*values, *stacked)
+        return results[0] if len(results) == 1 else results
+    run_loop.with_slots = True
+    return run_loop
+
+
+def _execution_error(plan: Plan, slots: list, e: Exception) -> ExecutionError:
+    for ins in plan.instructions:
+        if any(slots[s] is None for s in ins.outputs):
+            shapes = ", ".join("None" if s < 0 or slots[s] is None else
+                               f"{slots[s].dtype}{list(slots[s].shape)}" for s in ins.inputs)
+            return ExecutionError(f"while running {ins.node.describe()} on inputs ({shapes}): "
+                                  f"{type(e).__name__}: {e}")
+    return ExecutionError(f"{type(e).__name__}: {e}")
+
+
+def device_count() -> int:
+    try:
+        return cp.cuda.runtime.getDeviceCount()
+    except cp.cuda.runtime.CUDARuntimeError:
+        return 0
+
+
+__all__ = ["CudaProgram", "set_tf32", "device_count", "SMALL", "MAX_GRAPHS"]

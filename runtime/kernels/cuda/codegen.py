@@ -1,0 +1,622 @@
+"""CUDA C source for elementwise bodies (a ``kiln.FusedElementwise`` body, or one elementwise
+node), compiled with ``cupy.RawKernel`` and launched over broadcast operands.
+
+Why generate code: a chain like ``x+1, *2, relu, -0.5, sigmoid`` run op by op reads and writes
+the whole tensor five times; one generated kernel reads each input once and writes each output
+once, so it runs at the memory-bandwidth floor. The same generator serves a single elementwise
+node (a body of one op), so every elementwise op the runtime runs natively goes through this
+module and the per-op conformance tests exercise every expression below.
+
+Layout of a generated kernel (one thread per output element, grid-stride loop):
+
+- Each operand (a body input, or a body constant of more than one element) is read in one of
+  three modes, chosen per call from the operands' shapes and strides: ``flat`` (contiguous with
+  the output's shape: index ``i``), ``scalar`` (one element: read once, before the loop) or
+  ``strided`` (broadcast or non-contiguous: the output index is split into coordinates over the
+  collapsed output dims and dotted with the operand's element strides, 0 on broadcast dims).
+  Adjacent dims that every operand walks contiguously are merged first, so a bias broadcast
+  over [N, C, H, W] is a 2-D or 3-D index computation, not 4-D.
+- Indices are 32-bit when every element offset fits, else 64-bit.
+- A vectorized path handles 4 elements per thread with 16-byte loads and stores (for 4-byte
+  dtypes) when every operand is ``flat`` or ``scalar``, every pointer is aligned to 4 elements
+  and the size is a multiple of 4.
+- Body constants of one element become C literals (exactly: floats via their float64 repr).
+- Math runs in the op's dtype (float32 stays float32, with CUDA's float functions); the CPU
+  references compute in float64 and round once, so results differ by a few ulps.
+
+Caching: kernels are kept in memory by the SHA-256 of their source. On disk, CuPy's own
+compile cache does the work: ``cupy.RawKernel`` compiles through NVRTC and stores the cubin in
+``CUPY_CACHE_DIR`` (default ``~/.cupy/kernel_cache``), keyed by a hash of the source, the
+options, the architecture and the NVRTC version, so a second process loads the cubin instead
+of compiling (``kernel_cache_dir`` below reports the directory in use).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+# --------------------------------------------------------------------------- dtypes and literals
+
+CTYPES = {
+    np.dtype(np.float32): "float", np.dtype(np.float64): "double",
+    np.dtype(np.int8): "signed char", np.dtype(np.int16): "short", np.dtype(np.int32): "int",
+    np.dtype(np.int64): "long long", np.dtype(np.uint8): "unsigned char", np.dtype(np.uint16): "unsigned short",
+    np.dtype(np.uint32): "unsigned int", np.dtype(np.uint64): "unsigned long long", np.dtype(np.bool_): "bool",
+}
+
+
+def supported_dtype(dt: Any) -> bool:
+    return np.dtype(dt) in CTYPES
+
+
+def ctype(dt: Any) -> str:
+    return CTYPES[np.dtype(dt)]
+
+
+def literal(value: Any, dt: Any) -> str:
+    """An exact C literal of ``value`` in dtype ``dt``."""
+    dt = np.dtype(dt)
+    t = ctype(dt)
+    if dt.kind == "b":
+        return "true" if bool(value) else "false"
+    if dt.kind == "f":
+        v = float(value)
+        if math.isnan(v):
+            return f"(({t})__longlong_as_double(0x7ff8000000000000LL))"
+        if math.isinf(v):
+            return f"(({t})__longlong_as_double({'0xfff0000000000000LL' if v < 0 else '0x7ff0000000000000LL'}))"
+        return f"(({t}){float(v)!r})"  # repr of the float64 value is exact; the cast rounds it once
+    if dt.kind == "u":
+        return f"(({t}){int(value)}ULL)"
+    v = int(value)
+    if v == -(1 << 63):
+        return "((long long)(-9223372036854775807LL - 1))"
+    return f"(({t}){v}LL)"
+
+
+# --------------------------------------------------------------------------- the body IR
+
+
+@dataclass
+class Step:
+    op: str
+    attrs: dict
+    args: list            # C names of the arguments (None for an omitted optional input)
+    arg_dtypes: list
+    out: str              # C name of the result
+    dtype: np.dtype       # result dtype
+
+
+@dataclass
+class Body:
+    """An elementwise computation: operands (inputs, then array constants), steps, outputs."""
+
+    operand_dtypes: list                      # dtype of each operand (inputs first)
+    n_inputs: int                             # operands [0, n_inputs) are the node's inputs
+    consts: list = field(default_factory=list)  # host arrays of operands n_inputs..
+    steps: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)  # C names of the outputs
+    output_dtypes: list = field(default_factory=list)
+    literals: dict = field(default_factory=dict)  # C name -> literal expression
+
+    def signature(self) -> str:
+        parts = [",".join(str(d) for d in self.operand_dtypes)]
+        for s in self.steps:
+            parts.append(f"{s.op}{sorted(s.attrs.items())}{s.args}{s.out}:{s.dtype}")
+        parts.append(f"{self.outputs}{self.literals}")
+        return "|".join(parts)
+
+
+class Unsupported(Exception):
+    """The body uses an op or dtype the generator has no CUDA expression for."""
+
+
+def _static_dtype(v) -> np.dtype:
+    if v.type is None:
+        raise Unsupported(f"value {v.name} has no type")
+    try:
+        return np.dtype(v.type.dtype.numpy)
+    except Exception as e:  # noqa: BLE001
+        raise Unsupported(str(e)) from e
+
+
+def body_from_graph(g) -> Body:
+    """The Body of a FusedElementwise ``body`` graph (its inputs are the node's inputs)."""
+    names: dict = {}
+    dtypes = [_static_dtype(v) for v in g.inputs]
+    body = Body(operand_dtypes=list(dtypes), n_inputs=len(g.inputs))
+    for i, v in enumerate(g.inputs):
+        names[v] = f"a{i}"
+    for v in g.initializers.values():
+        arr = np.asarray(v.const)
+        dt = arr.dtype
+        if not supported_dtype(dt):
+            raise Unsupported(f"constant dtype {dt}")
+        if arr.size == 1:
+            name = f"k{len(body.literals)}"
+            body.literals[name] = literal(arr.reshape(-1)[0], dt)
+        else:
+            name = f"a{len(body.operand_dtypes)}"
+            body.operand_dtypes.append(dt)
+            body.consts.append(arr)
+        names[v] = name
+    for node in g.nodes:
+        _add_step(body, node.op, node.domain, node.schema.fill_attrs(node.attrs),
+                  [None if v is None else names[v] for v in node.inputs],
+                  [None if v is None else _static_dtype(v) for v in node.inputs],
+                  node.outputs, names)
+    for v in g.outputs:
+        if v not in names:
+            raise Unsupported(f"output {v.name} is not computed by the body")
+        body.outputs.append(names[v])
+        body.output_dtypes.append(_static_dtype(v))
+    return body
+
+
+def body_from_node(node, attrs: dict, const_literals: Optional[dict] = None) -> Body:
+    """The Body of one elementwise node: its inputs are the operands (``const_literals`` maps
+    input positions of one-element constants to values, inlined as literals)."""
+    const_literals = const_literals or {}
+    body = Body(operand_dtypes=[], n_inputs=0)
+    names: dict = {}
+    args, dts = [], []
+    for i, v in enumerate(node.inputs):
+        if v is None:
+            args.append(None)
+            dts.append(None)
+            continue
+        dt = _static_dtype(v)
+        if i in const_literals:
+            name = f"k{len(body.literals)}"
+            body.literals[name] = literal(const_literals[i], dt)
+        else:
+            name = f"a{len(body.operand_dtypes)}"
+            body.operand_dtypes.append(dt)
+        args.append(name)
+        dts.append(dt)
+    body.n_inputs = len(body.operand_dtypes)
+    _add_step(body, node.op, node.domain, attrs, args, dts, node.outputs, names)
+    for v in node.outputs:
+        body.outputs.append(names[v])
+        body.output_dtypes.append(_static_dtype(v))
+    return body
+
+
+def _add_step(body: Body, op: str, domain: str, attrs: dict, args: list, dts: list, outputs, names: dict) -> None:
+    if domain != "" or op not in EXPRESSIONS:
+        raise Unsupported(f"no CUDA expression for {op}")
+    if len(outputs) != 1:
+        raise Unsupported(f"{op} with {len(outputs)} outputs")
+    out_dt = _static_dtype(outputs[0])
+    for dt in [out_dt] + [d for d in dts if d is not None]:
+        if not supported_dtype(dt):
+            raise Unsupported(f"{op} on {dt}")
+    name = f"t{len(body.steps)}"
+    body.steps.append(Step(op, dict(attrs), list(args), list(dts), name, out_dt))
+    names[outputs[0]] = name
+
+
+# --------------------------------------------------------------------------- op expressions
+# Each maps (attrs, result ctype, argument dtypes, *argument names) to a C expression.
+
+def _float_op(fn: str) -> Callable:
+    def expr(attrs, t, dts, a):
+        if np.dtype(dts[0]).kind == "f":
+            return f"k_{fn}(({t}){a})"
+        return f"({t})k_{fn}((double){a})"  # integer inputs: in double, truncated (Erf allows ints)
+    return expr
+
+
+def _div(attrs, t, dts, a, b):
+    if np.dtype(dts[0]).kind == "f":
+        return f"({a} / {b})"
+    return f"k_idiv<{t}>({a}, {b})"
+
+
+def _pow(attrs, t, dts, a, b):
+    base, exp = np.dtype(dts[0]), np.dtype(dts[1])
+    if base.kind == "f":
+        return f"k_pow(({t}){a}, ({t}){b})"
+    if exp.kind in "iu":
+        return f"k_ipow<{t}>({a}, (long long){b})"
+    return f"({t})trunc(pow((double){a}, (double){b}))"
+
+
+def _fold(fn: str) -> Callable:
+    def expr(attrs, t, dts, *xs):
+        out = f"({t}){xs[0]}"
+        for x in xs[1:]:
+            out = f"{fn}({out}, ({t}){x})"
+        return out
+    return expr
+
+
+def _sum(attrs, t, dts, *xs):
+    return "(" + f"({t})(" + " + ".join(f"(double){x}" for x in xs) + "))"
+
+
+def _mean(attrs, t, dts, *xs):
+    return f"(({t})((" + " + ".join(f"(double){x}" for x in xs) + f") / {len(xs)}.0))"
+
+
+def _clip(attrs, t, dts, x, lo=None, hi=None):
+    out = x
+    if lo is not None:
+        out = f"k_max({out}, ({t}){lo})"
+    if hi is not None:
+        out = f"k_min({out}, ({t}){hi})"
+    return f"({t})({out})"
+
+
+def _cast(attrs, t, dts, x, *unused):
+    if t == "bool":
+        return f"({x} != 0)"
+    return f"({t})({x})"
+
+
+def _f(v, t):
+    return f"(({t}){float(v)!r})"
+
+
+def _gelu(attrs, t, dts, x):
+    if attrs.get("approximate", "none") == "tanh":
+        return f"k_gelu_tanh(({t}){x})"
+    return f"k_gelu(({t}){x})"
+
+
+def _is_inf(attrs, t, dts, x):
+    neg = "true" if attrs.get("detect_negative", 1) else "false"
+    pos = "true" if attrs.get("detect_positive", 1) else "false"
+    return f"(k_isinf({x}) && ({x} < 0 ? {neg} : {pos}))"
+
+
+EXPRESSIONS: dict[str, Callable] = {
+    "Add": lambda at, t, d, a, b: f"({t})({a} + {b})",
+    "Sub": lambda at, t, d, a, b: f"({t})({a} - {b})",
+    "Mul": lambda at, t, d, a, b: f"({t})({a} * {b})",
+    "Div": _div,
+    "Pow": _pow,
+    "Neg": lambda at, t, d, a: f"({t})(-{a})",
+    "Abs": lambda at, t, d, a: f"k_abs({a})",
+    "Sign": lambda at, t, d, a: f"({a} != {a} ? {a} : ({t})(({a} > 0) - ({a} < 0)))",
+    "Floor": lambda at, t, d, a: f"k_floor({a})" if np.dtype(d[0]).kind == "f" else a,
+    "Ceil": lambda at, t, d, a: f"k_ceil({a})" if np.dtype(d[0]).kind == "f" else a,
+    "Exp": _float_op("exp"), "Log": _float_op("log"), "Sqrt": _float_op("sqrt"), "Erf": _float_op("erf"),
+    "Tanh": _float_op("tanh"), "Sin": _float_op("sin"), "Cos": _float_op("cos"), "Sigmoid": _float_op("sigmoid"),
+    "Softplus": _float_op("softplus"), "Mish": _float_op("mish"),
+    "Reciprocal": lambda at, t, d, a: f"(({t})1 / {a})",
+    "Max": _fold("k_max"), "Min": _fold("k_min"), "Sum": _sum, "Mean": _mean,
+    "Clip": _clip,
+    "Relu": lambda at, t, d, a: f"({a} < ({t})0 ? ({t})0 : {a})",
+    "LeakyRelu": lambda at, t, d, a: f"({a} >= 0 ? {a} : {_f(at.get('alpha', 0.01), t)} * {a})",
+    "Elu": lambda at, t, d, a: f"({a} >= 0 ? {a} : {_f(at.get('alpha', 1.0), t)} * k_expm1({a}))",
+    "Selu": lambda at, t, d, a: (f"({_f(at['gamma'], t)} * ({a} > 0 ? {a} : "
+                                 f"{_f(at['alpha'], t)} * k_expm1({a})))"),
+    "Gelu": _gelu,
+    "HardSigmoid": lambda at, t, d, a: f"k_hsig({a}, {_f(at.get('alpha', 0.2), t)}, {_f(at.get('beta', 0.5), t)})",
+    "HardSwish": lambda at, t, d, a: f"({a} * k_hsig({a}, ({t})(1.0 / 6.0), ({t})0.5))",
+    "Softsign": lambda at, t, d, a: f"({a} / (({t})1 + k_abs({a})))",
+    "PRelu": lambda at, t, d, a, s: f"({t})({a} < 0 ? {s} * {a} : {a})",
+    "Equal": lambda at, t, d, a, b: f"({a} == {b})",
+    "Less": lambda at, t, d, a, b: f"({a} < {b})",
+    "Greater": lambda at, t, d, a, b: f"({a} > {b})",
+    "LessOrEqual": lambda at, t, d, a, b: f"({a} <= {b})",
+    "GreaterOrEqual": lambda at, t, d, a, b: f"({a} >= {b})",
+    "Not": lambda at, t, d, a: f"(!{a})",
+    "And": lambda at, t, d, a, b: f"({a} && {b})",
+    "Or": lambda at, t, d, a, b: f"({a} || {b})",
+    "Xor": lambda at, t, d, a, b: f"({a} != {b})",
+    "Where": lambda at, t, d, c, a, b: f"({c} ? {a} : {b})",
+    "Cast": _cast, "CastLike": _cast,
+    "IsNaN": lambda at, t, d, a: f"({a} != {a})",
+    "IsInf": _is_inf,
+    "Identity": lambda at, t, d, a: f"{a}",
+}
+# CastLike's second input only gives the dtype: the kernel never reads it.
+UNREAD_INPUTS = {"CastLike": (1,)}
+
+PRELUDE = r"""
+#define KF __device__ __forceinline__
+KF float k_exp(float x) { return expf(x); }      KF double k_exp(double x) { return exp(x); }
+KF float k_log(float x) { return logf(x); }      KF double k_log(double x) { return log(x); }
+KF float k_sqrt(float x) { return sqrtf(x); }    KF double k_sqrt(double x) { return sqrt(x); }
+KF float k_erf(float x) { return erff(x); }      KF double k_erf(double x) { return erf(x); }
+KF float k_tanh(float x) { return tanhf(x); }    KF double k_tanh(double x) { return tanh(x); }
+KF float k_sin(float x) { return sinf(x); }      KF double k_sin(double x) { return sin(x); }
+KF float k_cos(float x) { return cosf(x); }      KF double k_cos(double x) { return cos(x); }
+KF float k_expm1(float x) { return expm1f(x); }  KF double k_expm1(double x) { return expm1(x); }
+KF float k_pow(float x, float y) { return powf(x, y); }  KF double k_pow(double x, double y) { return pow(x, y); }
+KF float k_erfc(float x) { return erfcf(x); }    KF double k_erfc(double x) { return erfc(x); }
+KF float k_log1p(float x) { return log1pf(x); }  KF double k_log1p(double x) { return log1p(x); }
+KF float k_floor(float x) { return floorf(x); }  KF double k_floor(double x) { return floor(x); }
+KF float k_ceil(float x) { return ceilf(x); }    KF double k_ceil(double x) { return ceil(x); }
+template <typename T> KF bool k_isinf(T x) { return x == x && x - x != x - x; }
+template <typename T> KF T k_abs(T x) { return x < 0 ? (T)(-x) : x; }
+KF float k_abs(float x) { return fabsf(x); }     KF double k_abs(double x) { return fabs(x); }
+// NaN-propagating max/min (numpy's maximum/minimum).
+template <typename T> KF T k_max(T a, T b) { return (a != a) ? a : ((b != b) ? b : (a > b ? a : b)); }
+template <typename T> KF T k_min(T a, T b) { return (a != a) ? a : ((b != b) ? b : (a < b ? a : b)); }
+// Overflow-free logistic: exp only ever sees -|x|.
+template <typename T> KF T k_sigmoid(T x) { T e = k_exp(-k_abs(x)); return x >= 0 ? (T)1 / ((T)1 + e) : e / ((T)1 + e); }
+template <typename T> KF T k_softplus(T x) { return k_max(x, (T)0) + k_log1p(k_exp(-k_abs(x))); }
+template <typename T> KF T k_mish(T x) { return x * k_tanh(k_softplus(x)); }
+// Exact Gelu as x * erfc(-x / sqrt 2) / 2: no cancellation in the negative tail.
+template <typename T> KF T k_gelu(T x) { return (T)0.5 * x * k_erfc(-x * (T)0.70710678118654752440); }
+template <typename T> KF T k_gelu_tanh(T x) {
+  return (T)0.5 * x * ((T)1 + k_tanh((T)0.79788456080286535588 * (x + (T)0.044715 * x * x * x))); }
+template <typename T> KF T k_hsig(T x, T alpha, T beta) { return k_min(k_max(alpha * x + beta, (T)0), (T)1); }
+// C division truncates toward zero, as ONNX integer Div does; x / 0 gives 0 (numpy's result).
+template <typename T> KF T k_idiv(T a, T b) { return b == 0 ? (T)0 : (T)(a / b); }
+template <typename T> KF T k_ipow(T base, long long e) {
+  if (e < 0) return (T)trunc(pow((double)base, (double)e));
+  T r = 1, b = base;
+  while (e) { if (e & 1) r = (T)(r * b); b = (T)(b * b); e >>= 1; }
+  return r;
+}
+template <typename T> struct alignas(sizeof(T) * 4) V4 { T v[4]; };
+"""
+
+
+# --------------------------------------------------------------------------- source generation
+
+FLAT, SCALAR, STRIDED = "f", "s", "d"
+
+
+def body_code(body: Body, load: Callable[[int], str]) -> list:
+    """C statements computing the body; ``load(k)`` is operand k's value expression."""
+    lines = []
+    for name, lit in body.literals.items():
+        lines.append(f"const auto {name} = {lit};")
+    read: set = set()
+    for s in body.steps:
+        skip = UNREAD_INPUTS.get(s.op, ())
+        args = []
+        for i, a in enumerate(s.args):
+            if a is None or i in skip:
+                args.append(None if a is None else "0")
+                continue
+            if a.startswith("a") and a not in read:
+                k = int(a[1:])
+                lines.append(f"const {ctype(body.operand_dtypes[k])} {a} = {load(k)};")
+                read.add(a)
+            args.append(a)
+        while args and args[-1] is None:
+            args.pop()
+        expr = EXPRESSIONS[s.op](s.attrs, ctype(s.dtype), s.arg_dtypes, *args)
+        lines.append(f"const {ctype(s.dtype)} {s.out} = ({ctype(s.dtype)})({expr});")
+    # An output that is an operand or literal passed through (Identity-like bodies).
+    for o in body.outputs:
+        if o.startswith("a") and o not in read:
+            k = int(o[1:])
+            lines.append(f"const {ctype(body.operand_dtypes[k])} {o} = {load(k)};")
+            read.add(o)
+    return lines
+
+
+def operands_read(body: Body) -> set:
+    """Operand indices the body reads (CastLike's dtype-only input is not read)."""
+    used = set()
+    for s in body.steps:
+        skip = UNREAD_INPUTS.get(s.op, ())
+        for i, a in enumerate(s.args):
+            if a is not None and i not in skip and a.startswith("a"):
+                used.add(int(a[1:]))
+    for o in body.outputs:
+        if o.startswith("a"):
+            used.add(int(o[1:]))
+    return used
+
+
+def generate(body: Body, modes: Sequence[str], ndim: int, index: str, vec: bool) -> str:
+    """The kernel source for ``body`` with operand ``modes`` (FLAT/SCALAR/STRIDED, '-' for
+    operands not read), ``ndim`` collapsed output dims, index type ``index`` ('int' or
+    'long long') and the 4-wide vector path or not."""
+    params = []
+    for k, dt in enumerate(body.operand_dtypes):
+        if modes[k] != "-":
+            params.append(f"const {ctype(dt)}* __restrict__ p{k}")
+    for j, dt in enumerate(body.output_dtypes):
+        params.append(f"{ctype(dt)}* __restrict__ q{j}")
+    params.append(f"{index} n")
+    if not vec:
+        params += [f"{index} D{d}" for d in range(ndim)]
+        for k, m in enumerate(modes):
+            if m == STRIDED:
+                params += [f"{index} S{k}_{d}" for d in range(ndim)]
+    lines = [PRELUDE, f'extern "C" __global__ void kiln_ew({", ".join(params)}) {{']
+    # Scalars are read once per thread, before the loop.
+    for k, m in enumerate(modes):
+        if m == SCALAR:
+            lines.append(f"  const {ctype(body.operand_dtypes[k])} s{k} = p{k}[0];")
+    lines.append(f"  const {index} step = ({index})gridDim.x * blockDim.x;")
+    if vec:
+        lines.append(f"  for ({index} v = ({index})blockIdx.x * blockDim.x + threadIdx.x; v < n / 4; v += step) {{")
+        for k, m in enumerate(modes):
+            if m == FLAT:
+                lines.append(f"    const V4<{ctype(body.operand_dtypes[k])}> v{k} = "
+                             f"reinterpret_cast<const V4<{ctype(body.operand_dtypes[k])}>*>(p{k})[v];")
+        for j, dt in enumerate(body.output_dtypes):
+            lines.append(f"    V4<{ctype(dt)}> r{j};")
+        lines.append("    #pragma unroll")
+        lines.append("    for (int e = 0; e < 4; ++e) {")
+        code = body_code(body, lambda k: f"v{k}.v[e]" if modes[k] == FLAT else f"s{k}")
+        lines += ["      " + c for c in code]
+        for j, o in enumerate(body.outputs):
+            lines.append(f"      r{j}.v[e] = ({ctype(body.output_dtypes[j])}){o};")
+        lines.append("    }")
+        for j, dt in enumerate(body.output_dtypes):
+            lines.append(f"    reinterpret_cast<V4<{ctype(dt)}>*>(q{j})[v] = r{j};")
+        lines.append("  }")
+    else:
+        lines.append(f"  for ({index} i = ({index})blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {{")
+        strided = [k for k, m in enumerate(modes) if m == STRIDED]
+        if strided:
+            for k in strided:
+                lines.append(f"    {index} o{k} = 0;")
+            lines.append(f"    {index} r = i;")
+            for d in range(ndim - 1, 0, -1):
+                lines.append(f"    {{ const {index} c = r % D{d}; r /= D{d};"
+                             + "".join(f" o{k} += c * S{k}_{d};" for k in strided) + " }")
+            lines.append("   " + "".join(f" o{k} += r * S{k}_0;" for k in strided))
+
+        def load(k):
+            return {FLAT: f"p{k}[i]", SCALAR: f"s{k}", STRIDED: f"p{k}[o{k}]"}[modes[k]]
+        code = body_code(body, load)
+        lines += ["    " + c for c in code]
+        for j, o in enumerate(body.outputs):
+            lines.append(f"    q{j}[i] = ({ctype(body.output_dtypes[j])}){o};")
+        lines.append("  }")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- compilation cache
+
+_COMPILED: dict = {}
+STATS = {"compiled": 0, "memory_hits": 0}
+
+
+def compile_kernel(source: str):
+    """``cupy.RawKernel`` for ``source``, one per source text per process (keyed by SHA-256);
+    CuPy's on-disk cache (see the module docstring) spares the NVRTC run across processes."""
+    import cupy
+    key = hashlib.sha256(source.encode()).hexdigest()
+    k = _COMPILED.get(key)
+    if k is None:
+        k = cupy.RawKernel(source, "kiln_ew", options=("--std=c++17",))
+        k.compile()
+        _COMPILED[key] = k
+        STATS["compiled"] += 1
+    else:
+        STATS["memory_hits"] += 1
+    return k
+
+
+def kernel_cache_dir() -> str:
+    """Where CuPy keeps compiled kernels on disk."""
+    return os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
+
+
+# --------------------------------------------------------------------------- launching
+
+
+def collapse(shape: tuple, strides: list) -> tuple:
+    """Merge adjacent dims that every operand walks contiguously (stride[d] == stride[d+1] *
+    shape[d+1]); size-1 dims are dropped. ``strides`` is one list of element strides per
+    operand. Returns (shape, strides) with as few dims as possible (at least one)."""
+    dims = [d for d in range(len(shape)) if shape[d] != 1]
+    if not dims:
+        return (1,), [[0] for _ in strides]
+    out_shape = [shape[dims[0]]]
+    out_strides = [[s[dims[0]]] for s in strides]
+    for d in dims[1:]:
+        n = shape[d]
+        if all(os_[-1] == s[d] * n for os_, s in zip(out_strides, strides)):
+            out_shape[-1] *= n
+            for os_, s in zip(out_strides, strides):
+                os_[-1] = s[d]
+        else:
+            out_shape.append(n)
+            for os_, s in zip(out_strides, strides):
+                os_.append(s[d])
+    return tuple(out_shape), out_strides
+
+
+BLOCK = 256
+_INT32_MAX = (1 << 31) - 1
+
+
+class ElementwiseKernel:
+    """A compiled-on-demand launcher of one Body: ``run(*operands)`` (device arrays, inputs
+    only; constants are uploaded once here) returns the output arrays. Launch plans are cached
+    per operand shape/stride/alignment signature."""
+
+    def __init__(self, body: Body):
+        import cupy
+        self.cp = cupy
+        self.body = body
+        self.consts = [cupy.asarray(c) for c in body.consts]
+        self.read = operands_read(body)
+        self.dtypes = [np.dtype(d) for d in body.operand_dtypes]
+        self._plans: dict = {}
+        dev = cupy.cuda.Device()
+        self.max_blocks = dev.attributes["MultiProcessorCount"] * 32
+        self.vector_launches = 0
+        self.launches = 0
+
+    def __call__(self, *inputs):
+        cp = self.cp
+        ops = []
+        for k, a in enumerate(list(inputs) + self.consts):
+            if not isinstance(a, cp.ndarray):
+                a = cp.asarray(a)
+            if a.dtype != self.dtypes[k]:
+                a = a.astype(self.dtypes[k])  # a scalar given with another dtype (rare)
+            ops.append(a)
+        key = tuple((a.shape, a.strides, a.data.ptr % 16 == 0) for a in ops)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plan(ops)
+            if len(self._plans) < 64:
+                self._plans[key] = plan
+        kern, shape, blocks, extra, vec = plan
+        outs = [cp.empty(shape, dt) for dt in self.body.output_dtypes]
+        n = math.prod(shape)
+        if n == 0:
+            return outs
+        args = [a for k, a in enumerate(ops) if k in self.read] + outs + extra
+        kern((blocks,), (BLOCK,), tuple(args))
+        self.launches += 1
+        self.vector_launches += vec
+        return outs
+
+    def _plan(self, ops: list) -> tuple:
+        # The output covers the operands the body reads (CastLike's dtype-only input is not one).
+        shape = np.broadcast_shapes(*(a.shape for k, a in enumerate(ops) if k in self.read))
+        n = math.prod(shape)
+        ndim = len(shape)
+        modes, el_strides = [], []
+        for k, a in enumerate(ops):
+            if k not in self.read:
+                modes.append("-")
+                el_strides.append(None)
+                continue
+            if a.size == 1:
+                modes.append(SCALAR)
+                el_strides.append(None)
+            elif a.shape == tuple(shape) and a.flags.c_contiguous:
+                modes.append(FLAT)
+                el_strides.append(None)
+            else:
+                modes.append(STRIDED)
+                # Broadcast view: numpy-style strides with 0 on broadcast dims, in elements.
+                pad = ndim - a.ndim
+                st = [0] * pad + [0 if a.shape[d] == 1 else a.strides[d] // a.itemsize for d in range(a.ndim)]
+                el_strides.append(st)
+        strided = [k for k, m in enumerate(modes) if m == STRIDED]
+        all_flat = not strided
+        aligned = all(ops[k].data.ptr % (4 * ops[k].itemsize) == 0 for k, m in enumerate(modes) if m == FLAT)
+        vec = all_flat and n % 4 == 0 and n >= 4 and aligned
+        # Outputs are fresh cupy allocations (256-byte aligned): always vector-aligned.
+        if strided:
+            cshape, cstr = collapse(tuple(shape), [el_strides[k] for k in strided])
+        else:
+            cshape, cstr = (n,), []
+        span = max([n] + [sum(abs(s) * (d - 1) for s, d in zip(st, cshape)) + 1 for st in cstr])
+        index = "int" if span <= _INT32_MAX and n + BLOCK * self.max_blocks <= _INT32_MAX else "long long"
+        it = np.int32 if index == "int" else np.int64
+        src = generate(self.body, modes, len(cshape), index, vec)
+        kern = compile_kernel(src)
+        work = n // 4 if vec else n
+        blocks = max(1, min(-(-work // BLOCK), self.max_blocks))
+        extra = [it(n)]
+        if not vec:
+            extra += [it(d) for d in cshape]
+            for st in cstr:
+                extra += [it(s) for s in st]
+        return kern, tuple(shape), blocks, extra, int(vec)

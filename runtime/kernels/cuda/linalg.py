@@ -1,0 +1,202 @@
+"""MatMul, Gemm and Einsum through cuBLAS for float32/float64.
+
+Products call cuBLAS directly through ctypes (``cublas_matmul`` below:
+``cublas{S,D}gemmStridedBatched`` on a handle kiln owns, bound to the current stream) rather
+than through ``cupy.matmul`` or CuPy's cuBLAS bindings, because CuPy refuses every cuBLAS call
+while a stream is being captured ("calling cuBLAS API during stream capture is currently
+unsupported", CuPy 14.2), and a CUDA graph of a model without its matrix products is no graph
+at all. cuBLAS itself supports capture once its workspace is fixed: each handle gets its own
+workspace at creation (``cublasSetWorkspace``). Layouts cuBLAS cannot take directly (a batch that is not one
+uniform stride) go through ``cupy.matmul`` (never captured then).
+
+TF32: off unless ``set_tf32(True)`` (CudaProgram's ``tf32=True``), for these handles and for
+CuPy's own float32 compute type. A stack times a matrix is folded into one 2-D GEMM; constant
+weights are uploaded once, already transposed where Gemm asks for it. Integer and half inputs
+run on the host.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any, Callable, Optional
+
+import cupy as cp
+import numpy as np
+
+from kiln.runtime.kernels.cuda import FLOATS, const_input, in_dtype, kernel
+
+
+_STATE: dict = {"tf32": False, "handles": {}, "lib": None}
+WORKSPACE_BYTES = 32 << 20
+_OP_N, _OP_T = 0, 1
+_DEFAULT_MATH, _TF32_MATH = 0, 3
+
+
+def _lib():
+    """libcublas through ctypes: CuPy's own bindings refuse every call during a stream capture."""
+    lib = _STATE["lib"]
+    if lib is None:
+        major = cp.cuda.runtime.runtimeGetVersion() // 1000
+        for name in (f"libcublas.so.{major}", "libcublas.so"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        else:
+            import cupy_backends.cuda.libs.cublas  # noqa: F401  (loads the library CuPy uses)
+            lib = ctypes.CDLL(f"libcublas.so.{major}")
+        for fn in ("cublasSgemmStridedBatched", "cublasDgemmStridedBatched"):
+            getattr(lib, fn).argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                         ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong,
+                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong,
+                                         ctypes.c_int]
+        _STATE["lib"] = lib
+    return lib
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed with cuBLAS status {status}")
+
+
+def set_tf32(allowed: bool) -> None:
+    _STATE["tf32"] = bool(allowed)
+    for h, _ws in _STATE["handles"].values():
+        _check(_lib().cublasSetMathMode(h, _TF32_MATH if allowed else _DEFAULT_MATH), "cublasSetMathMode")
+
+
+def _handle(stream):
+    """kiln's cuBLAS handle for ``stream`` (one per stream, with a fixed workspace)."""
+    key = (cp.cuda.Device().id, stream.ptr)
+    entry = _STATE["handles"].get(key)
+    if entry is None:
+        lib = _lib()
+        h = ctypes.c_void_p()
+        _check(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
+        _check(lib.cublasSetStream_v2(h, ctypes.c_void_p(stream.ptr)), "cublasSetStream")
+        # A fixed workspace: nothing is allocated inside a capture.
+        ws = cp.cuda.memory.alloc(WORKSPACE_BYTES)
+        _check(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(ws.ptr), ctypes.c_size_t(WORKSPACE_BYTES)),
+               "cublasSetWorkspace")
+        _check(lib.cublasSetMathMode(h, _TF32_MATH if _STATE["tf32"] else _DEFAULT_MATH), "cublasSetMathMode")
+        entry = _STATE["handles"][key] = (h, ws)
+    return entry[0]
+
+
+_ONE = {np.dtype(np.float32): np.ones(1, np.float32), np.dtype(np.float64): np.ones(1, np.float64)}
+_ZERO = {np.dtype(np.float32): np.zeros(1, np.float32), np.dtype(np.float64): np.zeros(1, np.float64)}
+
+
+def _operand(x):
+    """(array, transposed, leading dim, batch stride) with x's last two dims as cuBLAS reads them,
+    or None when its batch dims are not one uniform stride."""
+    if x.ndim == 2:
+        x3 = x.reshape((1,) + x.shape)
+    else:
+        lead = x.shape[:-2]
+        x3 = x.reshape((math.prod(lead),) + x.shape[-2:]) if len(lead) > 1 else x  # may copy: fine
+    item = x3.itemsize
+    s0, s1, s2 = (st // item for st in x3.strides)
+    rows, cols = x3.shape[1], x3.shape[2]
+    if s2 == 1 and (s1 >= max(1, cols) or rows == 1):
+        return x3, False, max(s1, cols, 1), s0
+    if s1 == 1 and (s2 >= max(1, rows) or cols == 1):
+        return x3, True, max(s2, rows, 1), s0
+    return None
+
+
+def cublas_matmul(a, b):
+    """``a @ b`` for float32/float64 stacks (batch dims broadcast as numpy's matmul), through
+    cuBLAS on kiln's handle. Falls back to ``cupy.matmul`` for layouts it cannot describe."""
+    if a.ndim < 2 or b.ndim < 2 or a.dtype != b.dtype or a.dtype not in _ONE:
+        return cp.matmul(a, b)
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    nb = math.prod(batch)
+    out = cp.empty(batch + (m, n), a.dtype)
+    if out.size == 0:
+        return out
+    if k == 0:
+        out[...] = 0
+        return out
+    ops = []
+    for x in (a, b):
+        if x.shape[:-2] != batch and math.prod(x.shape[:-2]) != 1:
+            if x.ndim - 2 != len(batch):
+                x = x.reshape((1,) * (len(batch) + 2 - x.ndim) + x.shape)
+            x = cp.broadcast_to(x, batch + x.shape[-2:])  # _operand's reshape copies if it must
+        desc = _operand(x)
+        if desc is None:
+            x = cp.ascontiguousarray(x)
+            desc = _operand(x)
+        if desc is None:
+            return cp.matmul(a, b)
+        x3, trans, ld, stride = desc
+        if math.prod(x.shape[:-2]) == 1:
+            stride = 0
+        ops.append((x3, trans, ld, stride))
+    (a3, ta, lda, sa), (b3, tb, ldb, sb) = ops
+    # Row-major C = A @ B is column-major C^T = B^T @ A^T: cuBLAS gets B first.
+    lib = _lib()
+    fn = lib.cublasSgemmStridedBatched if a.dtype == np.float32 else lib.cublasDgemmStridedBatched
+    h = _handle(cp.cuda.get_current_stream())
+    one, zero = _ONE[a.dtype], _ZERO[a.dtype]
+    _check(fn(h, _OP_T if tb else _OP_N, _OP_T if ta else _OP_N, n, m, k, one.ctypes.data, b3.data.ptr, ldb, sb,
+              a3.data.ptr, lda, sa, zero.ctypes.data, out.data.ptr, n, m * n, nb), "cublasGemmStridedBatched")
+    return out
+
+
+def matmul2(a, b):
+    """``a @ b`` with a stacked ``a`` against a matrix ``b`` as one 2-D product."""
+    if a.ndim > 2 and b.ndim == 2:
+        lead = a.shape[:-1]
+        try:
+            flat = a.reshape(math.prod(lead), a.shape[-1])
+        except ValueError:
+            flat = cp.ascontiguousarray(a).reshape(math.prod(lead), a.shape[-1])
+        return cublas_matmul(flat, b).reshape(lead + (b.shape[1],))
+    if a.ndim == 1 or b.ndim == 1:
+        return cp.matmul(a, b)
+    return cublas_matmul(a, b)
+
+
+@kernel("MatMul")
+def matmul(node, attrs) -> Optional[Callable[..., Any]]:
+    if in_dtype(node) not in FLOATS:
+        return None
+    w = const_input(node, 1)
+    if w is not None and w.ndim == 2:
+        wd = cp.asarray(w)
+        return lambda a, unused: matmul2(a, wd)
+    return matmul2
+
+
+@kernel("Gemm")
+def gemm(node, attrs) -> Optional[Callable[..., Any]]:
+    if in_dtype(node) not in FLOATS:
+        return None
+    alpha, beta = attrs["alpha"], attrs["beta"]
+    ta, tb = attrs["transA"], attrs["transB"]
+    b_const = const_input(node, 1)
+    b_fixed = None if b_const is None else cp.ascontiguousarray(cp.asarray(b_const.T if tb else b_const))
+    c_const = const_input(node, 2)
+    c_fixed = None if c_const is None else cp.asarray(c_const * beta if beta != 1.0 else c_const)
+
+    def run(a, b, c=None):
+        y = cublas_matmul(a.T if ta else a, b_fixed if b_fixed is not None else (b.T if tb else b))
+        if alpha != 1.0:
+            y *= alpha
+        if c is not None:
+            y += c_fixed if c_fixed is not None else (c * beta if beta != 1.0 else c)
+        return y
+    return run
+
+
+@kernel("Einsum")
+def einsum(node, attrs) -> Optional[Callable[..., Any]]:
+    if in_dtype(node) not in FLOATS:
+        return None
+    eq = attrs["equation"]
+    return lambda *xs: cp.einsum(eq, *xs)

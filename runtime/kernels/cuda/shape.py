@@ -1,0 +1,198 @@
+"""Shape, indexing, reduction and tensor-making ops on the GPU.
+
+Most of these are the op's own numpy reference run on device arrays: the references use
+numpy functions and array methods that CuPy implements under the same names, and numpy hands
+a call with a CuPy argument to CuPy (NEP 18, ``__array_function__``/``__array_ufunc__``), so
+``np.concatenate`` of CuPy arrays runs ``cupy.concatenate`` on the GPU. The references' shape
+parameters (a Reshape's target, a Slice's starts) are read on the host (HOST_INPUTS). Where a
+reference calls something CuPy lacks (``np.asarray`` of a device array, ``max(initial=)``),
+``device_reference`` notices on the first call, switches that node to the host for good and
+counts it as a fallback; the explicit kernels below cover the common ones of those.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import cupy as cp
+import numpy as np
+
+from kiln.ir.types import normalize_axis
+from kiln.runtime.kernels.cuda import const_input, host, in_dtype, kernel
+
+# op -> the input positions its reference reads as host parameters.
+_REFERENCE_OPS = {
+    "Reshape": (1,), "Flatten": (), "Transpose": (), "Squeeze": (1,), "Unsqueeze": (1,), "Concat": (),
+    "Split": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Pad": (1, 2, 3), "DepthToSpace": (), "SpaceToDepth": (),
+    "Trilu": (1,), "GatherElements": (), "CumSum": (1,), "ReduceSum": (1,), "ReduceMean": (1,), "ReduceProd": (1,),
+    "ReduceL2": (1,), "TopK": (1,), "ScatterND": (1,),
+}
+
+
+def device_reference(node, attrs) -> Callable[..., Any]:
+    """The op's numpy reference on device arrays (see the module docstring), with a switch to
+    the host on the first call CuPy cannot serve."""
+    ref = node.schema.reference
+    single = len(node.outputs) == 1
+    host_pos = set(_REFERENCE_OPS.get(node.op, ()))
+    state = {"host": False}
+
+    def call(args):
+        out = ref(*args, **attrs)
+        if single and isinstance(out, (tuple, list)):
+            out = out[0]
+        return out
+
+    def run(*args):
+        args = [host(a) if i in host_pos else a for i, a in enumerate(args)]
+        if not state["host"]:
+            try:
+                out = call(args)
+                if _on_device(out):
+                    return out
+            except Exception:  # noqa: BLE001 - retried on the host below, which raises real errors
+                pass
+        out = call([a.get() if isinstance(a, cp.ndarray) else a for a in args])
+        state["host"] = True
+        run.fallback = True
+        if isinstance(out, (tuple, list)):
+            return tuple(cp.asarray(o) for o in out)
+        return cp.asarray(out)
+    run.fallback = False
+    return run
+
+
+def _on_device(out) -> bool:
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    return all(isinstance(o, cp.ndarray) for o in items)
+
+
+for _op, _host in _REFERENCE_OPS.items():
+    kernel(_op, host=_host)(device_reference)
+
+
+@kernel("Shape")
+def shape(node, attrs):
+    """On the host: the value is the array's shape, which the host knows without the GPU."""
+    start, end = attrs["start"], attrs["end"]
+    return lambda x: np.array(x.shape[start:end], dtype=np.int64)
+
+
+@kernel("Size")
+def size(node, attrs):
+    return lambda x: np.array(x.size, dtype=np.int64)
+
+
+@kernel("Expand", host=(1,))
+def expand(node, attrs):
+    def run(x, shape):
+        out = np.broadcast_shapes(x.shape, tuple(int(s) for s in host(shape)))
+        return cp.ascontiguousarray(cp.broadcast_to(x, out))
+    return run
+
+
+def _check_range(idx, dim: int, axis: int) -> None:
+    if isinstance(idx, np.ndarray):
+        bad = bool(np.any((idx < -dim) | (idx >= dim)))
+    elif cp.cuda.get_current_stream().is_capturing():
+        return  # no host synchronization inside a CUDA-graph capture: checked on eager runs only
+    else:
+        bad = bool(((idx < -dim) | (idx >= dim)).any())
+    if bad:
+        raise IndexError(f"indices out of range [-{dim}, {dim}) on axis {axis}")
+
+
+@kernel("Gather")
+def gather(node, attrs):
+    axis = attrs["axis"]
+    index = const_input(node, 1)
+    if index is not None and index.ndim == 0:
+        i = int(index)
+
+        def take_one(data, unused):
+            if not -data.shape[axis] <= i < data.shape[axis]:
+                raise IndexError(f"index {i} out of range [-{data.shape[axis]}, {data.shape[axis]}) on axis {axis}")
+            return data[(slice(None),) * (axis % data.ndim) + (i, Ellipsis)]
+        return take_one
+    uploaded: dict = {}
+
+    def run(data, indices):
+        ax = axis % data.ndim
+        dim = data.shape[ax]
+        _check_range(indices, dim, axis)
+        if isinstance(indices, np.ndarray):
+            key = (id(indices), dim)
+            d = uploaded.get(key) if index is not None else None
+            if d is None:
+                d = cp.asarray(np.where(indices < 0, indices + dim, indices))
+                if index is not None:
+                    uploaded[key] = d
+        else:
+            d = cp.where(indices < 0, indices + dim, indices)
+        return cp.take(data, d, axis=ax)
+    return run
+
+
+def _reduce_extreme(largest: bool):
+    def factory(node, attrs):
+        dt = in_dtype(node)
+        if dt is None:
+            return None
+        keep, noop = attrs["keepdims"], attrs["noop_with_empty_axes"]
+        from kiln.ir.ops.reduce import _reference_axes
+
+        def run(x, axes=None):
+            ax = _reference_axes(x, host(axes), noop)
+            if ax is None:
+                return x
+            if any(x.shape[a] == 0 for a in ax):  # over no elements: the identity, as the reference
+                fill = (np.iinfo(dt).min if largest else np.iinfo(dt).max) if dt.kind in "iu" else \
+                    (-np.inf if largest else np.inf)
+                shape = tuple(1 if i in ax else d for i, d in enumerate(x.shape))
+                y = cp.full(shape, fill, dt)
+            else:
+                y = x.max(axis=ax, keepdims=True) if largest else x.min(axis=ax, keepdims=True)
+            return y if keep else cp.squeeze(y, axis=ax)
+        return run
+    return factory
+
+
+kernel("ReduceMax", host=(1,))(_reduce_extreme(True))
+kernel("ReduceMin", host=(1,))(_reduce_extreme(False))
+
+
+def _arg(largest: bool):
+    def factory(node, attrs):
+        keep, last = attrs["keepdims"], attrs["select_last_index"]
+
+        def run(x):
+            axis = normalize_axis(attrs["axis"], x.ndim)
+            fn = cp.argmax if largest else cp.argmin
+            if last:
+                idx = x.shape[axis] - 1 - fn(cp.flip(x, axis), axis=axis)
+            else:
+                idx = fn(x, axis=axis)
+            idx = idx.astype(np.int64)
+            return cp.expand_dims(idx, axis) if keep else idx
+        return run
+    return factory
+
+
+kernel("ArgMax")(_arg(True))
+kernel("ArgMin")(_arg(False))
+
+
+@kernel("ConstantOfShape", host=(0,))
+def constant_of_shape(node, attrs):
+    value = attrs["value"]
+    v = np.zeros(1, np.float32) if value is None else np.asarray(value).reshape(-1)
+
+    def run(shape):
+        return cp.full(tuple(int(s) for s in host(shape)), v[0], v.dtype)
+    return run
+
+
+@kernel("Range", host=(0, 1, 2))
+def range_(node, attrs):
+    """Computed by the reference on the host from its three scalars, then uploaded."""
+    ref = node.schema.reference
+    return lambda start, limit, delta: cp.asarray(ref(host(start), host(limit), host(delta)))
