@@ -9,12 +9,26 @@ of the instruction loop), so under load the server runs fewer, larger batches. T
   (requests of different sequence lengths form separate groups). Outputs are split back along dim 0
   by each request's own row count. A model without such a dim, or ``max_batch_size == 0``, runs
   request by request, each as it came.
-* **When a batch goes.** At most ``max_batch_size`` rows. A batch is dispatched as soon as it is full
-  (it reached ``max_batch_size`` rows, or the next request of its group would not fit); otherwise it
-  waits until its oldest request has waited ``max_queue_delay_ms``, so the delay is paid only while a
-  full batch cannot yet be formed. The oldest dispatchable group goes first (FIFO within a group).
-  At most ``executor.capacity`` batches are in flight (``instances`` threads, or workers x
-  instances), so while the executor is busy requests accumulate into full batches by themselves.
+* **When a batch goes (adaptive).** At most ``max_batch_size`` rows, and at most ``executor.capacity``
+  batches in flight (``instances`` threads, or workers x instances). Whenever a slot is free:
+
+  - a **full** batch (``max_batch_size`` rows, or the next request of its group would not fit) goes
+    at once;
+  - if the executor is **idle** (nothing running), whatever is queued goes at once, full or not: a
+    lone request on an idle model is never delayed, and after a busy spell everything that queued up
+    meanwhile leaves as one batch the moment the executor frees up;
+  - if the executor is **partly busy** (some batches running, a slot free), a partial batch waits
+    until its oldest request has waited ``max_queue_delay_ms``, or until it is full, or until the
+    executor goes idle, whichever comes first.
+
+  Why: waiting only pays when more requests are likely to join before the batch would otherwise
+  run. On an idle model it is pure latency (an event-loop timer of 0.5 ms costs ~1 ms in practice).
+  While every slot is busy nothing can run anyway, and requests accumulate by themselves into the
+  next batch, so a capacity-1 executor (1 worker, 1 instance: the default) never waits out the
+  delay: its batches are exactly what arrived while the previous one ran. The delay matters where
+  a batch could start now on a spare slot while others are running: there a short wait turns a
+  stream of single requests into fewer, larger batches instead of spreading them one by one over
+  the slots. The oldest dispatchable group goes first (FIFO within a group).
 * **A request too big.** A request whose own dim 0 exceeds ``max_batch_size`` is refused with
   :class:`BatchTooLarge` (400); with ``max_batch_size == 0`` nothing is stacked and it runs alone.
 * **Backpressure.** The queue holds at most ``queue_size`` requests (0: unbounded, as in Triton);
@@ -254,15 +268,15 @@ class DynamicBatcher:
             await self._wait(wake)
 
     def _next_batch(self, now: float):
-        """The batch to dispatch now (the oldest group that is full or due), or None and the loop time
-        at which the earliest group becomes due."""
+        """The batch to dispatch now (the oldest group that is full or due, or simply the oldest when the
+        executor is idle), or None and the loop time at which the earliest group becomes due."""
         best: Optional[List[_Request]] = None
         wake: Optional[float] = None
         for q in self._groups.values():
             head = q[0]
             take, full = self._form(q)
             due = head.enqueued + self.max_delay_s
-            if full or now >= due or not self._accepting:
+            if full or not self._running or now >= due or not self._accepting:
                 if best is None or head.seq < best[0].seq:
                     best = take
             elif wake is None or due < wake:

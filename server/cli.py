@@ -12,6 +12,11 @@ through ``uvicorn.run``, for three reasons:
   (worker processes exit). uvicorn's own handler re-raises the signal after a graceful stop, which would
   make the exit status -15 or 130; a clean drain is a success, so we exit 0. A second Ctrl-C forces
   an immediate stop (uvicorn's behaviour).
+- **Worker threads leave a core to HTTP.** Each worker process's BLAS/OpenMP thread count defaults to
+  ``max(1, (cores - 1) // workers)`` unless the environment sets ``OMP_NUM_THREADS``,
+  ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS`` or ``VECLIB_MAXIMUM_THREADS`` (see server/workers.py):
+  BLAS threads spinning on every core starve the process that parses and batches the requests.
+- **Nagle is off on every connection** (``TCP_NODELAY``, see :func:`bind_socket`), whatever the event loop.
 - **"Ready" is printed when it is true**: models load after the socket is bound (``/v2/health/live``
   answers meanwhile), and the URL and the served models are printed once every model has loaded. A
   model that fails to load stops the server with its error and exit 1.
@@ -38,11 +43,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks a free one)")
     p.add_argument("--name", help="model name for a single model file (default: the file's stem)")
     p.add_argument("--workers", type=int, metavar="N",
-                   help="worker processes per model version (0: threads in the server process; default 1)")
+                   help="worker processes per model version (0: threads in the server process; default 1). "
+                        "Each worker's BLAS/OpenMP threads default to max(1, (cores - 1) // N), leaving a core "
+                        "to the HTTP process; set OMP_NUM_THREADS / OPENBLAS_NUM_THREADS to override")
     p.add_argument("--max-batch-size", type=int, metavar="B",
                    help="largest batch the dynamic batcher forms (0 or 1: no batching; default 32)")
     p.add_argument("--max-queue-delay-ms", type=float, metavar="D",
-                   help="longest a request waits for a batch to fill (default 0.5)")
+                   help="longest a request waits for a batch to fill, only while some but not all of the "
+                        "model's slots (workers x instances) are busy; an idle model runs a request at once "
+                        "(default 0.5)")
     p.add_argument("--queue-size", type=int, metavar="Q",
                    help="queued requests per model version before 503 + Retry-After (default 1024)")
     p.add_argument("--timeout-ms", type=float, metavar="T",
@@ -70,10 +79,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise KilnError(f"cannot listen on host '{host}': {e.strerror}") from None
-    family, _, _, _, address = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    family, kind, proto, _, address = infos[0]
+    # The proto from getaddrinfo (IPPROTO_TCP), not 0: asyncio's event loop turns Nagle's algorithm off
+    # (TCP_NODELAY) on accepted connections only when the listening socket says IPPROTO_TCP. With proto 0
+    # and without uvloop, a keep-alive response written in two parts (headers, body) waited ~40 ms for
+    # the client's delayed ACK. TCP_NODELAY is also set on the listener, which Linux copies to every
+    # accepted connection, so the setting does not depend on the event loop at all.
+    sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         sock.bind(address)

@@ -71,11 +71,15 @@ class ModelConfig:
       throughput. The batcher only stacks requests for models whose inputs all share a symbolic dim 0;
       other models run request by request whatever this says. 32 rows keeps one batch's latency bounded
       for mid-sized models; raise it for tiny ones. ``0`` turns batching off (``1`` has the same effect).
-    - ``max_queue_delay_ms = 0.5``: the longest the batcher holds a request back hoping to fill a batch.
+    - ``max_queue_delay_ms = 0.5``: the longest the batcher holds a request back hoping to fill a batch,
+      which it does only while some but not all of the executor's slots are busy (an idle model runs a
+      request at once; see server/batcher.py).
       Under load, batches fill from requests that queue while the previous batch computes, with no delay
-      at all; the delay only matters at low load, where it is pure added latency for a lone request, so
-      it is kept well under a millisecond. Raise it (Triton users often use 1-5 ms) when you have many
-      workers and want fuller batches; ``0`` dispatches whatever is queued immediately.
+      at all, so with one worker and one instance (the default) the delay never applies. With several
+      workers or instances it keeps a spare slot from taking requests one by one while others run; it
+      is kept well under a millisecond because it is added latency at moderate load. Raise it (Triton
+      users often use 1-5 ms) when you have many workers and want fuller batches; ``0`` dispatches
+      whatever is queued as soon as a slot is free.
     - ``queue_size = 1024``: requests waiting per model version before new ones get 503 + Retry-After.
       Bounded so overload sheds load instead of growing memory and latency without limit.
     - ``timeout_ms = 30000``: a request not answered within this (queue + compute) gets 504. A request may

@@ -1,4 +1,4 @@
-"""DynamicBatcher: batch formation, delays, shape groups, backpressure, timeouts, drain, error isolation.
+"""DynamicBatcher: batch formation, the adaptive delay, shape groups, backpressure, timeouts, drain, error isolation.
 
 Most tests drive the batcher with a fake executor that records the batches it is given and can be held
 at a gate, so which requests were stacked together is observed directly, not inferred from timing. One
@@ -56,6 +56,7 @@ class FakeExecutor:
         self.batches: list[np.ndarray] = []  # the x of every run, in order
         self.times: list[float] = []         # loop time at which each run started
         self.gate: asyncio.Event | None = None
+        self.hold: asyncio.Event | None = None  # like gate, but holds only batches starting with a value < 0
         self.error: Exception | None = None
 
     def start(self) -> None:
@@ -67,6 +68,8 @@ class FakeExecutor:
         self.times.append(asyncio.get_running_loop().time())
         if self.gate is not None:
             await self.gate.wait()
+        if self.hold is not None and x.size and x.reshape(-1)[0] < 0:
+            await self.hold.wait()
         if self.error is not None:
             raise self.error
         if np.isnan(x).any():
@@ -88,6 +91,14 @@ def x_of(value: float, rows: int = 1, width: int = 4) -> np.ndarray:
 async def blocked(ex: FakeExecutor, b: DynamicBatcher):
     """Occupy the executor's only slot with one request held at the gate; returns its task."""
     ex.gate = asyncio.Event()
+    first = asyncio.create_task(b.submit({"x": x_of(-1)}))
+    await until(lambda: len(ex.batches) == 1)
+    return first
+
+
+async def one_slot_busy(ex: FakeExecutor, b: DynamicBatcher):
+    """Occupy one of the executor's slots (held until ``ex.hold`` is set), leaving the others free."""
+    ex.hold = asyncio.Event()
     first = asyncio.create_task(b.submit({"x": x_of(-1)}))
     await until(lambda: len(ex.batches) == 1)
     return first
@@ -173,50 +184,95 @@ def test_requests_of_several_rows_are_not_split_or_reordered():
         check(r, x_of(i, n))
 
 
-def test_partial_batch_waits_for_max_queue_delay_and_takes_late_arrivals():
-    ex = FakeExecutor()
+def test_lone_request_on_an_idle_executor_goes_at_once():
+    ex = FakeExecutor(capacity=2)
+
+    async def main():
+        b = DynamicBatcher(ex, config(max_batch_size=8, max_queue_delay_ms=60_000), None, "m", "1")
+        results = []
+        for i in range(3):  # one after another: each finds the executor idle
+            results.append(await asyncio.wait_for(b.submit({"x": x_of(i)}), 5.0))
+        return results
+
+    results = arun(main())
+    assert ex.sizes == [1, 1, 1], "nothing waited for the one-minute delay"
+    for i, r in enumerate(results):
+        check(r, x_of(i))
+
+
+def test_partial_batch_waits_for_max_queue_delay_while_another_slot_is_busy_and_takes_late_arrivals():
+    ex = FakeExecutor(capacity=2)
 
     async def main():
         loop = asyncio.get_running_loop()
         b = DynamicBatcher(ex, config(max_batch_size=8, max_queue_delay_ms=300), None, "m", "1")
+        first = await one_slot_busy(ex, b)
         t0 = loop.time()
         a = asyncio.create_task(b.submit({"x": x_of(1)}))
         await asyncio.sleep(0.02)
         late = asyncio.create_task(b.submit({"x": x_of(2)}))
         results = await asyncio.gather(a, late)
-        return t0, results
+        ex.hold.set()
+        return t0, results, await first
 
-    t0, results = arun(main())
-    assert ex.sizes == [2], "the second request arrived within the delay and joins the first"
-    waited = ex.times[0] - t0
+    t0, results, first = arun(main())
+    assert ex.sizes == [1, 2], "the second request arrived within the delay and joins the first"
+    waited = ex.times[1] - t0
     assert waited >= 0.29, f"dispatched after {waited:.3f} s, before the 300 ms delay"
     assert waited < 5.0
     check(results[0], x_of(1))
     check(results[1], x_of(2))
+    check(first, x_of(-1))
 
 
-def test_full_batch_goes_without_waiting_for_the_delay():
+def test_requests_queued_while_the_executor_is_busy_go_together_as_soon_as_it_frees_up():
     ex = FakeExecutor()
 
     async def main():
         loop = asyncio.get_running_loop()
+        b = DynamicBatcher(ex, config(max_batch_size=8, max_queue_delay_ms=60_000), None, "m", "1")
+        first = await blocked(ex, b)
+        tasks = [asyncio.create_task(b.submit({"x": x_of(i)})) for i in range(3)]
+        await until(lambda: b.queue_depth == 3)
+        released = loop.time()
+        ex.gate.set()
+        await first
+        return released, await asyncio.wait_for(asyncio.gather(*tasks), 5.0)
+
+    released, results = arun(main())
+    assert ex.sizes == [1, 3], "the partial batch went when the slot freed, not after the delay"
+    assert ex.times[1] - released < 5.0
+    for i, r in enumerate(results):
+        check(r, x_of(i))
+
+
+def test_full_batch_goes_without_waiting_for_the_delay():
+    ex = FakeExecutor(capacity=2)
+
+    async def main():
+        loop = asyncio.get_running_loop()
         b = DynamicBatcher(ex, config(max_batch_size=4, max_queue_delay_ms=60_000), None, "m", "1")
+        first = await one_slot_busy(ex, b)  # so the delay applies to partial batches
         t0 = loop.time()
         results = await asyncio.gather(*(b.submit({"x": x_of(i)}) for i in range(4)))
         # a fifth request alone cannot fill a batch: it is still waiting for the (one minute) delay
         fifth = asyncio.create_task(b.submit({"x": x_of(9)}))
         await asyncio.sleep(0.2)
         pending = not fifth.done()
-        await b.drain()  # draining stops the wait
-        return loop.time() - t0, results, pending, await fifth
+        drain = asyncio.create_task(b.drain())  # draining stops the wait
+        await until(fifth.done)
+        ex.hold.set()
+        await drain
+        return loop.time() - t0, results, pending, await fifth, await first
 
-    elapsed, results, pending, fifth = arun(main())
-    assert ex.sizes == [4, 1]
+    elapsed, results, pending, fifth, first = arun(main())
+    assert ex.sizes == [1, 4, 1]
     assert elapsed < 10.0
     assert pending
     for i, r in enumerate(results):
         check(r, x_of(i))
     check(fifth, x_of(9))
+    check(first, x_of(-1))
 
 
 def test_requests_with_different_non_batch_dims_are_never_stacked_together():
@@ -411,10 +467,11 @@ def test_cancelled_caller_leaves_the_queue():
 
 
 def test_drain_finishes_queued_and_running_requests_and_refuses_new_ones():
-    ex = FakeExecutor()
+    ex = FakeExecutor(capacity=2)
 
     async def main():
-        # a long delay: draining must dispatch the partial batch instead of waiting for it
+        # a long delay, and a free slot while the first batch runs (capacity 2): draining must dispatch
+        # the partial batch instead of waiting for it
         b = DynamicBatcher(ex, config(max_batch_size=8, max_queue_delay_ms=60_000), None, "m", "1")
         ex.gate = asyncio.Event()
         first = asyncio.create_task(b.submit({"x": x_of(-1, 8)}))  # a full batch: runs at once

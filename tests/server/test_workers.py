@@ -18,7 +18,9 @@ from kiln.errors import FormatError
 from kiln.ir import Graph
 from kiln.server.batcher import DynamicBatcher
 from kiln.server.errors import WorkerError
-from kiln.server.workers import Executor, ProcessExecutor, ThreadExecutor
+from kiln.server.workers import Executor, ProcessExecutor, ThreadExecutor, blas_threads, worker_env
+
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
 
 MLP = Path(__file__).resolve().parents[1] / "fixtures" / "mlp_runtime.kiln"
 
@@ -94,7 +96,9 @@ def test_thread_executor_runs_the_program(program):
     assert not ex.ready
 
 
-def test_process_executor_runs_the_program_in_workers_without_torch_or_onnx(program):
+def test_process_executor_runs_the_program_in_workers_without_torch_or_onnx(program, monkeypatch):
+    for var in THREAD_VARS:
+        monkeypatch.delenv(var, raising=False)
     ex = ProcessExecutor(MLP, config(workers=2, instances=2))
     ex.start()
     try:
@@ -117,8 +121,22 @@ def test_process_executor_runs_the_program_in_workers_without_torch_or_onnx(prog
             assert "kiln" in top and "numpy" in top
             # nothing heavy, and nothing inherited from this (pytest) process
             assert not top & {"torch", "onnx", "onnxruntime", "fastapi", "uvicorn", "pytest", "_pytest"}, top
+            # BLAS threads: the cores but one (left to the HTTP process), shared by the 2 workers
+            want = str(max(1, ((os.cpu_count() or 1) - 1) // 2))
+            assert info["env"] == {var: want for var in THREAD_VARS}
     finally:
         arun(ex.close())
+
+
+def test_worker_blas_threads_leave_a_core_to_the_server_unless_the_user_sets_them():
+    assert [blas_threads(1, cpus) for cpus in (1, 2, 3, 8)] == [1, 1, 2, 7]
+    assert [blas_threads(w, 16) for w in (1, 2, 4, 15, 16, 32)] == [15, 7, 3, 1, 1, 1]
+    env = worker_env(1, {"PATH": "/bin"})
+    assert env["PATH"] == "/bin" and env["PYTHONPATH"]
+    assert {env[var] for var in THREAD_VARS} == {str(blas_threads(1))}
+    # any variable the user set wins, and the others stay unset (OpenBLAS falls back to OMP_NUM_THREADS)
+    env = worker_env(4, {"OMP_NUM_THREADS": "3"})
+    assert env["OMP_NUM_THREADS"] == "3" and not any(var in env for var in THREAD_VARS[1:])
 
 
 def test_killed_worker_fails_its_batch_promptly_and_is_replaced(slow_model):
