@@ -513,3 +513,17 @@ def test_serving_imports_neither_torch_nor_onnx():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_onnxruntime_backend_serves_the_same_results(program, workers):
+    pytest.importorskip("onnxruntime")
+    app = create_app([entry(MLP, backend="onnxruntime", workers=workers, max_batch_size=4)])
+    with TestClient(app) as client:
+        wait_ready(client)
+        assert client.get("/v2/models/mlp").json()["platform"] == "onnxruntime"
+        x = np.random.default_rng(3).standard_normal((3, 16)).astype(np.float32)
+        got = outputs_of(client.post("/v2/models/mlp/infer", json=infer_body(x)))
+        want = program.run({"x": x})
+        for name in ("logits", "probs"):
+            np.testing.assert_allclose(got[name].astype(np.float32), want[name], rtol=1e-5, atol=1e-6)
