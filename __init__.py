@@ -3,8 +3,8 @@
 The public API is small: build or capture an IR ``Graph``, optimize it, save it, load and run it.
 Only numpy is imported here; frontends, serializers and backends load lazily when used.
 """
-from kiln.errors import (ExecutionError, FormatError, InputError, KilnError, ShapeInferenceError, TraceCheckError, TraceWarning,
-                         UnknownOpError, UnsupportedOpError, VerifyError)
+from kiln.errors import (ExecutionError, FormatError, InputError, KilnError, ScriptError, ShapeInferenceError,
+                         TraceCheckError, TraceWarning, UnknownOpError, UnsupportedOpError, VerifyError)
 from kiln.ir import (IR_VERSION, OPSET_VERSION, DType, Graph, Node, TensorType, Value, evaluate,
                      verify)
 from kiln.runtime import Program, load
@@ -14,8 +14,8 @@ from kiln.version import __version__
 __all__ = ["__version__", "IR_VERSION", "OPSET_VERSION", "DType", "Graph", "Node", "TensorType", "Value",
            "evaluate", "verify", "KilnError", "FormatError", "InputError", "ShapeInferenceError",
            "UnknownOpError", "VerifyError", "UnsupportedOpError", "TraceCheckError", "TraceWarning",
-           "ExecutionError", "save", "load_graph", "load_graph_from_bytes", "trace", "load", "Program",
-           "export_onnx", "import_onnx"]
+           "ExecutionError", "ScriptError", "save", "load_graph", "load_graph_from_bytes", "trace", "script",
+           "load", "Program", "export_onnx", "import_onnx"]
 
 
 def trace(model, example_inputs, **kwargs):
@@ -23,6 +23,13 @@ def trace(model, example_inputs, **kwargs):
     Imports torch on first use, so ``import kiln`` stays light."""
     from kiln.frontend.trace import trace as _trace
     return _trace(model, example_inputs, **kwargs)
+
+
+def script(module_or_function, example_inputs, **kwargs):
+    """Compile a model's Python source into a kiln Graph, keeping data-dependent ``if``/``for``/``while``
+    as If/Loop nodes (see :func:`kiln.frontend.script.script`). Imports torch on first use."""
+    from kiln.frontend.script import script as _script
+    return _script(module_or_function, example_inputs, **kwargs)
 
 
 def export_onnx(graph, path, **kwargs):

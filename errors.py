@@ -44,3 +44,8 @@ class TraceWarning(UserWarning):
 
 class ExecutionError(KilnError):
     """A kernel failed while running a program; the message names the node and its inputs."""
+
+
+class ScriptError(KilnError):
+    """kiln.script met Python it cannot keep as control flow; the message names file:line:col,
+    shows the source line with a caret under the construct, and says what to write instead."""

@@ -14,6 +14,7 @@ value into the graph: it is recorded and reported as a TraceWarning with the sou
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -65,12 +66,28 @@ def op_name(func: Callable) -> str:
     return f"{module}.{qual}" if module.startswith("torch") else qual
 
 
+# The tracers recording now, innermost last; ``None`` marks a pause (see Tracer.paused). The
+# control-flow primitives (frontend/script_ops.py) ask active_tracer() whether they are traced.
+_ACTIVE: list[Optional["Tracer"]] = []
+
+
+def active_tracer() -> Optional["Tracer"]:
+    """The tracer recording the code running now, or None (eager, or a paused tracer)."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
 class Tracer(TorchFunctionMode):
-    """Records one eager run of a model into ``self.graph``."""
+    """Records one eager run of a model into ``self.graph``.
+
+    Nodes go to ``self.current``: the root graph, or the If branch / Loop body being recorded
+    (:meth:`subgraph`). Constants and parameters always go to the root graph, which every
+    subgraph may read.
+    """
 
     def __init__(self, graph: Graph, param_names: dict[int, str], module_names: dict[int, str]):
         super().__init__()
         self.graph = graph
+        self.current = graph
         self.param_names = param_names
         self.module_names = module_names
         self.values: dict[int, Value] = {}
@@ -82,6 +99,56 @@ class Tracer(TorchFunctionMode):
         self.symbols: dict = {}  # symbolic values of shape tensors, so dims stay exact while tracing
         # Tensors changed by a write through an alias: (why using them fails, id of the tensor written).
         self.stale: dict[int, tuple[str, int]] = {}
+
+    def __enter__(self) -> "Tracer":
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        _ACTIVE.pop()
+        return super().__exit__(*exc)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Run code eagerly without recording (the real loop of a traced while: its result
+        tensors are bound to the Loop node afterwards). active_tracer() is None meanwhile."""
+        _ACTIVE.append(None)
+        try:
+            with torch._C.DisableTorchFunction():
+                yield
+        finally:
+            _ACTIVE.pop()
+
+    @contextlib.contextmanager
+    def subgraph(self, g: Graph):
+        """Record into ``g`` (an If branch or Loop body nested in the current graph) and restore.
+
+        Tensors of enclosing graphs keep their values: the body reads them directly, as ONNX
+        allows. Tensors made inside are bound to ``g``'s values only until the block ends (the
+        caller reads the body's outputs before that), so nothing after it can use a value of
+        ``g``. An in-place write to an outer tensor inside the body would change it in eager
+        Python but not in the graph: UnsupportedOpError.
+        """
+        if g.parent is not self.current:
+            raise KilnError(f"subgraph '{g.name}' is not nested in the graph being recorded")
+        outer, saved_values, saved_stale = self.current, dict(self.values), dict(self.stale)
+        self.current = g
+        ok = False
+        try:
+            yield g
+            ok = True
+        finally:
+            self.current = outer
+            written = [k for k, v in saved_values.items() if self.values.get(k) is not v]
+            # Constants and parameters met first inside live in the root graph: still in scope.
+            saved_values.update((k, v) for k, v in self.values.items()
+                                if k not in saved_values and v.graph.is_ancestor_of(outer))
+            self.values, self.stale = saved_values, saved_stale
+            if ok and written:
+                raise UnsupportedOpError(
+                    f"{self.where()}: a tensor from outside a data-dependent branch or loop body is written in "
+                    "place inside it ('x += y', 'x.add_(y)', 'x[i] = v'); assign a new tensor instead "
+                    "('x = x + y')")
 
     # ------------------------------------------------------------------ the interception point
     def __torch_function__(self, func: Callable, types: Any, args: Sequence = (), kwargs: Optional[dict] = None) -> Any:
@@ -180,7 +247,7 @@ class Tracer(TorchFunctionMode):
 
     # ------------------------------------------------------------------ emitting
     def emit(self, op: str, *inputs: Optional[Value], outputs: int = 1, domain: str = "", **attrs: Any) -> Any:
-        node = self.graph.add_node(op, inputs, attrs, domain=domain, num_outputs=outputs,
+        node = self.current.add_node(op, inputs, attrs, domain=domain, num_outputs=outputs,
                                    meta={"scope": self.scope_name(), "source": self.source_line()})
         infer_node(node, self.symbols)
         if any(v is not None and v in self.dependent for v in inputs):
