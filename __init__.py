@@ -25,9 +25,11 @@ def trace(model, example_inputs, **kwargs):
     return _trace(model, example_inputs, **kwargs)
 
 
-def script(module_or_function, example_inputs, **kwargs):
+def script(module_or_function, example_inputs=None, **kwargs):
     """Compile a model's Python source into a kiln Graph, keeping data-dependent ``if``/``for``/``while``
-    as If/Loop nodes (see :func:`kiln.frontend.script.script`). Imports torch on first use."""
+    as If/Loop nodes (see :func:`kiln.frontend.script.script`). Without example inputs, mark a module
+    class, module or function instead (``@kiln.script``), so that kiln.trace keeps its control flow
+    when it traces a model that calls it. Imports torch on first use."""
     from kiln.frontend.script import script as _script
     return _script(module_or_function, example_inputs, **kwargs)
 

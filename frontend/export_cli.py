@@ -1,5 +1,7 @@
 """``kiln export``: trace a PyTorch model named on the command line and write a .kiln file, an ONNX
 file (``--onnx``, through kiln's exporter: the same traced, checked and optimized graph), or both.
+``--script`` compiles it with kiln.script instead (data-dependent ``if``/``for``/``while`` become
+If/Loop nodes rather than the one path the random example inputs take); the steps are the same.
 
 Imports nothing heavy at module level (``kiln --help`` must not import torch); torch and the
 tracer are imported when the command runs.
@@ -155,17 +157,23 @@ def _load_model(target: str):
     return obj
 
 
-def _trace_step(model, inputs: dict, dynamic: dict, progress: _Progress):
-    """Trace (no check, no optimize: they are steps of their own); TraceWarnings go to stderr."""
+def _trace_step(model, inputs: dict, dynamic: dict, progress: _Progress, script: bool = False):
+    """Trace, or script with ``script`` (no check, no optimize: they are steps of their own);
+    TraceWarnings go to stderr."""
     import warnings
 
     from kiln.errors import TraceWarning
-    from kiln.frontend.trace import trace
 
+    if script:
+        from kiln.frontend.script import script as compile_model
+        label = "scripting"
+    else:
+        from kiln.frontend.trace import trace as compile_model
+        label = "tracing"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", TraceWarning)
-        with progress.step("tracing"), _user_code("tracing"):
-            graph = trace(model, inputs, dynamic=dynamic, check=False, optimize=False)
+        with progress.step(label), _user_code(label):
+            graph = compile_model(model, inputs, dynamic=dynamic, check=False, optimize=False)
     warned = [w for w in caught if issubclass(w.category, TraceWarning)]
     for w in warned:
         print(f"warning: {w.message}", file=sys.stderr)
@@ -202,7 +210,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             model = _load_model(args.model)
     gen = torch.Generator().manual_seed(0)
     inputs = {name: _example_input(shape, dt, rng, gen) for name, shape, dt, rng in specs}
-    graph, warned = _trace_step(model, inputs, dynamic, progress)
+    graph, warned = _trace_step(model, inputs, dynamic, progress, script=args.script)
     check = "skipped (--no-check)" if args.no_check else _check_step(graph, model, inputs, progress)
     nodes_traced = len(graph.nodes)
     if not args.no_optimize:
@@ -306,5 +314,11 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-check", action="store_true",
                    help="skip comparing the graph with the model on fresh random inputs")
     p.add_argument("--no-optimize", action="store_true", help="save the graph as traced, without the pass pipeline")
-    p.epilog = ("Give -o, --onnx or both: both files hold the same traced, checked and (unless --no-optimize) "
-                "optimized graph.")
+    p.add_argument("--script", action="store_true",
+                   help="compile with kiln.script instead of kiln.trace: forward's source (and that of the user "
+                        "submodules and helpers it calls) is rewritten so that if/for/while on tensor data become "
+                        "If/Loop nodes instead of the one path the example inputs take; constructs outside the "
+                        "subset are errors naming the line. Without it, parts marked with @kiln.script still keep "
+                        "their control flow inside the trace")
+    p.epilog = ("Give -o, --onnx or both: both files hold the same traced (or, with --script, scripted), checked "
+                "and (unless --no-optimize) optimized graph.")

@@ -39,17 +39,27 @@ caret and what to do instead. Rewritten nodes keep the original line numbers and
 compiled under the original file name, so tracer errors and tracebacks point at user lines.
 
 Methods the rewritten code calls as ``self.method(...)`` and module-level functions of the same
-module called by name are rewritten too (recursively). The user's module is never changed: the
-rewritten methods are bound to a shallow copy of it that shares parameters and submodules.
+module called by name are rewritten too (recursively), and so are submodules: every user module
+below the scripted one (torch.nn's own modules run their library code, which holds no control flow
+on tensor data; a torch container such as ``nn.Sequential`` is copied when user modules sit in
+it). The user's model is never changed: the rewritten methods are bound to shallow copies that
+share parameters, buffers and hooks, so the tracer names parameters as in the original.
+
+Hybrid: ``kiln.script(obj)`` without example inputs compiles nothing; it marks a module class
+(``@kiln.script``), a module instance or a function (:func:`mark`). Marked code runs its original
+Python eagerly, and its rewritten code while kiln.trace records, so tracing a whole model keeps
+the marked parts' control flow (as scripted functions survive inside ``torch.jit.trace``).
 """
 from __future__ import annotations
 
 import ast
 import copy
+import functools
 import inspect
 import itertools
 import linecache
 import types
+import weakref
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 from kiln.errors import ScriptError
@@ -62,17 +72,30 @@ _NO_GRAD = {"no_grad", "inference_mode"}
 
 
 # ============================================================================ public API
-def script(module_or_function: Any, example_inputs: Any, *, dynamic=None, dynamic_batch: bool = False,
+def script(module_or_function: Any, example_inputs: Any = None, *, dynamic=None, dynamic_batch: bool = False,
            check: bool = True, optimize: bool = True, name: Optional[str] = None, rtol: float = 1e-4,
            atol: float = 1e-5):
     """Script ``module_or_function`` into a kiln Graph, keeping control flow on tensor data.
 
     The source of ``forward`` (or of the function) is rewritten so ``if``/``while``/``for`` call
     kiln's control-flow primitives, then traced with :func:`kiln.trace` on ``example_inputs``
-    (``dynamic``/``dynamic_batch`` as there). With ``check``, the graph is compared with the
-    *original* model on the examples and on fresh inputs (a data-dependent branch is fine: the
-    eager model runs its real Python). ``optimize`` runs the pass pipeline.
+    (``dynamic``/``dynamic_batch`` as there). Submodules are scripted recursively (torch.nn's own
+    modules run as they are: their Python holds no data-dependent control flow). With ``check``,
+    the graph is compared with the *original* model on the examples and on fresh inputs (a
+    data-dependent branch is fine: the eager model runs its real Python). ``optimize`` runs the
+    pass pipeline.
+
+    Without ``example_inputs`` nothing is compiled: ``module_or_function`` is *marked* for the
+    hybrid mode and returned (see :func:`mark`), so ``@kiln.script`` decorates a module class or
+    a function, and ``kiln.script(model.head)`` marks one submodule of a model that is then traced
+    as a whole with :func:`kiln.trace`, keeping the marked part's control flow.
     """
+    if example_inputs is None:
+        if dynamic is not None or dynamic_batch or name is not None:
+            raise ScriptError("kiln.script without example inputs marks its argument for kiln.trace (hybrid "
+                              "mode) and compiles nothing: give dynamic=/dynamic_batch=/name= to kiln.trace, "
+                              "or pass example inputs to compile a Graph here")
+        return mark(module_or_function)
     from kiln.frontend import script_ops
     from kiln.frontend import trace as trace_mod
     from kiln.ir.passes import optimize as run_optimize
@@ -92,6 +115,126 @@ def script(module_or_function: Any, example_inputs: Any, *, dynamic=None, dynami
         run_optimize(graph)
         verify(graph)
     return graph
+
+
+# ============================================================================ hybrid: marked parts of traced models
+# Most of a model is traced; the few parts with data-dependent control flow are marked with
+# kiln.script (no example inputs). A marked part keeps running its original Python whenever no
+# tracer records it (eager calls, kiln.trace's eager check, the real iterations of a traced
+# while); while kiln.trace records, its calls run the rewritten code instead, so its control
+# flow becomes If/Loop in the whole model's graph. The switch is made per call (through the
+# tracer's active_tracer()), which is why marking needs no change to kiln.trace itself and a
+# marked module stays an ordinary module (state_dict, .to(), hooks, isinstance all unchanged).
+_ORIGINAL = "__kiln_script_original__"
+
+
+def mark(obj: Any) -> Any:
+    """Mark ``obj`` so that :func:`kiln.trace` keeps its control flow; returns what to use:
+
+    - an ``nn.Module`` subclass (``@kiln.script`` on the class): its ``forward`` is replaced in
+      the class by a dispatcher; the class is returned, and every instance is marked;
+    - an ``nn.Module`` instance: the instance alone gets the dispatching ``forward`` (an instance
+      attribute, as when one patches ``module.forward``); the same instance is returned;
+    - a function (``@kiln.script`` on a ``def``): a wrapper with the same name and signature is
+      returned (the function itself cannot be changed in place).
+
+    Marking twice is harmless. The rewrite happens at the first traced call (so a source that is
+    outside the subset raises ScriptError then, from inside kiln.trace).
+    """
+    import torch
+
+    cls = obj if isinstance(obj, type) else type(obj)
+    if issubclass(cls, torch.nn.Module) and cls.__module__.split(".")[0] == "torch":
+        raise ScriptError(f"{cls.__qualname__} is a torch.nn module: its code has no control flow on tensor data to "
+                          "keep, and kiln.trace maps it as it is; mark your own module (or function) instead")
+    if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
+        fwd = inspect.getattr_static(obj, "forward")
+        if not isinstance(fwd, types.FunctionType):
+            raise ScriptError(f"cannot mark {obj.__qualname__} for kiln.script: its forward is not a plain method")
+        if not hasattr(fwd, _ORIGINAL):
+            obj.forward = _dispatching_forward(fwd)
+        return obj
+    if isinstance(obj, torch.nn.Module):
+        current = obj.__dict__.get("forward")
+        if current is not None and hasattr(getattr(current, "__func__", None), _ORIGINAL):
+            return obj
+        fwd = inspect.getattr_static(type(obj), "forward")
+        if current is not None or not isinstance(fwd, types.FunctionType):
+            raise ScriptError(f"cannot mark this {type(obj).__qualname__} for kiln.script: its forward is "
+                              "replaced on the instance or is not a plain method; mark its class instead")
+        if hasattr(fwd, _ORIGINAL):
+            return obj  # its class is marked already
+        obj.__dict__["forward"] = types.MethodType(_dispatching_forward(fwd), obj)
+        return obj
+    if isinstance(obj, types.FunctionType):
+        return obj if hasattr(obj, _ORIGINAL) else _dispatching_function(obj)
+    raise ScriptError(f"kiln.script marks an nn.Module class or instance or a function, got {type(obj).__name__}")
+
+
+def is_marked(obj: Any) -> bool:
+    """Whether ``obj`` (a module, module class or function) was marked by :func:`mark`."""
+    if isinstance(obj, type):
+        return hasattr(inspect.getattr_static(obj, "forward", None), _ORIGINAL)
+    if _is_module(obj):
+        fwd = obj.__dict__.get("forward")
+        return hasattr(getattr(fwd, "__func__", None), _ORIGINAL) or is_marked(type(obj))
+    return hasattr(obj, _ORIGINAL)
+
+
+def _recording() -> bool:
+    from kiln.frontend.tracer import active_tracer
+    return active_tracer() is not None
+
+
+class _PerTrace:
+    """The rewriter a marked object uses while one tracer records: made at its first traced call
+    and reused by the later calls of the same trace (a marked block in every layer is rewritten
+    once), made again for the next trace (the rewrite reads module globals as they are then)."""
+
+    def __init__(self):
+        self.tracer: Any = None
+        self.rewriter: Optional[_Rewriter] = None
+
+    def get(self) -> "_Rewriter":
+        from kiln.frontend import script_ops
+        from kiln.frontend.tracer import active_tracer
+        tracer = active_tracer()
+        if self.rewriter is None or self.tracer is None or self.tracer() is not tracer:
+            # A weak reference: the finished trace (its graph and tensors) is not kept alive by the mark.
+            self.tracer, self.rewriter = weakref.ref(tracer), _Rewriter(script_ops)
+        return self.rewriter
+
+
+def _dispatching_forward(fn: types.FunctionType) -> types.FunctionType:
+    per_trace = _PerTrace()
+
+    @functools.wraps(fn)
+    def forward(self, *args, **kwargs):
+        if not _recording():
+            return fn(self, *args, **kwargs)
+        rw = per_trace.get()
+        saved, rw.proxies = rw.proxies, {}  # a fresh copy per call: it reads the module's attributes as they are now
+        try:
+            proxy = rw.module(self, forward=fn)
+        finally:
+            rw.proxies = saved
+        return proxy.forward(*args, **kwargs)
+
+    setattr(forward, _ORIGINAL, fn)
+    return forward
+
+
+def _dispatching_function(fn: types.FunctionType) -> types.FunctionType:
+    per_trace = _PerTrace()
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not _recording():
+            return fn(*args, **kwargs)
+        return per_trace.get().function(fn)(*args, **kwargs)
+
+    setattr(call, _ORIGINAL, fn)
+    return call
 
 
 def scripted_model(model: Any, ops: Any) -> Any:
@@ -914,6 +1057,7 @@ class _Rewriter:
         self.ns = _namespace(ops)
         self.globals: dict[int, dict] = {}
         self.done: dict[types.FunctionType, types.FunctionType] = {}
+        self.proxies: dict[int, tuple[Any, Any]] = {}  # id(submodule) -> (submodule, its scripted copy)
 
     def _globals_for(self, fn: types.FunctionType) -> dict:
         g = self.globals.get(id(fn.__globals__))
@@ -961,27 +1105,69 @@ class _Rewriter:
                 methods.setdefault(attr, None)
         return new
 
-    def module(self, module: Any) -> Any:
-        """A shallow copy of ``module`` (same parameters, buffers, submodules and hooks) whose
-        ``forward`` and the methods it calls on ``self`` are rewritten."""
+    def module(self, module: Any, forward: Optional[types.FunctionType] = None) -> Any:
+        """A shallow copy of ``module`` (same parameters, buffers and hooks) whose ``forward`` (the
+        function ``forward`` when given, else the class's) and the methods it calls on ``self``
+        are rewritten, and whose submodules are scripted recursively (:meth:`submodule`)."""
         proxy = copy.copy(module)
         cls = type(module)
         methods: dict[str, Optional[types.FunctionType]] = {"forward": None}
+        own = getattr(proxy.__dict__.get("forward"), "__func__", None)
+        if hasattr(own, _ORIGINAL):  # marked instance: the copy runs the rewrite instead
+            del proxy.__dict__["forward"]
+            forward = forward or getattr(own, _ORIGINAL)
+        if _is_builtin_module(module):
+            methods["forward"] = False  # torch.nn's own code: nothing to rewrite, and it runs as is
+        elif forward is not None:
+            methods["forward"] = self.function(forward, _self_name(forward), methods)
         while any(v is None for v in methods.values()):
             for attr in [a for a, v in methods.items() if v is None]:
                 raw = inspect.getattr_static(cls, attr, None)
-                if (attr in module.__dict__ or attr in module._modules or not isinstance(raw, types.FunctionType)
+                if (attr in proxy.__dict__ or attr in module._modules or not isinstance(raw, types.FunctionType)
                         or raw.__module__.split(".")[0] in ("torch", "kiln")):
                     methods[attr] = False  # a submodule, an instance attribute, a static/class method: as is
                     continue
                 fn = inspect.unwrap(raw)
-                args = inspect.signature(fn).parameters
-                self_name = next(iter(args), None)
-                methods[attr] = self.function(fn, self_name, methods)
+                methods[attr] = self.function(fn, _self_name(fn), methods)
         for attr, new in methods.items():
             if new:
                 object.__setattr__(proxy, attr, types.MethodType(new, proxy))
+        self._script_children(module, proxy)
         return proxy
+
+    def submodule(self, module: Any) -> Any:
+        """A submodule as the scripted model calls it: a user module is scripted (its forward is
+        Python that may branch on tensors); a torch.nn module runs its own code, but when its
+        children include user modules (an ``nn.Sequential`` of user blocks) it is copied with
+        those children scripted. A module reached twice (shared) gives the same copy both times."""
+        key = id(module)
+        if key in self.proxies:
+            return self.proxies[key][1]
+        if self._needs_copy(module):
+            proxy = self.module(module)
+        else:
+            proxy = module
+        self.proxies[key] = (module, proxy)  # keeps the original alive so its id is not reused
+        return proxy
+
+    def _script_children(self, module: Any, proxy: Any) -> None:
+        children = {n: (c if c is None else self.submodule(c)) for n, c in module._modules.items()}
+        if any(children[n] is not c for n, c in module._modules.items()):
+            object.__setattr__(proxy, "_modules", children)  # the copy's own dict: the original keeps its own
+
+    @staticmethod
+    def _needs_copy(module: Any) -> bool:
+        """A user module, or a torch.nn module holding one somewhere below it."""
+        return any(not _is_builtin_module(m) for m in module.modules())
+
+
+def _is_builtin_module(module: Any) -> bool:
+    """A module whose class torch (or kiln) defines: its forward is library code, never rewritten."""
+    return type(module).__module__.split(".")[0] in ("torch", "kiln")
+
+
+def _self_name(fn: types.FunctionType) -> Optional[str]:
+    return next(iter(inspect.signature(fn).parameters), None)
 
 
 def _defining_class(fn: types.FunctionType) -> type:

@@ -5,10 +5,22 @@ model a :class:`SymInt`: an ``int`` (so eager PyTorch code runs unchanged, with 
 value) that also carries the IR value computing it (``Gather(Shape(x), 0)``). Arithmetic with
 other ints records IR ops, so ``x.view(x.size(0), -1)`` or ``x.shape[1] // heads`` stay
 symbolic in the exported graph. Static dims stay plain ints.
+
+Comparisons (``<``, ``<=``, ``>``, ``>=``, ``==``, ``!=``) give plain bools, as for any int --
+except when written in code that ``kiln.script`` rewrote. There ``if x.size(1) > 4:`` or
+``while ids.size(1) < max_len:`` is control flow on a size only known at run time, so the
+comparison returns a traced 0-d bool tensor (as :class:`~kiln.frontend.script_ops.TracedInt`'s
+do) and the rewritten statement becomes an ``If``/``Loop``. The test is deliberately narrow: the
+calling frame runs rewritten code (its globals hold kiln.script's namespace) *and* is executing
+a comparison operator. So a traced (not scripted) model keeps plain-int behaviour and no
+TraceWarning, and so do comparisons made for the model by builtins (``max(n, 8)``, ``n in
+(1, 2)``), by torch, or by the tracer's own mappings.
 """
 from __future__ import annotations
 
+import dis
 import operator
+import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
@@ -63,6 +75,35 @@ def _neg(self: SymInt) -> SymInt:
 
 
 SymInt.__neg__ = _neg
+
+
+# kiln.script's rewritten code runs with this key in its globals (frontend/script.py's _NS).
+_SCRIPT_NAMESPACE = "__kiln__"
+_COMPARE_OP = dis.opmap["COMPARE_OP"]
+
+
+def _in_scripted_comparison(frame: Any) -> bool:
+    """Whether ``frame`` is rewritten (scripted) code evaluating a comparison operator."""
+    return (frame is not None and _SCRIPT_NAMESPACE in frame.f_globals
+            and frame.f_code.co_code[frame.f_lasti] == _COMPARE_OP)
+
+
+def _compare(name: str) -> Callable:
+    def method(self: SymInt, other: Any) -> Any:
+        if _in_scripted_comparison(sys._getframe(1)):
+            # Import here: script_ops imports the tracer, which imports this module.
+            from kiln.frontend.script_ops import TracedInt
+            return getattr(TracedInt, f"__{name}__")(self, other)
+        return getattr(int, f"__{name}__")(self, other)
+
+    method.__name__ = f"__{name}__"
+    return method
+
+
+for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
+    setattr(SymInt, f"__{_name}__", _compare(_name))
+# Defining __eq__ must not make SymInts unhashable (they key dicts of sizes).
+SymInt.__hash__ = int.__hash__
 
 
 def is_symbolic(x: Any) -> bool:

@@ -16,6 +16,11 @@ from runtime/kernels/cuda. What differs, and why:
   runs" holds and what is native is visible.
 - **Memory.** Constants are uploaded once, at load, into the slot template; numpy inputs are
   copied in once per run; outputs are CuPy arrays (``output="numpy"`` copies them back).
+  Kernels that prepare their own device layout of a constant (Conv's reshaped weights, a
+  MatMul weight, Gemm's transposed B) list the input positions they never read in
+  ``kernel.ignores``; a constant whose every reader ignores it (and that is no graph output)
+  stays a host array in the template, so each weight is on the device once (ResNet-50 held
+  its conv weights twice before this).
 - **TF32.** Off by default: float32 matmuls/convolutions use full float32 (CuPy's compute type
   for float32 is set to the default, not TF32). ``tf32=True`` allows TF32 (about 3e-4 relative
   error). CuPy's setting is per process, so the last program loaded decides.
@@ -181,12 +186,33 @@ class CudaProgram:
         return run
 
     def _upload_constants(self, builder: PlanBuilder) -> list:
-        """The slot template with large constants on the device (small ones stay host arrays)."""
+        """The slot template with large constants on the device (small ones stay host arrays,
+        and so do those no kernel reads from their slot: see ``_constants_read``)."""
         template = list(builder.template)
+        read = self._constants_read()
+        skip = {s for v, s in builder.slots.items() if v.const is not None and v not in read}
+        # Reporting: the large constants left on the host because kernels hold their own copies.
+        self.constants_not_uploaded = [v.name for v, s in builder.slots.items()
+                                       if s in skip and v.const.size > SMALL]
         for i, c in enumerate(template):
-            if isinstance(c, np.ndarray) and c.size > SMALL:
+            if isinstance(c, np.ndarray) and c.size > SMALL and i not in skip:
                 template[i] = cp.asarray(c)
         return template
+
+    def _constants_read(self) -> set:
+        """Constant values some kernel reads from the slot template: every (node, position) of
+        every instruction (subgraph bodies included) whose kernel does not list the position in
+        ``ignores``, plus any constant that is an output of the graph or of a subgraph."""
+        read: set = set(self.graph.outputs)
+        for node, k in self._kernels:
+            ignored = _ignored_inputs(k)
+            for i, v in enumerate(node.inputs):
+                if v is not None and v.const is not None and i not in ignored:
+                    read.add(v)
+            for a in node.attrs.values():
+                if isinstance(a, Graph):
+                    read.update(a.outputs)
+        return read
 
     # ------------------------------------------------------------------ reporting
 
@@ -315,6 +341,16 @@ class CudaProgram:
 
     def captured_graphs(self) -> int:
         return len(self._graphs)
+
+
+def _ignored_inputs(k) -> tuple:
+    """Input positions a kernel (or the kernel an adapter wraps) never reads."""
+    while k is not None:
+        ignored = getattr(k, "ignores", None)
+        if ignored is not None:
+            return tuple(ignored)
+        k = getattr(k, "inner", None)
+    return ()
 
 
 def _is_fallback(k) -> bool:

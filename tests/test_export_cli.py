@@ -216,3 +216,61 @@ def test_trace_warnings_are_printed_and_counted(bad_models, tmp_path):
 def test_missing_input_is_a_usage_error(tmp_path):
     r = kiln_cli("export", f"{EXAMPLES}:MLP", "-o", tmp_path / "m.kiln")
     assert r.returncode == 2 and "--input" in r.stderr
+
+
+# ---------------------------------------------------------------------------- --script
+SCRIPTED_MODELS = """
+import torch
+
+
+class Branchy(torch.nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x * 2
+        return -x
+
+
+class Retry(torch.nn.Module):
+    def forward(self, x):
+        try:
+            return x.exp()
+        except RuntimeError:
+            return x
+"""
+
+
+@pytest.fixture
+def scripted_models(tmp_path) -> Path:
+    path = tmp_path / "scripted_models.py"
+    path.write_text(SCRIPTED_MODELS)
+    return path
+
+
+def test_script_keeps_the_branch_that_tracing_gets_wrong(scripted_models, tmp_path):
+    out, onnx_out = tmp_path / "branchy.kiln", tmp_path / "branchy.onnx"
+    # Positive examples: a trace would keep only 'x * 2' and its check fails (see ERRORS above).
+    r = kiln_cli("export", f"{scripted_models}:Branchy", "--script", "-o", out, "--onnx", onnx_out,
+                 "--input", "x:4:float32:0.5:1.5", "--dynamic-batch")
+    assert r.returncode == 0, r.stderr
+    assert "\nscripting " in "\n" + r.stderr and "tracing" not in r.stderr and "warning" not in r.stderr
+    assert "check       passed" in r.stdout
+    assert "If" in inspect_json(out)["ops"]
+    program = kiln.load(out)
+    for x in (np.full(4, 1.5, np.float32), np.full(4, -1.5, np.float32)):
+        np.testing.assert_array_equal(program.run([x], as_list=True)[0], x * 2 if x.sum() > 0 else -x)
+    ort = pytest.importorskip("onnxruntime")
+    session = ort.InferenceSession(str(onnx_out), providers=["CPUExecutionProvider"])
+    x = np.full(4, -1.5, np.float32)
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], -x)
+
+
+def test_script_errors_name_the_line(scripted_models, tmp_path):
+    r = kiln_cli("export", f"{scripted_models}:Retry", "--script", "-o", tmp_path / "m.kiln", "--input", "x:4")
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "kiln export: error: " in r.stderr and "Traceback" not in r.stderr
+    assert "scripted_models.py:14:9: try/except is not supported" in r.stderr, r.stderr
+
+
+def test_script_flag_is_in_the_help():
+    r = kiln_cli("export", "--help")
+    assert r.returncode == 0 and "--script" in r.stdout and "kiln.script" in r.stdout

@@ -1,4 +1,5 @@
 """Graph passes: plain functions over a Graph, composed in a named pipeline (see pipeline.py)."""
+from kiln.ir.passes.control_flow import inline_constant_branches
 from kiln.ir.passes.cse import cse
 from kiln.ir.passes.dce import dce
 from kiln.ir.passes.fold_batchnorm import fold_batchnorm
@@ -10,4 +11,4 @@ from kiln.ir.passes.simplify import RULES, Rule, simplify
 
 __all__ = ["infer_shapes", "fold_constants", "dce", "cse", "simplify", "Rule", "RULES", "fold_batchnorm",
            "optimize", "pipeline", "OptimizeReport", "PassStats", "fuse_elementwise", "fusion_groups",
-           "ELEMENTWISE_OPS"]
+           "ELEMENTWISE_OPS", "inline_constant_branches"]

@@ -3,8 +3,8 @@
     report = optimize(graph, level=2)
     print(report)
 
-Levels: 0 runs shape inference only; 1 adds constant folding, simplification, CSE and DCE;
-2 adds BatchNorm folding. Each step is a ``(name, fn)`` pair where ``fn(graph) -> bool`` edits
+Levels: 0 runs shape inference only; 1 adds constant folding, inlining of If nodes whose
+condition folded to a constant, simplification, CSE and DCE; 2 adds BatchNorm folding. Each step is a ``(name, fn)`` pair where ``fn(graph) -> bool`` edits
 the graph in place and says whether it changed it; ``pipeline(level)`` gives the list, and
 ``optimize(graph, passes=[...])`` runs any other (names from ``PASSES`` or pairs). Shape
 inference runs first and again after every pass that changed the graph, so the next pass
@@ -19,6 +19,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from kiln.errors import VerifyError
 from kiln.ir.graph import Graph
+from kiln.ir.passes.control_flow import inline_constant_branches
 from kiln.ir.passes.cse import cse
 from kiln.ir.passes.dce import dce
 from kiln.ir.passes.fold_batchnorm import fold_batchnorm
@@ -32,18 +33,20 @@ Step = tuple[str, Pass]
 
 PASSES: dict[str, Pass] = {
     "fold_constants": fold_constants,
+    "inline_constant_branches": inline_constant_branches,
     "simplify": simplify,
     "fold_batchnorm": fold_batchnorm,
     "cse": cse,
     "dce": dce,
 }
 
+# Inlining right after folding: the condition it needs is what folding just made constant.
 # Simplify before BN folding: it removes the Identity/Dropout that may sit between a Conv
 # and its BN. DCE last: it sweeps up what the others left unused.
 LEVELS: dict[int, tuple[str, ...]] = {
     0: (),
-    1: ("fold_constants", "simplify", "cse", "dce"),
-    2: ("fold_constants", "simplify", "fold_batchnorm", "cse", "dce"),
+    1: ("fold_constants", "inline_constant_branches", "simplify", "cse", "dce"),
+    2: ("fold_constants", "inline_constant_branches", "simplify", "fold_batchnorm", "cse", "dce"),
 }
 
 INFER = "infer_shapes"

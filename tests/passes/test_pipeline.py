@@ -65,8 +65,10 @@ def test_levels(rng):
     level1 = resnet_block(rng)
     optimize(level1, level=1)
     assert ops(level1).count("BatchNormalization") == 2 and "Identity" not in ops(level1)
-    assert [name for name, _ in pipeline(1)] == ["fold_constants", "simplify", "cse", "dce"]
-    assert [name for name, _ in pipeline(2)] == ["fold_constants", "simplify", "fold_batchnorm", "cse", "dce"]
+    assert [name for name, _ in pipeline(1)] == ["fold_constants", "inline_constant_branches", "simplify", "cse",
+                                                 "dce"]
+    assert [name for name, _ in pipeline(2)] == ["fold_constants", "inline_constant_branches", "simplify",
+                                                 "fold_batchnorm", "cse", "dce"]
     with pytest.raises(ValueError, match="optimization level"):
         optimize(level1, level=7)
 

@@ -111,6 +111,96 @@ def test_host_fallback_is_counted_and_correct():
     assert p.fallback_ops == {"ConvTranspose": 1}
 
 
+def _rows(shape, dtype):
+    """Random rows with some structure the kernels must survive: a -inf and a large value in
+    the first row."""
+    x = (_r(*shape, dtype=dtype) * 4).astype(dtype)
+    if x.shape[-1] > 2:
+        x.reshape(-1, x.shape[-1])[0, :2] = (-np.inf, 80.0)
+    return x
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(5, 1), (3, 7), (2, 12, 33), (4, 128), (64, 1000), (3, 1024), (2, 1025),
+                                   (3, 5000), (2, 9000)])
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
+def test_fused_softmax_last_axis(op, shape, dtype):
+    from kiln.runtime.kernels.cuda import rowwise
+    x = _rows(shape, dtype)
+    g, feeds = build_single(op, [x], {"axis": -1})
+    want = evaluate(g, feeds)[0]
+    before = dict(rowwise.LAUNCHES)
+    got = CudaProgram(g, output="numpy", cuda_graphs=False).run(feeds, as_list=True)[0]
+    _close(got, want, rtol=2e-5 if dtype == np.float32 else 1e-12, atol=2e-6 if dtype == np.float32 else 1e-14)
+    variant = "warp" if shape[-1] <= rowwise.WARP_MAX_D else "block"
+    assert rowwise.LAUNCHES[variant] == before[variant] + 1
+
+
+def test_softmax_other_axis_and_strided_input():
+    # Not the last axis: the CuPy path; a transposed device input to the fused path.
+    x = _r(6, 5, 4)
+    g, feeds = build_single("Softmax", [x], {"axis": 1})
+    _close(CudaProgram(g, output="numpy", cuda_graphs=False).run(feeds, as_list=True)[0], evaluate(g, feeds)[0])
+    g, _ = build_single("Softmax", [np.ascontiguousarray(x.transpose(2, 1, 0))], {"axis": -1})
+    xt = cp.asarray(x).transpose(2, 1, 0)
+    got = CudaProgram(g, output="numpy", cuda_graphs=False).run([xt], as_list=True)[0]
+    _close(got, evaluate(g, [x.transpose(2, 1, 0)])[0])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape,axis,affine", [
+    ((2, 5, 16), -1, (16,)), ((128, 768), -1, (768,)), ((3, 4, 8, 40), -2, (8, 40)), ((2, 3, 2000), -1, (2000,)),
+    ((4, 6, 10), -2, (10,)), ((7, 33), 1, (1,))])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_layer_norm(shape, axis, affine, bias, dtype):
+    from kiln.runtime.kernels.cuda import rowwise
+    # A large mean (against std 3): a one-pass E[x^2] - E[x]^2 would cancel to noise in float32.
+    x = (_r(*shape, dtype=dtype) * 3 + (100 if dtype == np.float32 else 1000)).astype(dtype)
+    inputs = [x, _r(*affine, dtype=dtype), _r(*affine, dtype=dtype) if bias else None]
+    g, feeds = build_single("LayerNormalization", inputs, {"axis": axis, "epsilon": 1e-5}, const_inputs=(1, 2),
+                            num_outputs=3)
+    want = evaluate(g, feeds)
+    before = sum(rowwise.LAUNCHES.values())
+    got = CudaProgram(g, output="numpy", cuda_graphs=False).run(feeds, as_list=True)
+    assert sum(rowwise.LAUNCHES.values()) == before + 1
+    tol = dict(rtol=5e-5, atol=5e-5) if dtype == np.float32 else dict(rtol=1e-10, atol=1e-10)
+    for o, w in zip(got, want):
+        _close(o, w, **tol)
+
+
+def test_layer_norm_in_a_captured_graph():
+    g = Graph("ln")
+    x = g.add_input("x", "float32", ["batch", 8, 96])
+    y = g.op("LayerNormalization", x, g.add_initializer("s", _r(96)), g.add_initializer("b", _r(96)), axis=-1)
+    g.outputs = [g.op("Softmax", y, axis=-1)]
+    infer_shapes(g)
+    p = CudaProgram(g.copy(), output="numpy", cuda_graphs=True)
+    for batch in (2, 2, 3):
+        xs = _r(batch, 8, 96)
+        _close(p.run([xs], as_list=True)[0], evaluate(g, [xs])[0])
+    assert p.graph_failures == {} and p.captured_graphs() == 2
+
+
+def test_weights_read_only_through_a_kernels_copy_are_not_uploaded_twice():
+    g = Graph("convs")
+    x = g.add_input("x", "float32", [2, 4, 6, 6])
+    w = g.add_initializer("w", _r(6, 4, 3, 3))     # read only by a Conv (which keeps its own layout)
+    w2 = g.add_initializer("w2", _r(4, 4, 3, 3))   # read by a Conv and by a Mul: must stay uploaded
+    m = g.add_initializer("m", _r(96, 10))          # read only by a MatMul (its own copy)
+    y = g.op("Conv", g.op("Conv", x, w2, pads=[1, 1, 1, 1]), w)
+    out = g.op("MatMul", g.op("Reshape", y, g.add_constant(np.array([2, -1], np.int64))), m)
+    g.outputs = [out, g.op("Mul", w2, g.add_constant(np.array(2.0, np.float32)))]
+    infer_shapes(g)
+    want_graph = g.copy()
+    p = CudaProgram(g, output="numpy", cuda_graphs=False, fuse=False)
+    assert sorted(p.constants_not_uploaded) == ["m", "w"]
+    on_device = sum(a.nbytes for a in p._template if isinstance(a, cp.ndarray))
+    assert on_device == w2.const.nbytes
+    xs = _r(2, 4, 6, 6)
+    for o, want in zip(p.run([xs], as_list=True), evaluate(want_graph, [xs])):
+        _close(o, want, rtol=2e-5, atol=2e-5)
+
+
 def _chain(shape, dtype="float32"):
     g = Graph("chain")
     x = g.add_input("x", dtype, shape)

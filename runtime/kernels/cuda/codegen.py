@@ -481,14 +481,15 @@ _COMPILED: dict = {}
 STATS = {"compiled": 0, "memory_hits": 0}
 
 
-def compile_kernel(source: str):
-    """``cupy.RawKernel`` for ``source``, one per source text per process (keyed by SHA-256);
-    CuPy's on-disk cache (see the module docstring) spares the NVRTC run across processes."""
+def compile_kernel(source: str, name: str = "kiln_ew"):
+    """``cupy.RawKernel`` of the function ``name`` in ``source``, one per source text per process
+    (keyed by SHA-256); CuPy's on-disk cache (see the module docstring) spares the NVRTC run
+    across processes. Also used by rowwise.py's softmax/LayerNorm kernels."""
     import cupy
-    key = hashlib.sha256(source.encode()).hexdigest()
+    key = hashlib.sha256(f"{name}\0{source}".encode()).hexdigest()
     k = _COMPILED.get(key)
     if k is None:
-        k = cupy.RawKernel(source, "kiln_ew", options=("--std=c++17",))
+        k = cupy.RawKernel(source, name, options=("--std=c++17",))
         k.compile()
         _COMPILED[key] = k
         STATS["compiled"] += 1

@@ -169,7 +169,11 @@ def matmul(node, attrs) -> Optional[Callable[..., Any]]:
     w = const_input(node, 1)
     if w is not None and w.ndim == 2:
         wd = cp.asarray(w)
-        return lambda a, unused: matmul2(a, wd)
+
+        def run(a, unused):
+            return matmul2(a, wd)
+        run.ignores = (1,)  # the weight is read from wd (CudaProgram then skips its slot's upload)
+        return run
     return matmul2
 
 
@@ -191,6 +195,7 @@ def gemm(node, attrs) -> Optional[Callable[..., Any]]:
         if c is not None:
             y += c_fixed if c_fixed is not None else (c * beta if beta != 1.0 else c)
         return y
+    run.ignores = tuple(i for i, f in ((1, b_fixed), (2, c_fixed)) if f is not None)
     return run
 
 

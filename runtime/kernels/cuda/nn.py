@@ -5,7 +5,12 @@ through strides (no per-tap loop), copied once into the column buffer, and multi
 weights ([group, M/group, C/group*kh*kw], prepared at load) in one batched GEMM; a 1x1 conv
 with no padding is one GEMM on a view. This needs nothing beyond CuPy; cuDNN (through
 nvidia-cudnn-frontend) is the planned fast path. Pools reduce the same window view.
-Normalizations and softmax are a few CuPy passes each (fused RawKernels are a later step).
+Softmax, LogSoftmax (last axis) and LayerNormalization (float32/float64) are one fused kernel
+each (rowwise.py); other axes, InstanceNormalization and other dtypes are a few CuPy passes.
+
+Kernels that keep their own device copy of a constant input (Conv's reshaped weights, the
+folded BatchNorm) say which input positions they never read in ``run.ignores``: CudaProgram
+then skips uploading that constant unless another node reads it, so weights are held once.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from kiln.ir.dtypes import DType
 from kiln.ir.ops.nn import make_window, static_pads, window_out_shape
 from kiln.ir.types import normalize_axis
 from kiln.runtime.kernels.cuda import FLOATS, const_input, in_dtype, kernel
+from kiln.runtime.kernels.cuda import rowwise
 from kiln.runtime.kernels.cuda.linalg import cublas_matmul
 
 
@@ -73,6 +79,7 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
         if bias_d is not None:
             y += bias_d
         return y
+    run.ignores = (1, 2)  # the weights and bias are read from the copies prepared above
     return run
 
 
@@ -148,6 +155,7 @@ def batch_norm(node, attrs):
         y = x * kd.reshape(shape)
         y += td.reshape(shape)
         return y
+    run.ignores = (1, 2, 3, 4)
     return run
 
 
@@ -160,6 +168,13 @@ def layer_norm(node, attrs):
     n_out = len(node.outputs)
 
     def run(x, scale, b=None):
+        if x.dtype in FLOATS and scale.dtype == x.dtype and (b is None or b.dtype == x.dtype):
+            axis = normalize_axis(attrs["axis"], x.ndim)
+            out = rowwise.layer_norm(x, scale, b, axis, eps, stats=n_out > 1)
+            if n_out > 1:
+                y, mean, inv_std = out
+                return (y, mean.astype(stash, copy=False), inv_std.astype(stash, copy=False))[:n_out]
+            return out
         axes = tuple(range(normalize_axis(attrs["axis"], x.ndim), x.ndim))
         mean = x.mean(axis=axes, keepdims=True)
         d = x - mean
@@ -200,6 +215,8 @@ def softmax(node, attrs):
     axis = attrs["axis"]
 
     def run(x):
+        if x.ndim and normalize_axis(axis, x.ndim) == x.ndim - 1 and x.dtype in FLOATS:
+            return rowwise.softmax_last(x)
         y = x - x.max(axis=axis, keepdims=True)
         cp.exp(y, out=y)
         y /= y.sum(axis=axis, keepdims=True)
@@ -214,6 +231,8 @@ def log_softmax(node, attrs):
     axis = attrs["axis"]
 
     def run(x):
+        if x.ndim and normalize_axis(axis, x.ndim) == x.ndim - 1 and x.dtype in FLOATS:
+            return rowwise.softmax_last(x, log=True)
         s = x - x.max(axis=axis, keepdims=True)
         s -= cp.log(cp.exp(s).sum(axis=axis, keepdims=True))
         return s
