@@ -43,12 +43,12 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import cupy as cp
 import numpy as np
 
-from kiln.errors import ExecutionError, KilnError
+from kiln.errors import KilnError
 from kiln.ir.graph import Graph, Node, Value
 from kiln.runtime.kernels import cpu, cuda
 from kiln.runtime.kernels.cuda.elementwise import host_fallback
 from kiln.runtime.plan import Plan, PlanBuilder, execute
-from kiln.runtime.program import TensorSpec, check_inputs
+from kiln.runtime.program import TensorSpec, _execution_error, check_inputs
 
 # Values of at most this many elements may live on the host (shape arithmetic, small constants).
 SMALL = 64
@@ -415,16 +415,6 @@ def _control_kernel(node: Node, builder: PlanBuilder, program: CudaProgram):
         return results[0] if len(results) == 1 else results
     run_loop.with_slots = True
     return run_loop
-
-
-def _execution_error(plan: Plan, slots: list, e: Exception) -> ExecutionError:
-    for ins in plan.instructions:
-        if any(slots[s] is None for s in ins.outputs):
-            shapes = ", ".join("None" if s < 0 or slots[s] is None else
-                               f"{slots[s].dtype}{list(slots[s].shape)}" for s in ins.inputs)
-            return ExecutionError(f"while running {ins.node.describe()} on inputs ({shapes}): "
-                                  f"{type(e).__name__}: {e}")
-    return ExecutionError(f"{type(e).__name__}: {e}")
 
 
 def device_count() -> int:

@@ -124,12 +124,21 @@ def _mismatch(spec: TensorSpec, a: np.ndarray, bindings: dict) -> str:
     return msg
 
 
+def _describe(x: Any) -> str:
+    """dtype[shape] of a slot's value: numpy or CuPy arrays, or Python scalars."""
+    if x is None:
+        return "None"
+    if not hasattr(x, "dtype"):
+        x = np.asarray(x)
+    return f"{x.dtype}{list(x.shape)}"
+
+
 def _execution_error(plan: Plan, slots: list, e: Exception) -> ExecutionError:
-    # The failing instruction is the first whose outputs were not written.
+    """An ExecutionError naming the failing instruction (the first whose outputs were not
+    written), its node and its inputs' types. Shared by the CPU and CUDA programs."""
     for ins in plan.instructions:
         if any(slots[s] is None for s in ins.outputs):
-            shapes = ", ".join("None" if s < 0 or slots[s] is None else
-                               f"{np.asarray(slots[s]).dtype}{list(np.shape(slots[s]))}" for s in ins.inputs)
+            shapes = ", ".join("None" if s < 0 else _describe(slots[s]) for s in ins.inputs)
             return ExecutionError(f"while running {ins.node.describe()} on inputs ({shapes}): "
                                   f"{type(e).__name__}: {e}")
     return ExecutionError(f"{type(e).__name__}: {e}")
