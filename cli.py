@@ -151,6 +151,17 @@ def _run_serve(args: argparse.Namespace) -> int:
     return cmd_serve(args)
 
 
+# ---------------------------------------------------------------------------- mobile (mobile_stub/cli.py)
+def _add_mobile_args(p: argparse.ArgumentParser) -> None:
+    from kiln.mobile_stub.cli import add_mobile_args
+    add_mobile_args(p)
+
+
+def _run_mobile(args: argparse.Namespace) -> int:
+    from kiln.mobile_stub.cli import cmd_mobile
+    return cmd_mobile(args)
+
+
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 COMMANDS: dict[str, Command] = {
     "info": ("print versions, IR/opset versions and which optional backends are installed",
@@ -168,6 +179,9 @@ COMMANDS: dict[str, Command] = {
               "--backend onnxruntime times ONNX Runtime", _add_bench_args, _run_bench),
     "serve": ("serve a .kiln file or a model repository over HTTP (KServe/Triton V2 inference protocol) with "
               "dynamic batching, worker processes and Prometheus metrics", _add_serve_args, _run_serve),
+    "mobile": ("the mobile path: `check` a model against the mobile op set, `pack` it ahead of time (static "
+               "memory plan, optional int8 weights), `bundle` it into a numpy-only zipapp",
+               _add_mobile_args, _run_mobile),
 }
 
 

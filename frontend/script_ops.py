@@ -33,12 +33,14 @@ iteration: the body is traced once, compared, and re-traced with the relaxed typ
 Known limits: both branches run during tracing, so their side effects happen twice; a branch
 or body that writes in place into a tensor from outside raises (assign instead); a loop body is
 traced on the first iteration's values (a loop the example runs zero times still traces its
-body on the initial state); ``kiln_assert`` on a traced condition is checked on the example
-only (the IR has no assertion op).
+body on the initial state); ``kiln_assert`` on a traced condition is a ``kiln.Assert`` node,
+checked on every run (and on the example only where the statement is outside any If/Loop body).
 """
 from __future__ import annotations
 
+import linecache
 import operator
+import sys
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -601,8 +603,29 @@ def kiln_for_iter(iterable: Any, body_fn: Callable[..., Any], state: tuple) -> t
 
 
 def kiln_assert(cond: Any, message: Any = None) -> None:
-    """``assert cond, message``. A traced condition is checked on the example values only: the
-    IR has no assertion op, so the graph does not check it at run time."""
+    """``assert cond, message``. A Python condition (or one that does not depend on the inputs)
+    is a plain assert. A traced condition becomes a ``kiln.Assert`` node (kiln/ir/ops/assertion.py),
+    so the graph checks it on every run: all its elements must be true. The node's ``location`` is
+    the assert's ``file:line`` and source, read from the caller's frame (the rewritten code keeps
+    the original file and line numbers). In the root graph the example must pass it too (the
+    statement is reached unconditionally, so a failing example is the caller's error, raised
+    now); inside an If branch or a Loop body it is not checked while tracing: both branches are
+    traced on the example, and a loop body on the initial state, even where eager Python would
+    not run them."""
     t = active_tracer()
-    if not _truth(t, cond):
+    if not _is_traced(t, cond):
+        if not _truth(t, cond):
+            raise AssertionError(message) if message is not None else AssertionError()
+        return
+    caller = sys._getframe(1)
+    source = linecache.getline(caller.f_code.co_filename, caller.f_lineno).strip()
+    scope = t.scope_name()
+    location = t.source_line() + (f" in {scope}" if scope else "") + (f": {source}" if source else "")
+    if t.current is t.graph and not _truth(t, cond):
         raise AssertionError(message) if message is not None else AssertionError()
+    if isinstance(cond, torch.Tensor):
+        c = _cond_value(t, cond)  # one element, as Python's `assert` on a tensor requires
+    else:
+        c = t.emit("Cast", t.int_value(cond), to=DType.BOOL.value)
+    t.emit("Assert", c, outputs=0, domain="kiln", message="" if message is None else str(message),
+           location=location)

@@ -169,9 +169,9 @@ def check_trace(graph: Graph, model: Callable, names: list[str], examples: list[
                 dims: list[dict[int, str]], *, rtol: float, atol: float, trials: int = 3) -> None:
     """Compare the graph with the model on the examples and on fresh inputs; TraceCheckError if they differ."""
     for label, inputs in _trial_inputs(examples, dims, trials):
-        with torch.no_grad():
-            want = [to_numpy(t) for _, t in _flatten_outputs(model(*inputs), "output")]
-        got = evaluate(graph, {n: to_numpy(t) for n, t in zip(names, inputs)})
+        want, got = _run_both(graph, model, names, inputs, label)
+        if want is None:
+            continue  # both refused the input with a failed assert: they agree
         for out_value, w, g in zip(graph.outputs, want, got):
             if w.shape != g.shape or not np.allclose(g.astype(np.float64), w.astype(np.float64), rtol=rtol,
                                                      atol=atol, equal_nan=True):
@@ -180,6 +180,24 @@ def check_trace(graph: Graph, model: Callable, names: list[str], examples: list[
                 raise TraceCheckError(f"the traced graph disagrees with the model on {label}: output "
                                       f"'{out_value.name}' differs ({detail}); the trace is specific to the "
                                       "example inputs (see the TraceWarnings) or a mapping is wrong")
+
+
+def _run_both(graph: Graph, model: Callable, names: list[str], inputs: list, label: str) -> tuple:
+    """(model outputs, graph outputs) on ``inputs``, or (None, None) when the model fails an
+    ``assert`` and the graph's Assert fails too (a scripted check doing its job)."""
+    from kiln.ir.ops.assertion import AssertionFailed
+
+    try:
+        with torch.no_grad():
+            want = [to_numpy(t) for _, t in _flatten_outputs(model(*inputs), "output")]
+    except AssertionError as eager_error:
+        try:
+            evaluate(graph, {n: to_numpy(t) for n, t in zip(names, inputs)})
+        except AssertionFailed:
+            return None, None
+        raise TraceCheckError(f"the model fails an assert on {label} ({eager_error}) but the graph does not: "
+                              "the check is missing from the graph") from eager_error
+    return want, evaluate(graph, {n: to_numpy(t) for n, t in zip(names, inputs)})
 
 
 def _trial_inputs(examples: list[torch.Tensor], dims: list[dict[int, str]], trials: int):

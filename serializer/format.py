@@ -23,8 +23,6 @@ import zlib
 from dataclasses import dataclass
 
 from kiln.errors import FormatError
-from kiln.ir.registry import AttrKind
-from kiln.serializer.fb.AttrKind import AttrKind as FbAttrKind
 
 MAGIC = b"KILN\x89\r\n\x1a"
 HEADER_VERSION = 1
@@ -33,9 +31,19 @@ FILE_IDENTIFIER = b"KILN"
 TENSOR_ALIGNMENT = 64
 SEGMENT_ALIGNMENT = 4096
 
-# kiln.ir's attribute kinds <-> the schema's AttrKind codes (the generated enum is the contract).
-ATTR_KIND_CODES = {k: getattr(FbAttrKind, k.name) for k in AttrKind}
-ATTR_KINDS_BY_CODE = {code: k for k, code in ATTR_KIND_CODES.items()}
+
+def __getattr__(name: str):
+    """ATTR_KIND_CODES / ATTR_KINDS_BY_CODE: kiln.ir's attribute kinds <-> the schema's AttrKind codes
+    (the generated enum is the contract). Built on first use, so that the header code above imports
+    without kiln.ir: the mobile stub's self-contained bundle reads files through this module."""
+    if name in ("ATTR_KIND_CODES", "ATTR_KINDS_BY_CODE"):
+        from kiln.ir.registry import AttrKind
+        from kiln.serializer.fb.AttrKind import AttrKind as FbAttrKind
+
+        codes = {k: getattr(FbAttrKind, k.name) for k in AttrKind}
+        globals().update(ATTR_KIND_CODES=codes, ATTR_KINDS_BY_CODE={c: k for k, c in codes.items()})
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 _STRUCT = struct.Struct("<8sIIQQQQIII")  # everything but the trailing header crc
 assert _STRUCT.size == HEADER_SIZE - 4

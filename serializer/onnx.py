@@ -563,3 +563,21 @@ def _expand_fused_elementwise(em: Emitter, node: Node) -> None:
         b.emit(inner, em._out)
     for v, name in late:
         em.add("Identity", [b.name_of(v)], outputs=[name])
+
+
+# --------------------------------------------------------------------------- kiln.Assert
+import logging  # noqa: E402  (only this expansion logs)
+
+_log = logging.getLogger(__name__)
+
+
+@register_expansion("kiln", "Assert")
+def _drop_assert(em: Emitter, node: Node) -> None:
+    """ONNX has no assertion op and no way to fail a run on purpose, so a run-time check
+    (kiln/ir/ops/assertion.py) is dropped: the exported model computes the same outputs but no
+    longer checks the condition. A warning names each dropped check. The ops computing the
+    condition stay (unused outputs are valid ONNX; onnxruntime's optimizer removes them)."""
+    message = node.attrs.get("message") or "assertion"
+    where = node.attrs.get("location")
+    _log.warning("ONNX export: dropping the run-time check %s (%r%s): ONNX cannot express an assertion",
+                 node.describe(), message, f" at {where}" if where else "")
