@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
+import time
 import venv
 from pathlib import Path
 
@@ -161,6 +163,17 @@ def table(rows: list[dict]) -> str:
               f"bundle's code (zipped, model excluded) is {shares} of that. "
               f"Bundles import no kiln.ir/torch/onnx at module level: "
               f"{'yes' if not any(x['forbidden_imports'] for x in rows) else 'NO'}."]
+    lines += ["", f"Machine: {platform.processor() or platform.machine()}, nproc {os.cpu_count()}, Python "
+              f"{platform.python_version()}, numpy {np.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+              "", "Goals (issue 10):"]
+    for x in rows:
+        ratio = x["int8_size"] / x["fp32_size"]
+        lines.append(f"- {x['model']}: check passes: {'met' if x['check_problems'] == 0 else 'not met'}; int8 file at "
+                     f"most 0.3x fp32: {ratio:.2f}x: {'met' if ratio <= 0.3 else 'not met'}; outputs within 2% "
+                     f"relative: {x['rel_err']:.2%}: {'met' if x['rel_err'] <= 0.02 else 'not met'}; bundle in a "
+                     f"numpy-only venv matches `kiln run`: {x['bundle_vs_kiln']:.1e}: "
+                     f"{'met' if x['bundle_vs_kiln'] <= 1e-5 else 'not met'}"
+                     + ("" if x["top1"] is None else f"; top-1 agreement {x['top1']:.0%}"))
     return "\n".join(lines) + "\n"
 
 
