@@ -397,6 +397,24 @@ def by_name(name: str) -> Entry:
     return next(e for e in ZOO if e.name == name)
 
 
+def params(entries=ZOO, *extra: Any) -> list:
+    """``pytest.param``s of zoo entries (each combined with every value of ``extra``, if given),
+    skipped with a reason where an entry needs a package that is not installed."""
+    import importlib.util
+    import itertools
+
+    import pytest
+
+    out = []
+    for e in entries:
+        missing = e.needs is not None and importlib.util.find_spec(e.needs) is None
+        marks = pytest.mark.skip(reason=f"{e.needs} is not installed") if missing else ()
+        for combo in itertools.product(*extra) if extra else [()]:
+            ident = "-".join([e.name, *map(str, combo)])
+            out.append(pytest.param(e, *combo, id=ident, marks=marks))
+    return out
+
+
 # ---------------------------------------------------------------------------- inputs
 def input_list(model: nn.Module, inputs: Any) -> tuple[list[str], list[torch.Tensor]]:
     """(names, tensors) of example inputs given as a tuple (named by forward's parameters) or dict."""

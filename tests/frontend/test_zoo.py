@@ -6,7 +6,6 @@ the same outputs. (The data-dependent branch trap is in test_tracer_core.py.)"""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import warnings
 from typing import Any
 
@@ -24,17 +23,8 @@ from kiln.ir import evaluate, verify  # noqa: E402
 RTOL = ATOL = 1e-5
 
 
-def _params(entries):
-    marks = []
-    for e in entries:
-        missing = e.needs is not None and importlib.util.find_spec(e.needs) is None
-        mark = pytest.mark.skip(reason=f"{e.needs} is not installed") if missing else ()
-        marks.append(pytest.param(e, id=e.name, marks=mark))
-    return marks
-
-
-ALL = _params(zoo.ZOO)
-CNNS = _params([e for e in zoo.ZOO if e.cnn])
+ALL = zoo.params()
+CNNS = zoo.params([e for e in zoo.ZOO if e.cnn])
 
 
 @functools.lru_cache(maxsize=None)

@@ -335,3 +335,95 @@ def _flat(out, torch_mod, to_numpy):
     if hasattr(out, "to_tuple"):
         out = out.to_tuple()
     return [a for v in out for a in _flat(v, torch_mod, to_numpy)]
+
+
+# ---------------------------------------------------------------- convolution: cuDNN and im2col
+from kiln.runtime.kernels.cuda import cudnn as kcudnn, nn as knn  # noqa: E402
+
+# ResNet-50's shape classes in small, plus what else the cuDNN path must describe right.
+CONV_CASES = [
+    ("1x1", (2, 32, 9, 9), (16, 32, 1, 1), {}),
+    ("3x3", (2, 32, 9, 9), (24, 32, 3, 3), {"pads": [1, 1, 1, 1]}),
+    ("3x3_stride2", (2, 32, 10, 10), (24, 32, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 2]}),
+    ("1x1_stride2", (2, 32, 10, 10), (24, 32, 1, 1), {"strides": [2, 2]}),
+    ("7x7_stem", (2, 3, 32, 32), (16, 3, 7, 7), {"pads": [3, 3, 3, 3], "strides": [2, 2]}),
+    ("asymmetric_pads", (1, 16, 8, 11), (8, 16, 3, 2), {"pads": [0, 1, 2, 0]}),
+    ("same_upper_dilated", (1, 16, 12, 12), (8, 16, 3, 3), {"auto_pad": "SAME_UPPER", "dilations": [2, 2]}),
+    ("grouped", (1, 32, 9, 9), (32, 8, 3, 3), {"group": 4, "pads": [1, 1, 1, 1]}),
+]
+
+
+@pytest.fixture
+def conv_mode():
+    """Set the Conv path for one test; the shape decisions are cleared before and after."""
+    before = kcudnn.mode()
+    knn.CONV_CHOICES.clear()
+    yield kcudnn.set_mode
+    kcudnn.set_mode(before)
+    knn.CONV_CHOICES.clear()
+
+
+def _conv_case(x_shape, w_shape, attrs, bias=True):
+    x, w = _r(*x_shape), _r(*w_shape) / np.sqrt(np.prod(w_shape[1:]))
+    inputs = [x, w] + ([_r(w_shape[0])] if bias else [])
+    g, feeds = build_single("Conv", inputs, attrs, const_inputs=(1, 2) if bias else (1,))
+    g64, feeds64 = build_single("Conv", [a.astype(np.float64) for a in inputs], attrs,
+                                const_inputs=(1, 2) if bias else (1,))
+    return g, feeds, evaluate(g64, feeds64)[0]
+
+
+def _rel(got, want):
+    return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
+
+
+@pytest.mark.parametrize("name,x_shape,w_shape,attrs", CONV_CASES, ids=[c[0] for c in CONV_CASES])
+@pytest.mark.parametrize("mode", ["cudnn", "im2col", "auto"])
+def test_conv_paths_match_float64(name, x_shape, w_shape, attrs, mode, conv_mode):
+    if mode != "im2col" and not kcudnn.available():
+        pytest.skip(f"cuDNN path unavailable: {kcudnn.why_unavailable()}")
+    conv_mode(mode)
+    g, feeds, want = _conv_case(x_shape, w_shape, attrs, bias=name != "1x1")
+    got = CudaProgram(g, output="numpy", cuda_graphs=False).run(feeds, as_list=True)[0]
+    assert got.shape == want.shape
+    # float32 accumulation lands near 1e-7; TF32 (tensor-core engines not deselected) near 3e-4.
+    assert _rel(got, want) < 1e-5
+    (entry,) = knn.CONV_CHOICES.values() if mode != "im2col" else ({"path": "im2col"},)
+    if mode == "cudnn" and name != "grouped":  # every ungrouped case must really run on cuDNN
+        assert entry["path"] == "cudnn", entry
+    if mode == "auto" and "why" not in entry:  # both timed, the faster kept
+        assert entry["path"] == ("cudnn" if entry["cudnn_ms"] <= entry["im2col_ms"] else "im2col")
+
+
+def test_cudnn_conv_is_captured_in_a_cuda_graph(conv_mode):
+    if not kcudnn.available():
+        pytest.skip(f"cuDNN path unavailable: {kcudnn.why_unavailable()}")
+    assert kcudnn.capture_ok(), f"cuDNN execute failed the capture probe: {kcudnn.capture_failure()}"
+    conv_mode("cudnn")
+    g = Graph("convnet")
+    x = g.add_input("x", "float32", ["batch", 16, 12, 12])
+    w1, b1 = g.add_initializer("w1", _r(32, 16, 3, 3) / 12), g.add_initializer("b1", _r(32))
+    w2 = g.add_initializer("w2", _r(8, 32, 1, 1) / 6)
+    h = g.op("Relu", g.op("Conv", x, w1, b1, pads=[1, 1, 1, 1], strides=[2, 2]))
+    g.outputs = [g.op("Conv", h, w2)]
+    infer_shapes(g)
+    eager = CudaProgram(g.copy(), output="numpy", cuda_graphs=False)
+    graphed = CudaProgram(g.copy(), output="numpy", cuda_graphs=True)
+    for batch in (2, 2, 3):
+        xs = _r(batch, 16, 12, 12)
+        a = eager.run([xs], as_list=True)[0]
+        b = graphed.run([xs], as_list=True)[0]
+        _close(b, a, rtol=1e-6, atol=1e-7)
+        _close(b, evaluate(g, [xs])[0], rtol=1e-4, atol=1e-5)
+    assert graphed.graph_failures == {}
+    assert graphed.captured_graphs() == 2
+    assert {e["path"] for e in knn.CONV_CHOICES.values()} == {"cudnn"}
+
+
+def test_conv_without_cudnn_keeps_im2col(monkeypatch, conv_mode):
+    # What a machine without the frontend sees: no executor, the CuPy-only path, same numbers.
+    monkeypatch.setattr(kcudnn, "available", lambda: False)
+    conv_mode("auto")
+    g, feeds, want = _conv_case((2, 8, 9, 9), (6, 8, 3, 3), {"pads": [1, 1, 1, 1]})
+    got = CudaProgram(g, output="numpy", cuda_graphs=False).run(feeds, as_list=True)[0]
+    assert _rel(got, want) < 1e-5
+    assert knn.CONV_CHOICES == {}

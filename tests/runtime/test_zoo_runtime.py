@@ -5,7 +5,6 @@ other batch sizes / sequence lengths. The caller's input arrays are left untouch
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 import numpy as np
@@ -18,15 +17,6 @@ import zoo  # noqa: E402
 from kiln.frontend.tracer import to_numpy  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
-
-
-def _params():
-    out = []
-    for e in zoo.ZOO:
-        missing = e.needs is not None and importlib.util.find_spec(e.needs) is None
-        out.append(pytest.param(e, id=e.name,
-                                marks=pytest.mark.skip(reason=f"{e.needs} is not installed") if missing else ()))
-    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,7 +40,7 @@ def folder(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("zoo_runtime"))
 
 
-@pytest.mark.parametrize("entry", _params())
+@pytest.mark.parametrize("entry", zoo.params())
 def test_runtime_matches_torch_eager(entry, folder):
     model, inputs, spec, program = exported(entry.name, folder)
     names, examples = zoo.input_list(model, inputs)

@@ -4,7 +4,6 @@ their names, Gelu expands below opset 20, big models go to external data, and ev
 op has a one-node export case (a new op without one fails ``test_every_op_has_a_case``)."""
 from __future__ import annotations
 
-import importlib.util
 
 import numpy as np
 import pytest
@@ -60,16 +59,7 @@ import zoo  # noqa: E402
 from kiln.frontend.tracer import to_numpy  # noqa: E402
 
 
-def _zoo_params():
-    out = []
-    for e in zoo.ZOO:
-        missing = e.needs is not None and importlib.util.find_spec(e.needs) is None
-        out.append(pytest.param(e, id=e.name,
-                                marks=pytest.mark.skip(reason=f"{e.needs} is not installed") if missing else ()))
-    return out
-
-
-@pytest.mark.parametrize("entry", _zoo_params())
+@pytest.mark.parametrize("entry", zoo.params())
 def test_zoo_model_exports_and_matches_onnxruntime(entry):
     model, inputs, spec = entry.factory()
     graph = kiln.trace(model, inputs, dynamic=spec)

@@ -71,16 +71,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import zoo  # noqa: E402
 
 
-def _zoo_params():
-    out = []
-    for e in zoo.ZOO:
-        for opset in (17, 18):
-            missing = e.needs is not None and importlib.util.find_spec(e.needs) is None
-            marks = pytest.mark.skip(reason=f"{e.needs} is not installed") if missing else ()
-            out.append(pytest.param(e, opset, id=f"{e.name}-opset{opset}", marks=marks))
-    return out
-
-
 @functools.lru_cache(maxsize=None)
 def _torch_export(name: str, opset: int, folder: str, dynamo: bool = False):
     model, inputs, spec = zoo.by_name(name).factory()
@@ -134,7 +124,7 @@ def _check_zoo_model(entry, model, inputs, spec, path, folder):
             np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, err_msg=label)
 
 
-@pytest.mark.parametrize("entry,opset", _zoo_params())
+@pytest.mark.parametrize("entry,opset", zoo.params(zoo.ZOO, (17, 18)))
 def test_torchscript_export_imports_and_matches_onnxruntime(entry, opset, folder):
     model, inputs, spec, path = _torch_export(entry.name, opset, folder)
     _check_zoo_model(entry, model, inputs, spec, path, folder)
