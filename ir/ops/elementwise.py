@@ -14,7 +14,7 @@ import numpy as np
 
 from kiln.ir.dtypes import DType, dtype as as_dtype
 from kiln.ir.ops._common import FLOAT, NUMERIC, SIGNED_NUMERIC, infer_broadcast, infer_same
-from kiln.ir.registry import In, InferContext, op
+from kiln.ir.registry import Attr, AttrKind, In, InferContext, op
 from kiln.ir.types import TensorType, broadcast_shapes
 
 # ONNX Pow-15: the base is one of these; the exponent may be any numeric dtype.
@@ -68,6 +68,22 @@ def div(a, b):
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.divide(a, b)
     return _trunc_div(a, b)
+
+
+def _infer_mod(ctx: InferContext) -> TensorType:
+    t = infer_broadcast(ctx)
+    if ctx.input(0).dtype.is_float and not ctx.attrs.get("fmod", 0):
+        ctx.fail("floating-point Mod needs fmod=1 (the ONNX rule)")
+    return t
+
+
+@op("Mod", inputs=[In("A", NUMERIC), In("B", NUMERIC)], outputs=["C"],
+    attrs=[Attr("fmod", AttrKind.INT, 0)], infer=_infer_mod)
+def mod(a, b, fmod=0):
+    """Remainder: with fmod=0 (integers only) its sign follows the divisor, as Python's ``%``;
+    with fmod=1 it follows the dividend, as C's ``fmod``. Integer x % 0 is undefined (0 here)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.fmod(a, b) if fmod else np.remainder(a, b)
 
 
 def _trunc_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:

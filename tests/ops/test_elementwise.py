@@ -104,6 +104,18 @@ def test_div_int_is_c_division(pairs):
         assert abs(r) < abs(y) and (r == 0 or (r < 0) == (x < 0)), (x, y, got)
 
 
+def test_mod_follows_the_divisor_or_the_dividend(rng):
+    a = np.array([7, -7, 7, -7, 6, 0], np.int32)
+    b = np.array([3, 3, -3, -3, 4, 5], np.int32)
+    check_op("Mod", [a, b], np.array([1, 2, -2, -1, 2, 0], np.int32))                  # Python's %
+    check_op("Mod", [a, b], np.array([1, -1, 1, -1, 2, 0], np.int32), {"fmod": 1})     # C's fmod
+    x = rand(rng, (2, 3), np.float32) * 10
+    y = np.array([3.0, -2.5, 1.5], np.float32)
+    check_op("Mod", [x, y], torch64(torch.fmod, x, y), {"fmod": 1}, symbolic_batch=True)
+    with pytest.raises(ShapeInferenceError, match="fmod=1"):
+        build_single("Mod", [x, y])
+
+
 def test_float_div_by_zero_is_ieee():
     a = np.array([1.0, -1.0, 0.0], np.float32)
     b = np.zeros(3, np.float32)

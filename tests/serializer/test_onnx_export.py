@@ -408,6 +408,8 @@ CASES.update({
     "InstanceNormalization": [([IMG, _f(2), _f(2)], {}, (1, 2), None)],
     "LayerNormalization": [([X, _f(4), _f(4)], {"axis": -1, "epsilon": 1e-5}, (1, 2), None)],
     "Cast": [([X], {"to": DType.INT32.value}, (), None), ([X], {"to": DType.FLOAT16.value}, (), None)],
+    "Mod": [([np.array([[7, -7, 5]], np.int64), np.array([3], np.int64)], {}, (1,), None),
+            ([X, np.float32(1.5)], {"fmod": 1}, (1,), None)],
     "CastLike": [([X, np.zeros((1,), np.int32)], {}, (1,), None)],
     "Clip": [([X, np.float32(-0.5), np.float32(0.5)], {}, (1, 2), None)],
     "Concat": [([X, _f(2, 1, 4)], {"axis": 1}, (), None)],
