@@ -58,6 +58,13 @@ class Program:
         self._template = builder.template
         self.inputs = [TensorSpec(v.name, v.type) for v in graph.inputs]
         self.outputs = [TensorSpec(v.name, v.type) for v in graph.outputs]
+        self._input_names = tuple(s.name for s in self.inputs)
+        self._output_names = tuple(o.name for o in self.outputs)
+        self._accepted: dict = {}  # input signatures that passed check_inputs (see _check_inputs)
+        # Outputs that are a constant or a graph input are copied out: the caller must never get
+        # (and then write into) the model's own weights or the array it passed in.
+        self._copy_out = frozenset(s for s in self.plan.output_slots
+                                   if self._template[s] is not None or s in self.plan.input_slots)
         md = graph.metadata
         self.metadata = {"producer_name": md.producer_name, "producer_version": md.producer_version,
                          "doc_string": md.doc_string, **md.props}
@@ -66,17 +73,26 @@ class Program:
         """Run on numpy arrays given by name (a dict) or in order; returns a dict by output name
         (or a list with ``as_list``). Inputs are checked before any kernel runs."""
         arrays = self._check_inputs(inputs)
-        slots = list(self._template)
-        for s, a in zip(self.plan.input_slots, arrays):
+        plan = self.plan
+        slots = self._template.copy()
+        for s, a in zip(plan.input_slots, arrays):
             slots[s] = a
         try:
-            execute(self.plan, slots)
+            execute(plan, slots)
         except KilnError:
             raise
         except Exception as e:  # noqa: BLE001 - re-raised naming the node
-            raise _execution_error(self.plan, slots, e) from e
-        outs = [self._output(slots[s]) for s in self.plan.output_slots]
-        return outs if as_list else dict(zip((o.name for o in self.outputs), outs))
+            raise _execution_error(plan, slots, e) from e
+        outs = []
+        for s in plan.output_slots:
+            a = slots[s]
+            if s in self._copy_out:
+                outs.append(np.array(a, copy=True))
+            else:
+                # The usual output, a fresh writeable ndarray, is returned as it is; the rest go
+                # through _output.
+                outs.append(a if type(a) is np.ndarray and a.flags.writeable else self._output(a))
+        return outs if as_list else dict(zip(self._output_names, outs))
 
     __call__ = run
 
@@ -86,8 +102,48 @@ class Program:
         # A constant output would be a read-only view into the model file: give the caller its own.
         return a if a.flags.writeable else a.copy()
 
+    # At most this many accepted input signatures are remembered: a model run on ever new shapes
+    # (a dynamic sequence length) starts over rather than growing without bound.
+    ACCEPTED_MAX = 256
+
     def _check_inputs(self, inputs: Union[Mapping[str, Any], Sequence[Any]]) -> list:
-        return check_inputs(self.inputs, inputs)
+        """check_inputs, with its verdict remembered per input signature (issue 5: at batch 1 the
+        symbolic shape matching was a visible part of a small model's run).
+
+        The signature of exact ndarrays given as a dict holding just the model's input names, or as
+        a list/tuple of the right length, is their (shape, dtype)s in input order: check_inputs
+        depends on nothing else for them (np.asarray returns them unchanged), so a signature that
+        passed once passes again, and the check is skipped. Anything else, and every signature
+        not seen yet, takes the full check, which also raises exactly as before. The cache holds
+        only immutable keys and is read and written with single dict operations, so concurrent
+        runs share it safely."""
+        names = self._input_names
+        given = None
+        if type(inputs) is dict:
+            if len(inputs) == len(names):
+                try:
+                    given = [inputs[n] for n in names]
+                except KeyError:
+                    pass
+        elif type(inputs) is list or type(inputs) is tuple:
+            if len(inputs) == len(names):
+                given = inputs
+        if given is None:
+            return check_inputs(self.inputs, inputs)
+        key = []
+        for a in given:
+            if type(a) is not np.ndarray:
+                return check_inputs(self.inputs, inputs)
+            key.append(a.shape)
+            key.append(a.dtype)
+        key = tuple(key)
+        if key in self._accepted:
+            return list(given)
+        arrays = check_inputs(self.inputs, inputs)
+        if len(self._accepted) >= self.ACCEPTED_MAX:
+            self._accepted.clear()
+        self._accepted[key] = True
+        return arrays
 
 
 def check_inputs(specs: Sequence[TensorSpec], inputs: Union[Mapping[str, Any], Sequence[Any]]) -> list:

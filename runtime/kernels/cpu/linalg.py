@@ -76,6 +76,17 @@ def gemm(node, attrs) -> Callable[..., Any]:
     c_const = const_input(node, 2)
     c_fixed = None if c_const is None else _scaled_bias(c_const, beta)
 
+    if b_fixed is not None and c_fixed is not None and not trans_a and alpha == 1.0:
+        # A Linear layer (constant weight and bias): at batch 1 the call layers around the two
+        # numpy calls are a visible share of a small model's run, so this case gets its own
+        # closure. np.dot of 2-D operands is the same BLAS product as np.matmul with less
+        # dispatch (about 0.2 us less per call); Gemm's A and B are matrices.
+        def linear(a, b, c):
+            y = np.dot(a, b_fixed) if a.ndim == 2 else np.matmul(a, b_fixed)
+            y += c_fixed
+            return y
+        return linear
+
     def run(a, b, c=None):
         y = np.matmul(a.T if trans_a else a, b_fixed if b_fixed is not None else (b.T if trans_b else b))
         if alpha != 1.0:

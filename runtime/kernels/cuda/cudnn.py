@@ -1,0 +1,287 @@
+"""2-D convolution through cuDNN, reached from CuPy device pointers by nvidia-cudnn-frontend.
+
+Why: the CuPy-only path (nn.py: im2col + cuBLAS) copies every input window into a column
+buffer and runs a plain GEMM; on the device's H200 that ran 1.6x to 9.2x slower than cuDNN on
+3x3 convolutions (issue 8). CuPy 14 there has no cuDNN module, but cuDNN itself is on the
+machine (torch's wheels bring it), and the frontend's Python graph API takes raw device
+pointers, so no torch is needed at run time. The frontend is an optional dependency (the
+``gpu`` extra); when it does not import or its self-test fails, ``available()`` says no, and
+``why_unavailable()`` says why, and the Conv kernel keeps the im2col path.
+
+How: one frontend graph per (input shape, weight shape, dtype, pads, strides, dilations, bias,
+TF32): ``conv_fprop`` (+ an ``add`` of the [1, M, 1, 1] bias, fused into the same cuDNN
+graph) built once: validate, build_operation_graph, create_execution_plans (heuristics A, then
+FALLBACK), deselect engines by numerical note, check_support, build_plans (the heuristics'
+first engine that builds). When no engine takes the fused bias, the plan is the bare
+convolution and the caller adds the bias. Grouped convolutions are described by the weight's
+[M, C/group, kh, kw] dims; a shape cuDNN refuses raises ``Unsupported`` at build and the caller
+keeps im2col for it.
+
+TF32: for float32, engines whose numerical notes say TENSOR_CORE or DOWN_CONVERT_INPUTS (the
+TF32 ones) are deselected unless TF32 is allowed (``CudaProgram(tf32=True)``, read from
+linalg's switch), the same filter torch applies for ``cudnn.allow_tf32 = False``. Only float32
+takes this path; float64 stays on im2col.
+
+Streams and CUDA graphs: one cuDNN handle per (device, stream), like linalg's cuBLAS handles,
+created on first use outside a capture; each executor owns its workspace (allocated when its
+plan is built), so a capture allocates nothing. Whether an execute can be captured at all is
+checked once by the self-test (capture a small convolution, replay it, compare):
+``capture_ok()``; if it cannot, the Conv kernel uses im2col while a stream is capturing.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Optional
+
+import cupy as cp
+import numpy as np
+
+_STATE: dict = {"module": None, "checked": False, "why": None, "capture": None, "handles": {}}
+_PLANS: dict = {}   # key -> Plan, or an Unsupported instance (the reason is kept)
+_LOCK = threading.Lock()
+# "auto": time both paths once per convolution shape and keep the faster (nn.py);
+# "cudnn" / "im2col": force one (tests, benchmarks). KILN_CUDA_CONV sets the default.
+_MODE = {"mode": os.environ.get("KILN_CUDA_CONV", "auto")}
+
+
+class Unsupported(Exception):
+    """cuDNN has no engine for this convolution (or the frontend refused it)."""
+
+
+def set_mode(mode: str) -> None:
+    if mode not in ("auto", "cudnn", "im2col"):
+        raise ValueError(f"conv mode must be auto, cudnn or im2col, not {mode!r}")
+    _MODE["mode"] = mode
+
+
+def mode() -> str:
+    return _MODE["mode"]
+
+
+def _tf32() -> bool:
+    from kiln.runtime.kernels.cuda.linalg import _STATE as blas
+    return bool(blas["tf32"])
+
+
+def _module():
+    """The ``cudnn`` frontend module, or None (the reason kept in _STATE["why"])."""
+    if _STATE["module"] is None and _STATE["why"] is None:
+        try:
+            import cudnn  # noqa: PLC0415 - optional dependency
+            cudnn.backend_version()
+            _STATE["module"] = cudnn
+        except Exception as e:  # noqa: BLE001 - any failure means "no cuDNN here"
+            _STATE["why"] = f"nvidia-cudnn-frontend unusable: {type(e).__name__}: {e}"
+    return _STATE["module"]
+
+
+def _handle(stream):
+    key = (cp.cuda.Device().id, stream.ptr)
+    h = _STATE["handles"].get(key)
+    if h is None:
+        cudnn = _STATE["module"]
+        h = cudnn.create_handle()
+        cudnn.set_stream(h, stream.ptr)
+        _STATE["handles"][key] = h
+    return h
+
+
+def capturing() -> bool:
+    s = cp.cuda.get_current_stream()
+    probe = getattr(s, "is_capturing", None)
+    if probe is not None:
+        return bool(probe())
+    return cp.cuda.runtime.streamIsCapturing(s.ptr) != 0
+
+
+class Plan:
+    """A built cuDNN graph for one convolution key; executes on any buffers of that shape."""
+
+    def __init__(self, cudnn, x_shape, w_shape, pre, post, strides, dilations, bias: bool, tf32: bool):
+        f32 = cudnn.data_type.FLOAT
+        self.fused_bias = False
+        last = None
+        # The fused bias first; when no engine takes it, the bare convolution.
+        for with_bias in ((True, False) if bias else (False,)):
+            try:
+                self._build(cudnn, f32, x_shape, w_shape, pre, post, strides, dilations, with_bias, tf32)
+                self.fused_bias = with_bias
+                break
+            except Exception as e:  # noqa: BLE001 - the frontend raises several types
+                last = e
+        else:
+            raise Unsupported(f"{type(last).__name__}: {last}")
+        self.workspace_bytes = int(self.graph.get_workspace_size())
+
+    def _build(self, cudnn, f32, x_shape, w_shape, pre, post, strides, dilations, with_bias, tf32):
+        g = cudnn.pygraph(io_data_type=f32, intermediate_data_type=f32, compute_data_type=f32)
+        X = g.tensor(name="X", dim=list(x_shape), stride=_row_major(x_shape), data_type=f32)
+        W = g.tensor(name="W", dim=list(w_shape), stride=_row_major(w_shape), data_type=f32)
+        Y = g.conv_fprop(image=X, weight=W, pre_padding=list(pre), post_padding=list(post),
+                         stride=list(strides), dilation=list(dilations), compute_data_type=f32)
+        B = None
+        if with_bias:
+            m = w_shape[0]
+            B = g.tensor(name="B", dim=[1, m, 1, 1], stride=[m, 1, 1, 1], data_type=f32)
+            Y = g.add(a=Y, b=B, compute_data_type=f32)
+        # The output's layout is stated, not inferred: left to the frontend, a conv output can get
+        # a channels-last stride order, and the NCHW buffer handed to execute would be misread.
+        out = [x_shape[0], w_shape[0]] + [(x_shape[i + 2] + pre[i] + post[i] - (w_shape[i + 2] - 1) * dilations[i] - 1)
+                                          // strides[i] + 1 for i in range(2)]
+        Y.set_output(True).set_data_type(f32).set_dim(out).set_stride(_row_major(out))
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        if not tf32:
+            g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS])
+        g.check_support()
+        g.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
+        self.graph, self.uids = g, (X.uid, W.uid, None if B is None else B.uid, Y.uid)
+        self.out_shape = tuple(out)
+
+    def execute(self, x, w, b, y, workspace) -> None:
+        """y = conv(x, w) (+ b when the bias is fused), on the current stream."""
+        xu, wu, bu, yu = self.uids
+        pack = {xu: x.data.ptr, wu: w.data.ptr, yu: y.data.ptr}
+        if bu is not None:
+            pack[bu] = b.data.ptr
+        ws = None if workspace is None else workspace.ptr
+        self.graph.execute(pack, ws, handle=_handle(cp.cuda.get_current_stream()))
+
+
+def _row_major(shape) -> list:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(d), 1)
+    return strides[::-1]
+
+
+def plan(x_shape, w_shape, pre, post, strides, dilations, bias: bool) -> Plan:
+    """The built plan for this float32 convolution (cached), or raise Unsupported."""
+    cudnn = _module()
+    if cudnn is None:
+        raise Unsupported(_STATE["why"])
+    key = (tuple(x_shape), tuple(w_shape), tuple(pre), tuple(post), tuple(strides), tuple(dilations),
+           bool(bias), _tf32())
+    with _LOCK:
+        p = _PLANS.get(key)
+        if p is None:
+            if capturing():
+                raise Unsupported("no cuDNN plan is built while a stream is capturing")
+            try:
+                p = Plan(cudnn, *key)
+            except Unsupported as e:
+                p = e
+            _PLANS[key] = p
+    if isinstance(p, Unsupported):
+        raise p
+    return p
+
+
+class Executor:
+    """One Conv node's cuDNN path: its plans' workspaces are its own (a captured graph keeps
+    pointing at them), the plans themselves are shared across nodes of the same key."""
+
+    def __init__(self, w, b, strides, dilations):
+        self.w, self.b = w, b  # device arrays: [M, C/group, kh, kw] and [1, M, 1, 1] (or None)
+        self.strides, self.dilations = tuple(strides), tuple(dilations)
+        self.workspaces: dict = {}
+
+    def plan_for(self, x_shape, pre, post) -> Plan:
+        return plan(x_shape, self.w.shape, pre, post, self.strides, self.dilations, self.b is not None)
+
+    def __call__(self, x, pre, post, out_shape):
+        p = self.plan_for(x.shape, pre, post)
+        expected = (x.shape[0], self.w.shape[0]) + tuple(out_shape)
+        if p.out_shape is not None and tuple(p.out_shape) != expected:
+            raise Unsupported(f"cuDNN infers output {p.out_shape}, ONNX {expected}")
+        ws = self.workspaces.get(id(p))
+        if ws is None and p.workspace_bytes:
+            if capturing():
+                raise Unsupported("workspace not allocated before the capture")
+            ws = self.workspaces[id(p)] = cp.cuda.memory.alloc(p.workspace_bytes)
+        x = cp.ascontiguousarray(x)
+        y = cp.empty(expected, x.dtype)
+        p.execute(x, self.w, self.b if p.fused_bias else None, y, ws)
+        if self.b is not None and not p.fused_bias:
+            y += self.b
+        return y
+
+
+def available() -> bool:
+    """Whether cuDNN convolution works here: the frontend imports, and a small convolution
+    (3x3, padded, strided, with bias) matches a float64 reference. Checked once."""
+    if not _STATE["checked"]:
+        _STATE["checked"] = True
+        if _module() is not None:
+            try:
+                _self_test()
+            except Exception as e:  # noqa: BLE001
+                _STATE["why"] = f"cuDNN self-test failed: {type(e).__name__}: {e}"
+                _STATE["module"] = None
+    return _STATE["module"] is not None
+
+
+def why_unavailable() -> Optional[str]:
+    return _STATE["why"]
+
+
+def capture_ok() -> bool:
+    """Whether a cuDNN execute can be captured into a CUDA graph (probed by the self-test)."""
+    return bool(_STATE["capture"]) and available()
+
+
+def capture_failure() -> Optional[str]:
+    c = _STATE["capture"]
+    return None if c is True else c
+
+
+def _reference(x: np.ndarray, w: np.ndarray, b: np.ndarray, pad: int, stride: int) -> np.ndarray:
+    x = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    n, c, h, wd = x.shape
+    m, _, kh, kw = w.shape
+    oh, ow = (h - kh) // stride + 1, (wd - kw) // stride + 1
+    y = np.zeros((n, m, oh, ow))
+    for i in range(kh):
+        for j in range(kw):
+            patch = x[:, :, i:i + stride * oh:stride, j:j + stride * ow:stride]
+            y += np.einsum("nchw,mc->nmhw", patch, w[:, :, i, j].astype(np.float64))
+    return y + b.reshape(1, m, 1, 1)
+
+
+def _self_test() -> None:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 8, 9, 9)).astype(np.float32)
+    w = rng.standard_normal((16, 8, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(16).astype(np.float32)
+    want = _reference(x, w, b, 1, 2)
+    ex = Executor(cp.asarray(w), cp.asarray(b.reshape(1, 16, 1, 1)), (2, 2), (1, 1))
+    got = ex(cp.asarray(x), (1, 1), (1, 1), want.shape[2:]).get()
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    if not err < 1e-5:
+        raise RuntimeError(f"relative error {err:.2e} against float64 (TF32 engines not deselected?)")
+    # Capture probe: the same convolution captured on a private stream, replayed, compared.
+    stream = cp.cuda.Stream(non_blocking=True)
+    try:
+        with stream:
+            xd = cp.asarray(x)
+            ex(xd, (1, 1), (1, 1), want.shape[2:])  # handle and workspace for this stream, outside the capture
+            stream.synchronize()
+            stream.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
+            try:
+                y = ex(xd, (1, 1), (1, 1), want.shape[2:])
+            finally:
+                graph = stream.end_capture()
+            y.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+        err = np.linalg.norm(y.get() - want) / np.linalg.norm(want)
+        _STATE["capture"] = True if err < 1e-5 else f"captured replay wrong (relative error {err:.2e})"
+    except Exception as e:  # noqa: BLE001
+        _STATE["capture"] = f"{type(e).__name__}: {e}"
+
+
+__all__ = ["available", "why_unavailable", "capture_ok", "capture_failure", "capturing", "Executor",
+           "Unsupported", "set_mode", "mode", "plan"]
