@@ -1,8 +1,8 @@
 """``kiln.load(path, device="cuda")``: a Program that runs on an NVIDIA GPU through CuPy.
 
 Same public interface as :class:`kiln.runtime.program.Program` (``inputs``, ``outputs``,
-``metadata``, ``run(inputs, as_list=False)``), same execution plan (runtime/plan.py), kernels
-from runtime/kernels/cuda. What differs, and why:
+``metadata``, ``run(inputs, as_list=False)``), same execution plan (runtime/plan.py), with the
+kernels of runtime/kernels/cuda. What differs, and why:
 
 - **Loading.** Elementwise chains are fused into ``kiln.FusedElementwise`` nodes first (when
   the pass exists), so each chain is one generated kernel (runtime/kernels/cuda/codegen.py).
