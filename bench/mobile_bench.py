@@ -17,7 +17,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import time
 import venv
 from pathlib import Path
 
@@ -28,7 +27,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE))
 
 import kiln  # noqa: E402
-from results_md import RESULTS, replace_section  # noqa: E402
+from results_md import RESULTS, cpu_name, replace_section, utc_now  # noqa: E402
 
 TITLE = "## Mobile stub (issue 10)"
 TRIALS = 100
@@ -163,8 +162,8 @@ def table(rows: list[dict]) -> str:
               f"bundle's code (zipped, model excluded) is {shares} of that. "
               f"Bundles import no kiln.ir/torch/onnx at module level: "
               f"{'yes' if not any(x['forbidden_imports'] for x in rows) else 'NO'}."]
-    lines += ["", f"Machine: {platform.processor() or platform.machine()}, nproc {os.cpu_count()}, Python "
-              f"{platform.python_version()}, numpy {np.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+    lines += ["", f"Machine: {cpu_name()}, nproc {os.cpu_count()}, Python {platform.python_version()}, "
+              f"numpy {np.__version__}; {utc_now()}.",
               "", "Goals (issue 10):"]
     for x in rows:
         ratio = x["int8_size"] / x["fp32_size"]

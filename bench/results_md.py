@@ -18,3 +18,21 @@ def replace_section(path: Path, title: str, body: str) -> None:
         rest = "" if nxt < 0 else "\n" + old[nxt + 1:]
         new = old[:start] + body.rstrip("\n") + "\n" + rest
     path.write_text(new)
+
+
+def cpu_name() -> str:
+    """The processor's model name from /proc/cpuinfo (the machine type where that is missing)."""
+    import platform
+
+    info = Path("/proc/cpuinfo")
+    for line in info.read_text().splitlines() if info.exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def utc_now() -> str:
+    """The time of a run, as the results print it."""
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

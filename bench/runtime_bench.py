@@ -24,7 +24,6 @@ THREADS = 2
 os.environ["OPENBLAS_NUM_THREADS"] = str(THREADS)  # numpy's BLAS reads it when numpy loads
 
 import argparse  # noqa: E402
-import datetime  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
@@ -47,7 +46,7 @@ import kiln  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "runtime"))
-from results_md import RESULTS, replace_section  # noqa: E402
+from results_md import RESULTS, cpu_name, replace_section, utc_now  # noqa: E402
 from runtime_models import MODELS, resnet50  # noqa: E402
 from test_memory import live_bytes, without_release  # noqa: E402  (the memory test's measurement)
 
@@ -340,13 +339,8 @@ def goal_lines(rows: list[dict], over: dict | None, cold: dict | None) -> str:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
+    cpu, date = cpu_name(), utc_now()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"{cpu}, nproc {os.cpu_count()} (load average {load} at the end), Python {platform.python_version()}; "
             f"kiln {kiln.__version__}, numpy {np.__version__} (OpenBLAS, {THREADS} threads), onnxruntime "
             f"{ort.__version__}, onnx {onnx.__version__}, torch {torch.__version__} ({torch.get_num_threads()} "

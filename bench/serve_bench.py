@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import math
 import os
@@ -67,7 +66,7 @@ import uvicorn
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from results_md import RESULTS, replace_section  # noqa: E402
+from results_md import RESULTS, cpu_name, replace_section, utc_now  # noqa: E402
 from runtime_bench import export_model  # noqa: E402  (imports torch; the servers never do)
 from runtime_models import MODELS  # noqa: E402
 
@@ -697,13 +696,8 @@ def memory_and_shutdown(args: argparse.Namespace, folder: Path) -> tuple[list[di
 
 # ---------------------------------------------------------------------------- report
 def machine(load_start: tuple) -> str:
-    cpu = platform.machine()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
+    cpu, date = cpu_name(), utc_now()
     fmt = lambda la: ", ".join(f"{v:.1f}" for v in la)  # noqa: E731
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return (f"{cpu}, nproc {os.cpu_count()} (load average {fmt(load_start)} at the start, {fmt(os.getloadavg())} "
             f"at the end), Python {platform.python_version()}; kiln {kiln.__version__}, numpy {np.__version__}, "
             f"onnxruntime {ort.__version__}, fastapi {fastapi.__version__}, uvicorn {uvicorn.__version__}, "
