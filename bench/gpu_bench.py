@@ -6,6 +6,19 @@ torch.compile on the same card, in one process, in one device-machine call.
     .venv/bin/python bench/gpu_bench.py --render gpu_bench.json     # here: the section of RESULTS.md
     .venv/bin/python bench/gpu_bench.py --dry-run --no-compile      # here, no GPU: checks the logic
 
+The zoo section needs the test-zoo models traced, and the device's torch (2.11) cannot trace
+``transformer_encoder`` (nor, with transformers 5.x, ``hf_gpt2``). So export them here first and
+carry the folder along (``bench/zoo_traced`` is git-ignored; the run's ``carry`` option copies it,
+about 6 MiB, within the 64 MiB the device copy allows):
+
+    PYTHONPATH=/tmp/hf452 .venv/bin/python bench/gpu_zoo_export.py  # here (transformers: its docstring)
+    # run(carry=["bench/zoo_traced"], command="mkdir -p /tmp/pkg && ln -sfn $PWD /tmp/pkg/kiln && \
+    #     PYTHONPATH=/tmp/pkg:bench python3 bench/gpu_bench.py --zoo-dir bench/zoo_traced")
+    .venv/bin/python bench/gpu_bench.py --dry-run --sections zoo --zoo-dir bench/zoo_traced --zoo-prefer-dir
+
+``--zoo-dir`` uses a file only where the device's trace fails; ``--zoo-prefer-dir`` uses it for
+every model it holds (the dry run above: every exported model through the file path).
+
 Why one script: device time is scarce and timings are only comparable on one card in one run, so
 the bandwidth floor, every baseline and kiln are measured together. Sections, in this order (the
 cheap, required numbers first; torch.compile of the big models last, each compile only while the
@@ -27,6 +40,10 @@ cheap, required numbers first; torch.compile of the big models last, each compil
 3. **zoo**: every tests/zoo.py model (those needing a missing package skipped) through
    CudaProgram, with and without CUDA graphs, on the example inputs and on fresh inputs at other
    sizes, against torch eager on the GPU at rtol 1e-4, atol 1e-5 (the test suite's tolerance).
+   A model that does not trace on the device is taken from ``--zoo-dir`` (bench/gpu_zoo_export.py:
+   the .kiln file traced on the CPU box plus the model's state_dict, both sha256-checked against
+   the manifest); the weights are loaded into the model built here with ``strict=True``, so the
+   torch reference on the GPU has exactly the traced weights. Each row says where it was traced.
 4. **compile**: torch.compile of the models, most important first (batch 1 reduce-overhead, the
    goal's reference), each skipped once the budget would be overrun.
 
@@ -212,7 +229,7 @@ class Dev:
             p = self.load(graph, cuda_graphs=graphs)
             out = p.run([xd], as_list=True)
             cp.cuda.Device().synchronize()
-        private = sum(entry[4].total_bytes() for entry in getattr(p, "_graphs", {}).values())
+        private = sum(_graph_pool(entry).total_bytes() for entry in getattr(p, "_graphs", {}).values())
         res["reserved_MiB"] = (pool.total_bytes() - total0 + private) / MIB
         res["graph_pool_MiB"] = private / MIB
         del p, out, xd
@@ -238,6 +255,12 @@ class Dev:
 
 
 # ---------------------------------------------------------------------------- helpers
+def _graph_pool(entry):
+    """The private memory pool of a CudaProgram graph entry (its last field, or the first item of it)."""
+    keep = entry[4]
+    return keep[0] if isinstance(keep, tuple) else keep
+
+
 def rel_err(got: np.ndarray, want: np.ndarray) -> dict:
     g, w = got.astype(np.float64), want.astype(np.float64)
     if g.shape != w.shape:
@@ -579,63 +602,163 @@ def compile_section(dev: Dev, states: list, batches: tuple, results: dict, deadl
 
 
 # ---------------------------------------------------------------------------- 3. zoo
-def zoo_section(dev: Dev, results: dict) -> None:
+class ZooFileError(Exception):
+    """A file of ``--zoo-dir`` that cannot stand in for a device trace (missing, changed since the
+    export, weights or inputs that do not fit the model built here)."""
+
+
+def zoo_manifest(zoo_dir: Path) -> dict:
+    """``--zoo-dir``'s manifest.json, written by bench/gpu_zoo_export.py."""
+    return json.loads((zoo_dir / "manifest.json").read_text())
+
+
+def zoo_traced_label(torch_version: str, entry, package_version: Optional[str]) -> str:
+    """'torch X' (', transformers Y' for an entry that needs that package): what a graph was traced with."""
+    extra = f", {entry.needs} {package_version}" if entry.needs is not None and package_version else ""
+    return f"torch {torch_version}{extra}"
+
+
+def zoo_from_dir(dev: Dev, zoo_dir: Path, rec: dict, model, names: list):
+    """The graph of ``DIR/<name>.kiln`` (traced on the CPU box by gpu_zoo_export.py), after loading
+    ``DIR/<name>.pt`` into ``model`` with ``strict=True``, so the torch reference computed from
+    ``model`` has exactly the weights baked into the graph. Both files are checked against the
+    manifest's sha256 first; any problem raises ZooFileError."""
+    import kiln
+    from gpu_zoo_export import sha256
+    for name, want in rec["sha256"].items():
+        path = zoo_dir / name
+        if not path.is_file():
+            raise ZooFileError(f"{path} is missing")
+        got = sha256(path)
+        if got != want:
+            raise ZooFileError(f"{path}: sha256 {got[:16]}... differs from the manifest's {want[:16]}...")
+    pt = zoo_dir / rec["files"]["state_dict"]
+    try:
+        state = dev.torch.load(pt, map_location="cpu", weights_only=True)
+        model.load_state_dict(state, strict=True)
+    except Exception as e:  # noqa: BLE001 - RuntimeError (keys/shapes) or an unreadable file
+        raise ZooFileError(f"the weights in {pt.name} do not fit the model built here "
+                           f"(load_state_dict strict=True): {err_text(e)}") from e
+    graph = kiln.load_graph(zoo_dir / rec["files"]["kiln"])
+    graph_inputs = [v.name for v in graph.inputs]
+    if graph_inputs != list(names):
+        raise ZooFileError(f"{rec['files']['kiln']} takes inputs {graph_inputs}, the model built here {list(names)}")
+    return graph
+
+
+def zoo_section(dev: Dev, results: dict, zoo_dir: Optional[Path] = None, prefer_dir: bool = False,
+                only: Optional[list] = None) -> None:
+    """Every zoo entry (or the ``only`` ones) traced here, or, where that fails or ``prefer_dir``,
+    loaded from ``zoo_dir`` (see bench/gpu_zoo_export.py), then compared with torch on the device."""
     import kiln
     import zoo
-    from kiln.frontend.tracer import to_numpy
     torch = dev.torch
     rows = results.setdefault("rows", [])
+    files: dict = {}
+    if zoo_dir is not None:
+        zoo_dir = Path(zoo_dir)
+        try:
+            manifest = zoo_manifest(zoo_dir)
+            files = manifest.get("entries", {})
+            results["zoo_dir"] = {"path": str(zoo_dir), "torch": manifest.get("torch_version"),
+                                  "kiln": manifest.get("kiln_version"), "created": manifest.get("created"),
+                                  "entries": sorted(files), "not_exported": manifest.get("skipped", {}),
+                                  "prefer": prefer_dir}
+        except (OSError, ValueError) as e:
+            results["zoo_dir"] = {"path": str(zoo_dir), "error": err_text(e)}
+        log(f"zoo dir: {results['zoo_dir']}")
     for entry in zoo.ZOO:
+        if only and entry.name not in only:
+            continue
         if entry.needs is not None and importlib.util.find_spec(entry.needs) is None:
             rows.append({"model": entry.name, "status": "skipped", "note": f"{entry.needs} is not installed"})
             continue
+        here_label = "device (" + zoo_traced_label(
+            torch.__version__, entry, None if entry.needs is None else _module_version(entry.needs)) + ")"
         model, inputs, spec = entry.factory()
-        try:
-            graph = kiln.trace(model, inputs, dynamic=spec)
-        except Exception as e:  # noqa: BLE001 - a frontend failure, recorded as such
-            rows.append({"model": entry.name, "status": "trace failed", "note": err_text(e)})
-            log(f"zoo {entry.name}: trace failed: {err_text(e)}")
-            continue
-        names, tensors = zoo.input_list(model, inputs)
-        sizes = dict(entry.other_sizes[-1])
-        _, fresh = zoo.fresh_inputs(model, inputs, spec, sizes, seed=7)
-        sets = [("example", tensors), ("fresh " + ",".join(f"{k}={v}" for k, v in sizes.items()
-                                                             if any(k in d.values() for d in spec.values())), fresh)]
-        m = model.to(dev.tdev)
-        wants = {}
-        for label, ts in sets:
-            tt = [t.to(dev.tdev) for t in ts]
-            out = m(**dict(zip(names, tt))) if isinstance(inputs, dict) else m(*tt)
-            wants[label] = [to_numpy(o) for o in flat_outputs(out, torch)]
-        for graphs in (False, True):
-            row = {"model": entry.name, "cuda_graphs": graphs, "checks": []}
+        rec = files.get(entry.name)
+        base: dict = {"model": entry.name}
+        graph = None
+        if rec is None or not prefer_dir:
             try:
-                p = dev.load(graph, cuda_graphs=graphs)
-                for label, ts in sets:
-                    got = p.run([dev.kiln_array(to_numpy(t)) for t in ts], as_list=True)
-                    want = wants[label]
-                    errs = [rel_err(dev.host(g), w) for g, w in zip(got, want)]
-                    ok = len(got) == len(want) and all(e.get("finite") and e.get("tol_ratio", math.inf) <= 1.0
-                                                       for e in errs)
-                    row["checks"].append({"inputs": label, "ok": ok, "outputs": len(got),
-                                          "max_abs": max((e.get("max_abs", math.inf) for e in errs), default=0.0),
-                                          "rel_l2": max((e.get("rel_l2", math.inf) for e in errs), default=0.0),
-                                          "tol_ratio": max((e.get("tol_ratio", math.inf) for e in errs), default=0.0)})
-                row["program"] = program_info(p)
-                row["status"] = "pass" if all(c["ok"] for c in row["checks"]) else "FAIL"
-                del p
-            except Exception as e:  # noqa: BLE001
-                row["status"] = "error"
-                row["note"] = err_text(e)
-            rows.append(row)
-            log(f"zoo {entry.name} graphs={graphs}: {row['status']} " +
-                " ".join(f"[{c['inputs']}: tol_ratio {c['tol_ratio']:.3g} rel_l2 {c['rel_l2']:.2e}]"
-                         for c in row["checks"]) + (f" {row.get('note', '')}" if "note" in row else ""))
-        del m
-        if not dev.dry:
-            gc.collect()
-            dev.cp.get_default_memory_pool().free_all_blocks()
-            torch.cuda.empty_cache()
+                graph = kiln.trace(model, inputs, dynamic=spec)
+                base["traced"] = here_label
+            except Exception as e:  # noqa: BLE001 - a frontend failure, recorded as such
+                log(f"zoo {entry.name}: trace failed: {err_text(e)}")
+                if rec is None:
+                    note = err_text(e) + ("" if zoo_dir is None else f" (no file for it in {zoo_dir})")
+                    rows.append({**base, "status": "trace failed", "traced": "failed on " + here_label, "note": note})
+                    continue
+                base["device_trace_error"] = err_text(e)
+        if graph is None:
+            base["traced"] = "CPU box (" + zoo_traced_label(
+                rec.get("torch_version", "?"), entry, rec.get(f"{entry.needs}_version")) + ")"
+            if entry.needs is not None:  # the torch reference is this machine's version of the model
+                base["reference"] = here_label.replace("device (", "device's model (")
+            try:
+                names, _ = zoo.input_list(model, inputs)
+                graph = zoo_from_dir(dev, zoo_dir, rec, model, names)
+            except ZooFileError as e:
+                rows.append({**base, "status": "error", "note": str(e)})
+                log(f"zoo {entry.name}: {zoo_dir} file not used: {e}")
+                continue
+            log(f"zoo {entry.name}: graph and weights from {zoo_dir} ({base['traced']})")
+        zoo_compare(dev, entry, model, inputs, spec, graph, base, rows)
+
+
+def _module_version(name: str) -> str:
+    try:
+        return getattr(importlib.import_module(name), "__version__", "?")
+    except ImportError:
+        return "?"
+
+
+def zoo_compare(dev: Dev, entry, model, inputs, spec, graph, base: dict, rows: list) -> None:
+    """Rows (CUDA graphs off, on) of ``graph`` through kiln against ``model`` in torch on the device,
+    on the example inputs and on fresh ones at the entry's last other size."""
+    import zoo
+    from kiln.frontend.tracer import to_numpy
+    torch = dev.torch
+    names, tensors = zoo.input_list(model, inputs)
+    sizes = dict(entry.other_sizes[-1])
+    _, fresh = zoo.fresh_inputs(model, inputs, spec, sizes, seed=7)
+    sets = [("example", tensors), ("fresh " + ",".join(f"{k}={v}" for k, v in sizes.items()
+                                                         if any(k in d.values() for d in spec.values())), fresh)]
+    m = model.to(dev.tdev)
+    wants = {}
+    for label, ts in sets:
+        tt = [t.to(dev.tdev) for t in ts]
+        out = m(**dict(zip(names, tt))) if isinstance(inputs, dict) else m(*tt)
+        wants[label] = [to_numpy(o) for o in flat_outputs(out, torch)]
+    for graphs in (False, True):
+        row = {**base, "cuda_graphs": graphs, "checks": []}
+        try:
+            p = dev.load(graph, cuda_graphs=graphs)
+            for label, ts in sets:
+                got = p.run([dev.kiln_array(to_numpy(t)) for t in ts], as_list=True)
+                want = wants[label]
+                errs = [rel_err(dev.host(g), w) for g, w in zip(got, want)]
+                ok = len(got) == len(want) and all(e.get("finite") and e.get("tol_ratio", math.inf) <= 1.0
+                                                   for e in errs)
+                row["checks"].append({"inputs": label, "ok": ok, "outputs": len(got),
+                                      "max_abs": max((e.get("max_abs", math.inf) for e in errs), default=0.0),
+                                      "rel_l2": max((e.get("rel_l2", math.inf) for e in errs), default=0.0),
+                                      "tol_ratio": max((e.get("tol_ratio", math.inf) for e in errs), default=0.0)})
+            row["program"] = program_info(p)
+            row["status"] = "pass" if all(c["ok"] for c in row["checks"]) else "FAIL"
+            del p
+        except Exception as e:  # noqa: BLE001
+            row["status"] = "error"
+            row["note"] = err_text(e)
+        rows.append(row)
+        log(f"zoo {entry.name} graphs={graphs} ({row.get('traced')}): {row['status']} " +
+            " ".join(f"[{c['inputs']}: tol_ratio {c['tol_ratio']:.3g} rel_l2 {c['rel_l2']:.2e}]"
+                     for c in row["checks"]) + (f" {row.get('note', '')}" if "note" in row else ""))
+    del m
+    if not dev.dry:
+        gc.collect()
+        dev.cp.get_default_memory_pool().free_all_blocks()
+        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------- output
@@ -804,19 +927,45 @@ def render(res: dict) -> str:
         lines += ["### Test-zoo models through CudaProgram vs torch eager on the GPU", "",
                   f"Each tests/zoo.py model at its test size, traced with its dynamic dims, on the example inputs and on "
                   f"fresh random inputs at another size; pass = `assert_allclose(rtol={RTOL}, atol={ATOL})` on every "
-                  "output (tol. ratio = max |kiln - torch| / (atol + rtol |torch|), pass iff <= 1).", "",
-                  "| model | CUDA graphs | status | worst tol. ratio | worst rel. err | max abs err | host fallbacks |",
-                  "|---|---|---|---:|---:|---:|---|"]
+                  "output (tol. ratio = max |kiln - torch| / (atol + rtol |torch|), pass iff <= 1). traced = where "
+                  "`kiln.trace` ran: on the device machine, or on the CPU box (`bench/gpu_zoo_export.py`: the .kiln "
+                  "file and the model's state_dict, sha256-checked; the weights are loaded into the model built on the "
+                  "device with `strict=True`, so torch's reference on the GPU uses exactly the traced weights).", "",
+                  "| model | traced | CUDA graphs | status | worst tol. ratio | worst rel. err | max abs err | "
+                  "host fallbacks |",
+                  "|---|---|---|---|---:|---:|---:|---|"]
         for r in zres:
             checks = r.get("checks", [])
+            traced = r.get("traced", "")
             if not checks:
-                lines.append(f"| {r['model']} | {'yes' if r.get('cuda_graphs') else 'no' if 'cuda_graphs' in r else ''}"
+                lines.append(f"| {r['model']} | {traced} | "
+                             f"{'yes' if r.get('cuda_graphs') else 'no' if 'cuda_graphs' in r else ''}"
                              f" | {r['status']}: {r.get('note', '')[:120]} | | | | |")
                 continue
             prog = r.get("program", {})
-            lines.append(f"| {r['model']} | {'yes' if r['cuda_graphs'] else 'no'} | {r['status']} | "
+            lines.append(f"| {r['model']} | {traced} | {'yes' if r['cuda_graphs'] else 'no'} | {r['status']} | "
                          f"{max(c['tol_ratio'] for c in checks):.3f} | {max(c['rel_l2'] for c in checks):.1e} | "
                          f"{max(c['max_abs'] for c in checks):.1e} | {prog.get('fallback_ops') or '-'} |")
+        notes, seen = [], set()
+        for r in zres:
+            if r["model"] in seen:
+                continue
+            if "device_trace_error" in r:
+                seen.add(r["model"])
+                notes.append(f"{r['model']}: `kiln.trace` fails on the device ({r['device_trace_error'][:160]}); "
+                             f"the CPU box's trace ran instead")
+            if "reference" in r:
+                seen.add(r["model"])
+                notes.append(f"{r['model']}: graph traced with {r['traced']}; torch reference = the "
+                             f"{r['reference']} with the same state_dict loaded")
+        zdir = res.get("zoo", {}).get("zoo_dir")
+        if zdir and "error" in zdir:
+            notes.append(f"--zoo-dir {zdir['path']}: unusable ({zdir['error']})")
+        elif zdir and zdir.get("not_exported"):
+            notes.append(f"not in --zoo-dir {zdir['path']}: " +
+                         "; ".join(f"{k} ({v[:120]})" for k, v in zdir["not_exported"].items()))
+        if notes:
+            lines += [""] + [f"- {n}" for n in notes]
         lines.append("")
     # ---- goals
     lines += ["Goals (issue 8):"] + [f"- {g}" for g in goals(res)]
@@ -909,6 +1058,12 @@ def main(argv: Optional[list] = None) -> int:
                     help="seconds from start after which no further torch.compile is started (default 470)")
     ap.add_argument("--sections", default="chain,models,zoo,compile",
                     help="comma-separated subset of chain,models,zoo,compile")
+    ap.add_argument("--zoo-dir", type=Path, metavar="DIR",
+                    help="a folder written by bench/gpu_zoo_export.py (graphs traced on the CPU box + their "
+                         "weights): used for the zoo models that do not trace here")
+    ap.add_argument("--zoo-prefer-dir", action="store_true",
+                    help="with --zoo-dir: use its file for every model it has, even those that trace here")
+    ap.add_argument("--zoo-only", metavar="NAMES", help="comma-separated zoo entries to run (default: all)")
     ap.add_argument("--render", metavar="JSON", help="render a results JSON and put it into bench/RESULTS.md")
     ap.add_argument("--print-only", action="store_true", help="with --render: print the markdown, write nothing")
     args = ap.parse_args(argv)
@@ -923,6 +1078,14 @@ def main(argv: Optional[list] = None) -> int:
             print(md)
         return 0
 
+    if args.zoo_prefer_dir and args.zoo_dir is None:
+        ap.error("--zoo-prefer-dir needs --zoo-dir")
+    zoo_only = [n.strip() for n in args.zoo_only.split(",") if n.strip()] if args.zoo_only else None
+    if zoo_only:
+        import zoo
+        unknown = sorted(set(zoo_only) - {e.name for e in zoo.ZOO})
+        if unknown:
+            ap.error(f"--zoo-only: no zoo entries {', '.join(unknown)}")
     start = time.monotonic()
     deadline = start + args.budget
     sections = set(args.sections.split(","))
@@ -964,7 +1127,8 @@ def main(argv: Optional[list] = None) -> int:
         if "models" in sections:
             states = step("models", lambda: model_section(dev, batches, results.setdefault("models", {}))) or []
         if "zoo" in sections:
-            step("zoo", lambda: zoo_section(dev, results.setdefault("zoo", {})))
+            step("zoo", lambda: zoo_section(dev, results.setdefault("zoo", {}), args.zoo_dir, args.zoo_prefer_dir,
+                                            zoo_only))
         if "compile" in sections and compile_ and states:
             step("compile", lambda: compile_section(dev, states, batches, results["models"], deadline))
     results["total_s"] = time.monotonic() - start
