@@ -1,5 +1,5 @@
 """Reductions: sum/mean/prod, amax/amin, max/min (global, along a dim, or elementwise),
-argmax/argmin, var/std, norms, cumsum, topk, logsumexp, all/any.
+argmax/argmin, var/std, norms, cumsum and its inverse diff, topk, logsumexp, all/any.
 
 torch semantics kept here: ``dim=None`` (and ``dim=()`` for sum/mean/amax) reduces every dim,
 negative dims, ``keepdim``, a 0-d input accepting dim 0/-1, and the result dtype torch picks
@@ -235,6 +235,37 @@ def cumsum(t, res, input, dim, *, dtype=None):
     if input.dim() == 0:
         return x
     return t.emit("CumSum", x, t.constant(np.array(int(dim), np.int64), "axis"))
+
+
+# Slice bounds for diff: from 1 to the end of the axis, and from 0 to one before it. ONNX clamps
+# both to the axis' size at run time, so they hold for any size (a symbolic one, or 0).
+_TO_END = np.iinfo(np.int64).max
+
+
+@maps(*aliases("diff"))
+def diff(t, res, input, n=1, dim=-1, prepend=None, append=None):
+    """``x[1:] - x[:-1]`` along dim, n times, after joining prepend/append to x along dim.
+
+    Bool tensors differ by ``x[1:] != x[:-1]`` (torch's logical xor). prepend/append are cast to
+    the result dtype first, as torch.cat promotes them (torch has already checked that they have
+    x's rank and its sizes off dim); with n=0 torch ignores them and returns x. Each step is two
+    Slices with bounds relative to the axis' ends, never its example size, so a symbolic dim
+    stays symbolic; n beyond the size gives an empty dim, as torch does.
+    """
+    if int(n) == 0:
+        return t.value(input)
+    d = int(dim) % input.dim()
+    dt = res_dtype(res)
+    parts = [t.value(p, dt) for p in (prepend, input, append) if p is not None]
+    x = parts[0] if len(parts) == 1 else t.emit("Concat", *parts, axis=d)
+    axes = t.constant(np.array([d], np.int64), "axes")
+    zero, one = t.constant(np.array([0], np.int64), "starts"), t.constant(np.array([1], np.int64), "starts")
+    to_end, to_last = (t.constant(np.array([_TO_END], np.int64), "ends"),
+                       t.constant(np.array([-1], np.int64), "ends"))
+    op = "Xor" if dt is DType.BOOL else "Sub"
+    for _ in range(int(n)):
+        x = t.emit(op, t.emit("Slice", x, one, to_end, axes), t.emit("Slice", x, zero, to_last, axes))
+    return x
 
 
 @maps(*aliases("topk"))

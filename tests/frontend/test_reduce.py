@@ -1,11 +1,13 @@
 """Tracing reductions (frontend/torch_ops/reduce.py): dim None / int / tuple / negative,
 keepdim, the result dtype torch picks, (values, indices) pairs, var/std corrections over a
-symbolic batch, compared with torch eager at two batch sizes."""
+symbolic batch, compared with torch eager at two batch sizes; diff (n, dim, prepend/append,
+bool xor, integer dtypes, a symbolic dim) through the evaluator and the CPU runtime."""
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from frontend_helpers import check_traced  # noqa: E402
+from frontend_helpers import check_traced, op_types  # noqa: E402
 
 import kiln  # noqa: E402
 
@@ -177,6 +179,75 @@ def test_cumsum():
         return x.cumsum(1), torch.cumsum(x, 0), torch.cumsum(x, -1, dtype=torch.float64), x.clone().cumsum_(1)
 
     check_batched(fn, lambda b: (randn(b, 4),))
+
+
+# ---------------------------------------------------------------------------- diff
+def check_diff(fn, inputs, *, dynamic=None, other_inputs=()):
+    """check_traced (the reference evaluator) plus the CPU runtime: kiln.load(graph).run must
+    agree with torch eager, values and dtypes, on every input set."""
+    graph = check_traced(fn, inputs, dynamic=dynamic, other_inputs=other_inputs)
+    program = kiln.load(graph)
+    for xs in [inputs, *other_inputs]:
+        want = fn(*xs)
+        want = want if isinstance(want, tuple) else (want,)
+        got = program.run([x.numpy() for x in xs], as_list=True)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g.dtype == w.numpy().dtype and g.shape == tuple(w.shape)
+            np.testing.assert_allclose(g, w.numpy(), rtol=1e-6, atol=1e-6)
+    return graph
+
+
+DIFF = {
+    "last_dim": lambda x: (torch.diff(x), x.diff(), torch.diff(x, dim=-1)),
+    "dims": lambda x: (torch.diff(x, dim=0), x.diff(dim=1), torch.diff(x, 1, -3), x.diff(dim=-2)),
+    "n": lambda x: (torch.diff(x, n=2), x.diff(3, 1), torch.diff(x, n=2, dim=0)),
+    "n_beyond_size": lambda x: (torch.diff(x, n=6), x.diff(n=9, dim=1)),  # empty along dim, as torch
+    "n_zero": lambda x: (torch.diff(x, n=0, prepend=x[..., :2]), x.int().diff(0, append=x)),  # x itself
+    "prepend": lambda x: (torch.diff(x, prepend=x[..., :1] - 1), x.diff(dim=0, prepend=x[:2] * 2)),
+    "append": lambda x: (torch.diff(x, dim=1, append=x[:, -1:] + 3), x.diff(2, -1, append=x)),
+    "both": lambda x: torch.diff(x, n=2, dim=-2, prepend=x[:, :1], append=x[:, :3] - 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DIFF))
+def test_diff(name):
+    check_diff(DIFF[name], (randn(2, 4, 5),))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.float64,
+                                   torch.float16])
+def test_diff_dtypes(dtype):
+    """Integers subtract in their own dtype (uint8 wraps around, as torch); float16 stays float16."""
+    x = ints(3, 6, dtype=torch.int64).mul(40).to(dtype)
+    check_diff(lambda x: (torch.diff(x), x.diff(n=2, dim=0), torch.diff(x, prepend=x[:, :1], append=x)), (x,))
+
+
+def test_diff_bool_is_xor():
+    x = torch.rand(3, 7, generator=gen) > 0.5
+    graph = check_diff(lambda x: (torch.diff(x), x.diff(n=3, dim=0), torch.diff(x, append=x[:, :2]),
+                                  torch.diff(x, n=2, prepend=~x[:, -1:])), (x,))
+    assert "Xor" in op_types(graph) and "Sub" not in op_types(graph)
+
+
+def test_diff_promotes_prepend_append_like_cat():
+    x, f = ints(2, 5), randn(2, 1)
+    b = torch.rand(2, 3, generator=gen) > 0.5
+    check_diff(lambda x, f, b: (torch.diff(x, prepend=f), x.diff(append=f.double()), torch.diff(b, append=x[:, :1]),
+                                torch.diff(b, prepend=f)), (x, f, b))
+
+
+def test_diff_dynamic_dim():
+    """A symbolic size along dim (and off it) stays symbolic: the graph runs at other sizes,
+    sizes 1 and 2 included (smaller than n: an empty result, as torch gives)."""
+    def fn(x):
+        return (torch.diff(x, prepend=x[:, :1] - 1, dim=-1), x.diff(n=2, dim=1), torch.diff(x, dim=0),
+                torch.diff(x, n=3, dim=-1, append=x), (x > 0).diff(n=2, dim=1))
+
+    graph = check_diff(fn, (ints(2, 7),), dynamic={"x": {0: "batch", 1: "seq"}},
+                       other_inputs=[(ints(4, 12),), (ints(1, 1),), (ints(3, 2),)])
+    assert graph.inputs[0].type.shape == ("batch", "seq")
+    assert not any(n.op == "Shape" for n in graph.nodes)  # no size read: the bounds are end-relative
 
 
 TOPK = {
