@@ -187,7 +187,7 @@ def main() -> None:
     print(info.stdout, info.stderr, flush=True)
     steps = sys.argv[1:] or ["tests", "conformance", "bench", "models"]
     if "tests" in steps:
-        sh([sys.executable, "-m", "pytest", "tests/runtime/test_cuda.py", "-q", "-p", "no:cacheprovider", "-rfE",
+        sh([sys.executable, "-m", "pytest", "tests/runtime/test_cuda.py", "tests/runtime/test_cuda_epilogue.py", "-q", "-p", "no:cacheprovider", "-rfE",
             "--tb=short"], "test_cuda.log", env)
     if "conformance" in steps:
         env2 = dict(env, KILN_CONFORMANCE_JSON=os.path.join(OUT, "conformance.json"))

@@ -4,8 +4,12 @@ Same public interface as :class:`kiln.runtime.program.Program` (``inputs``, ``ou
 ``metadata``, ``run(inputs, as_list=False)``), same execution plan (runtime/plan.py), with the
 kernels of runtime/kernels/cuda. What differs, and why:
 
-- **Loading.** Elementwise chains are fused into ``kiln.FusedElementwise`` nodes first (when
-  the pass exists), so each chain is one generated kernel (runtime/kernels/cuda/codegen.py).
+- **Loading.** Elementwise chains are fused into ``kiln.FusedElementwise`` nodes first, so each
+  chain is one generated kernel (runtime/kernels/cuda/codegen.py), then each Conv/Gemm/MatMul
+  feeding such a group (or a single elementwise op) alone takes it as its epilogue
+  (``kiln.FusedEpilogue``: cuDNN's fused graph, cublasLt's bias epilogue, or one generated
+  kernel in place over the product; runtime/kernels/cuda/epilogue.py). ``epilogues`` says
+  which strategy each fused node got. ``fuse=False`` keeps the graph as it is.
 - **Placement.** Values live on the device, except the small integer tensors of shape
   arithmetic (``Shape``, ``Size`` and nodes whose inputs are all such host values or small
   constants, with a small static output): those run on the host with the CPU kernels, so a
@@ -91,13 +95,11 @@ class CudaProgram:
         self.output = output
         self.tf32 = tf32
         self.fused_groups = 0
+        self.fused_epilogues = 0
         if fuse:
-            try:
-                from kiln.ir.passes.fuse import fuse_elementwise
-            except ImportError:  # the fusion pass is not in this tree yet
-                fuse_elementwise = None
-            if fuse_elementwise is not None:
-                self.fused_groups = fuse_elementwise(graph)
+            from kiln.ir.passes.fuse import fuse_elementwise, fuse_epilogues
+            self.fused_groups = fuse_elementwise(graph)
+            self.fused_epilogues = fuse_epilogues(graph)
         self.graph = graph
         self._host: set = set()          # values placed on the host
         self._host_nodes: list = []      # nodes run on the host by design (shape arithmetic)
@@ -227,6 +229,16 @@ class CudaProgram:
         return counts
 
     @property
+    def epilogues(self) -> dict:
+        """``{strategy: count}`` of the FusedEpilogue nodes (how each anchor and epilogue run)."""
+        counts: dict = {}
+        for node, k in self._kernels:
+            if node.domain == "kiln" and node.op == "FusedEpilogue":
+                s = "host fallback" if _is_fallback(k) else _strategy(k)
+                counts[s] = counts.get(s, 0) + 1
+        return counts
+
+    @property
     def host_ops(self) -> dict:
         counts: dict = {}
         for node in self._host_nodes:
@@ -298,7 +310,7 @@ class CudaProgram:
                     self._graphs.popitem(last=False)
             else:
                 self._graphs.move_to_end(sig)
-            graph, stream, in_bufs, outs, _pool = entry
+            graph, stream, in_bufs, outs, _keep = entry
             caller = cp.cuda.get_current_stream()
             # The inputs are copied in on the graph's stream after the caller's pending work.
             stream.wait_event(caller.record())
@@ -337,7 +349,9 @@ class CudaProgram:
         except Exception as e:  # noqa: BLE001 - this signature then runs eagerly
             self.graph_failures[sig] = f"{type(e).__name__}: {e}"
             return None
-        return graph, stream, in_bufs, outs, pool
+        # The library workspaces the graph points at live as long as the graph.
+        from kiln.runtime.kernels.cuda import cudnn
+        return graph, stream, in_bufs, outs, (pool, cudnn.pinned(stream))
 
     def captured_graphs(self) -> int:
         return len(self._graphs)
@@ -351,6 +365,15 @@ def _ignored_inputs(k) -> tuple:
             return tuple(ignored)
         k = getattr(k, "inner", None)
     return ()
+
+
+def _strategy(k) -> str:
+    while k is not None:
+        s = getattr(k, "strategy", None)
+        if s is not None:
+            return s
+        k = getattr(k, "inner", None)
+    return "?"
 
 
 def _is_fallback(k) -> bool:

@@ -14,7 +14,7 @@ So each node becomes one NodeProto, each value keeps its name, each symbolic dim
   ``MAX_OPSET`` (checked against ``onnx.defs``), so the same node means the same thing there.
   Below 18 the meaning of several ops differs (Reduce* axes, Split, Pad), so it is refused.
 - **expansions**: an op that the target opset lacks (Gelu before 20) or that lives in another
-  domain (kiln's future fused ops) is rewritten into ai.onnx nodes by a function registered
+  domain (kiln's fused ops) is rewritten into ai.onnx nodes by a function registered
   with :func:`register_expansion`; an op with neither raises ``UnsupportedOpError``.
 - **attributes newer than the opset** (Cast's ``saturate`` arrived in 19) are dropped when
   they hold kiln's default, which is the only behaviour the older op has.
@@ -538,15 +538,18 @@ def _umask() -> int:
     return mask
 
 
-# --------------------------------------------------------------------------- kiln.FusedElementwise
+# ------------------------------------------------------------ kiln.FusedElementwise, kiln.FusedEpilogue
 
 
+@register_expansion("kiln", "FusedEpilogue")
 @register_expansion("kiln", "FusedElementwise")
 def _expand_fused_elementwise(em: Emitter, node: Node) -> None:
     """The body's nodes inlined: body inputs take the node's input names, body outputs the node's
     output names, body initializers become Constant nodes. Each body node is emitted like a
     top-level one (so a Gelu in the body is expanded below opset 20 too). A body output that is
-    not computed by a body node, or is repeated, goes through an Identity (ONNX is SSA)."""
+    not computed by a body node, or is repeated, goes through an Identity (ONNX is SSA).
+    A FusedEpilogue body is closed the same way (its anchor, a Conv/Gemm/MatMul, is one more
+    body node), so both ops expand alike."""
     body: Graph = node.attrs["body"]
     b = em._builder
     for v, name in zip(body.inputs, em.inputs):

@@ -36,25 +36,55 @@ member's meta (its module scope and source). The graph's nodes are then re-sorte
 topological order. A dead group (nothing outside reads it) is left for DCE. If/Loop bodies are
 fused too (recursively; a fused node there may read outer values as its inputs); FusedElementwise
 bodies are not entered, and the op is not elementwise, so a second run finds nothing to do.
+
+Epilogues (``fuse_epilogues``, run after ``fuse_elementwise``): the elementwise tail of a
+Conv/Gemm/MatMul joins it in one ``kiln.FusedEpilogue`` (kiln/ir/ops/fused.py gives its body's
+layout). Why: fusing the tail alone still leaves the anchor's output making a round trip through
+GPU memory (written by the convolution, read back by the elementwise kernel) and costs one more
+launch per epilogue, while cuDNN and cuBLASLt can apply a bias, an activation and a residual add
+inside the GEMM/convolution itself (the patterns of every ResNet block, ``Conv -> Relu``,
+``Conv -> Add(residual) -> Relu``, and of every transformer projection, ``MatMul -> Add(bias)``,
+``MatMul -> Add(bias) -> Gelu``); a backend that cannot still has one node to run as the anchor
+plus one generated kernel. The rules:
+
+- the consumer C is a FusedElementwise node (its body only default-domain elementwise ops, each
+  of one output of the group's shape) or a single elementwise op that could join a group (its
+  output shape fully known); C has a live output;
+- the anchor A is a default-domain op of ``anchors`` (``ANCHOR_OPS`` by default) in the same
+  graph with one output y; y is read only by C, at one position (not by a subgraph, not a graph
+  output), so nothing else needs it materialized; y's type is fully known (ints and symbols),
+  float (float16/32/64, bfloat16: what the GPU libraries' epilogues take) and has the shape of
+  every output of C, so the epilogue never broadcasts the anchor's output into something larger;
+- among C's inputs from such anchors the latest in node order is taken: in a ResNet
+  downsample block ``Add(conv2(...), downsample_conv(x))`` that is the one computed last (the
+  other must be ready anyway when the fused node runs, and stays its input).
+
+A and C are rewritten by the same machinery as a group: A, then C move into the body of a new
+node named ``epilogue``/``epilogue_<k>``, placed where C was (every input of the pair is
+defined before C, and every reader of C's outputs comes after it, so no re-sort is needed),
+carrying the anchor's meta (the layer's scope and source). A's inputs become the first
+node inputs and body inputs, one per position and never pulled in (weights stay outer
+constants, whatever their size: the GPU library reads them where they are); C's other inputs
+follow, small constants pulled in as for a group. C's outer outputs stay the node's outputs
+(names and readers unchanged). A FusedElementwise C is then flattened: its body's nodes,
+values and initializers move into the epilogue body unchanged. A trailing omitted optional
+input of the anchor (Conv's bias, Gemm's C) is dropped. If/Loop bodies are handled like the
+main graph; FusedElementwise and FusedEpilogue bodies are not entered, and FusedEpilogue is
+no consumer, so a second run finds nothing to do.
 """
 from __future__ import annotations
 
 import heapq
 from typing import Iterable, Optional
 
-from kiln.ir.dtypes import DType
+from kiln.ir.dtypes import FLOAT_TYPES, DType
 from kiln.ir.graph import Graph, Node, Value
-from kiln.ir.ops.fused import FUSED_OP
+# ELEMENTWISE_OPS lives with the ops (FusedEpilogue's layout check needs it); exported here too.
+from kiln.ir.ops.fused import ANCHOR_OPS, ELEMENTWISE_OPS, EPILOGUE_OP, FUSED_OP
 from kiln.ir.passes._rewrite import graph_outputs
 from kiln.ir.registry import KILN_DOMAIN, ONNX_DOMAIN
 
-# Elementwise ops of the default domain: each output element depends only on the input elements
-# at the same (broadcast) position.
-ELEMENTWISE_OPS = frozenset("""
-Abs Add And Cast Ceil Clip Cos Div Elu Equal Erf Exp Floor Gelu Greater GreaterOrEqual HardSigmoid
-HardSwish IsInf IsNaN LeakyRelu Less LessOrEqual Log Max Mean Min Mish Mul Neg Not Or Pow PRelu Reciprocal
-Relu Selu Sigmoid Sign Sin Softplus Softsign Sqrt Sub Sum Tanh Where Xor
-""".split())
+_FUSED_OPS = frozenset({FUSED_OP, EPILOGUE_OP})  # kiln ops whose bodies the passes never enter
 
 SMALL_CONSTANT = 64  # initializers of at most this many elements are copied into the body
 
@@ -116,7 +146,67 @@ def fusion_groups(graph: Graph, *, min_ops: int = 2, ops: Iterable[str] = ELEMEN
         into[root] = (into[root] | r) & ~bits[root]
         reach[node] = r | bits[root]
     groups = [sorted(m, key=index.__getitem__) for m in members.values() if len(m) >= min_ops]
+    groups = _without_cycles(graph, groups, min_ops)
     return sorted(groups, key=lambda m: index[m[0]])
+
+
+def _without_cycles(graph: Graph, groups: list, min_ops: int) -> list:
+    """``groups`` with any group on a cycle of the fused graph split up, until there is none.
+
+    The greedy growth above checks convexity against ``reach``, which it records per node when
+    the node is visited; a group that later takes a member with new incoming paths makes the
+    nodes already downstream of it depend on those too, which their records miss, and two groups
+    can then each reach the other (hypothesis found one: relu = Relu(x); MatMul(relu) feeds the
+    group {Relu(x), Add(matmul, .), Relu(.)}, whose output feeds Add(relu, .) joining relu's
+    group). So the result is checked exactly: a DFS over the graph with each group as one vertex;
+    a group on a cycle is dissolved (its members stay unfused) and the check repeats. Cycles are
+    rare, so this costs one linear pass in the usual case."""
+    while True:
+        vertex: dict[Node, int] = {}
+        for k, m in enumerate(groups):
+            for n in m:
+                vertex[n] = k
+        nxt = len(groups)
+        for n in graph.nodes:
+            if n not in vertex:
+                vertex[n] = nxt
+                nxt += 1
+        succ: dict[int, set] = {}
+        for n in graph.nodes:
+            for p in _producers(n, graph):
+                a, b = vertex[p], vertex[n]
+                if a != b:
+                    succ.setdefault(a, set()).add(b)
+        cycle_group = _group_on_cycle(succ, len(groups), nxt)
+        if cycle_group is None:
+            return groups
+        groups = [m for k, m in enumerate(groups) if k != cycle_group and len(m) >= min_ops]
+
+
+def _group_on_cycle(succ: dict, n_groups: int, n_vertices: int) -> Optional[int]:
+    """A group vertex (< n_groups) on a cycle of ``succ``, or None (iterative DFS, three colours)."""
+    colour = [0] * n_vertices  # 0 new, 1 on the stack, 2 done
+    for start in range(n_vertices):
+        if colour[start]:
+            continue
+        stack = [(start, iter(sorted(succ.get(start, ()))))]
+        colour[start] = 1
+        path = [start]
+        while stack:
+            v, it = stack[-1]
+            w = next(it, None)
+            if w is None:
+                colour[v] = 2
+                stack.pop()
+                path.pop()
+            elif colour[w] == 1:
+                on_cycle = path[path.index(w):]
+                return next(u for u in on_cycle if u < n_groups)  # a cycle needs a group on it
+            elif colour[w] == 0:
+                colour[w] = 1
+                stack.append((w, iter(sorted(succ.get(w, ())))))
+                path.append(w)
+    return None
 
 
 def fuse_elementwise(graph: Graph, *, min_ops: int = 2, ops: Iterable[str] = ELEMENTWISE_OPS) -> int:
@@ -126,19 +216,49 @@ def fuse_elementwise(graph: Graph, *, min_ops: int = 2, ops: Iterable[str] = ELE
     outputs = graph_outputs(graph.root)
     made = 0
     for g in list(_graphs(graph)):
-        groups = fusion_groups(g, min_ops=min_ops, ops=ops)
-        if not groups:
-            continue
-        order_key: dict[Node, int] = {n: i for i, n in enumerate(g.nodes)}
-        changed = False
-        for members in groups:
-            fused = _fuse(g, members, outputs)
-            if fused is not None:
-                order_key[fused] = max(order_key[m] for m in members)
-                made += 1
-                changed = True
-        if changed:
-            _stable_toposort(g, order_key)
+        # Rounds until nothing changes: a round fuses acyclic groups; members of a group that was
+        # dissolved for a cycle (``_without_cycles``, rare) may group again in the next round,
+        # now that the groups around them are single nodes (so a second run has nothing to do).
+        changed = True
+        while changed:
+            groups = fusion_groups(g, min_ops=min_ops, ops=ops)
+            order_key: dict[Node, int] = {n: i for i, n in enumerate(g.nodes)}
+            changed = False
+            for members in groups:
+                fused = _fuse(g, members, outputs)
+                if fused is not None:
+                    order_key[fused] = max(order_key[m] for m in members)
+                    made += 1
+                    changed = True
+            if changed:
+                _stable_toposort(g, order_key)
+    return made
+
+
+def fuse_epilogues(graph: Graph, *, anchors: Iterable[str] = ANCHOR_OPS) -> int:
+    """Fuse each Conv/Gemm/MatMul of ``anchors`` with the elementwise consumer of its output (a
+    FusedElementwise or a single elementwise op) into one FusedEpilogue node, in ``graph`` and
+    its If/Loop bodies; returns the number of nodes made. Meant to run after
+    :func:`fuse_elementwise` (module docstring: "Epilogues")."""
+    anchors = frozenset(anchors)
+    if not anchors <= ANCHOR_OPS:
+        raise ValueError(f"anchors must be among {sorted(ANCHOR_OPS)} (FusedEpilogue's layout), "
+                         f"not {sorted(anchors - ANCHOR_OPS)}")
+    outputs = graph_outputs(graph.root)
+    made = 0
+    for g in list(_graphs(graph)):
+        position = {n: i for i, n in enumerate(g.nodes)}
+        for consumer in list(g.nodes):
+            anchor = _epilogue_anchor(consumer, g, anchors, outputs, position)
+            if anchor is None:
+                continue
+            anchor.inputs = _present_inputs(anchor)
+            fused = _fuse(g, [anchor, consumer], outputs, op=EPILOGUE_OP, name="epilogue",
+                          anchored=True, at=consumer)
+            assert fused is not None, "a live consumer makes a live epilogue"
+            if _is_group(consumer):
+                _inline(consumer)
+            made += 1
     return made
 
 
@@ -146,10 +266,11 @@ def fuse_elementwise(graph: Graph, *, min_ops: int = 2, ops: Iterable[str] = ELE
 
 
 def _graphs(graph: Graph):
-    """``graph`` and the bodies of its If/Loop nodes, recursively; not FusedElementwise bodies."""
+    """``graph`` and the bodies of its If/Loop nodes, recursively; not FusedElementwise or
+    FusedEpilogue bodies."""
     yield graph
     for n in graph.nodes:
-        if n.domain == KILN_DOMAIN and n.op == FUSED_OP:
+        if n.domain == KILN_DOMAIN and n.op in _FUSED_OPS:
             continue
         for sg in n.subgraphs():
             yield from _graphs(sg)
@@ -197,6 +318,54 @@ def _fusable_shape(node: Node, ops: frozenset) -> Optional[tuple]:
     return t.shape
 
 
+def _present_inputs(node: Node) -> list:
+    """``node``'s inputs without the trailing omitted (None) ones."""
+    inputs = list(node.inputs)
+    while inputs and inputs[-1] is None:
+        inputs.pop()
+    return inputs
+
+
+def _epilogue_anchor(consumer: Node, graph: Graph, anchors: frozenset, outputs: set,
+                     position: dict) -> Optional[Node]:
+    """The anchor ``fuse_epilogues`` absorbs into ``consumer``, or None: among the nodes of
+    ``anchors`` producing an input of the consumer, with an output of the consumer's shape that
+    only the consumer reads, the latest in ``position`` (the graph's node order)."""
+    group = _is_group(consumer)
+    if not group and _fusable_shape(consumer, ELEMENTWISE_OPS) is None:
+        return None
+    shapes = {None if v.type is None else v.type.shape for v in consumer.outputs}
+    if len(shapes) != 1 or None in shapes or not any(v in outputs or v.uses for v in consumer.outputs):
+        return None
+    (shape,) = shapes
+    if group and not _plain_body(consumer.attrs["body"], shape):
+        return None
+    best = None
+    for v in consumer.inputs:
+        a = None if v is None else _producer_in(v, graph)
+        if a is None or a.domain != ONNX_DOMAIN or a.op not in anchors or len(a.outputs) != 1:
+            continue
+        t = v.type
+        if (v in outputs or len(v.uses) != 1 or t is None or t.dtype not in FLOAT_TYPES or t.shape != shape
+                or any(d is None for d in shape) or None in _present_inputs(a)):
+            continue
+        if best is None or position[a] > position[best]:
+            best = a
+    return best
+
+
+def _is_group(node: Node) -> bool:
+    return node.domain == KILN_DOMAIN and node.op == FUSED_OP
+
+
+def _plain_body(body: Graph, shape: tuple) -> bool:
+    """Whether a FusedElementwise body may become an epilogue: only default-domain elementwise
+    ops of one output of ``shape``, and each body output computed by one of them."""
+    return (all(n.domain == ONNX_DOMAIN and n.op in ELEMENTWISE_OPS and len(n.outputs) == 1
+                and n.outputs[0].type is not None and n.outputs[0].type.shape == shape for n in body.nodes)
+            and all(v.producer is not None and v.producer.graph is body for v in body.outputs))
+
+
 def _convex_with(node: Node, chosen: list, producers: list, group_of: dict, find, bits: dict,
                  reach: dict, into: dict) -> bool:
     """Whether ``node`` may join the union of the groups ``chosen``: no producer outside them is
@@ -218,19 +387,31 @@ def _convex_with(node: Node, chosen: list, producers: list, group_of: dict, find
 # --------------------------------------------------------------------------- rewriting
 
 
-def _fuse(graph: Graph, members: list, outputs: set) -> Optional[Node]:
-    """Move ``members`` into the body of a new FusedElementwise node of ``graph``; a dead group
-    (nothing outside reads it) is left for DCE and gives None."""
+def _fuse(graph: Graph, members: list, outputs: set, *, op: str = FUSED_OP, name: str = "fused",
+          anchored: bool = False, at: Optional[Node] = None) -> Optional[Node]:
+    """Move ``members`` into the body of a new ``op`` node (named from ``name``) of ``graph``,
+    placed before ``at`` (default: the first member); a dead group (nothing outside reads it) is
+    left for DCE and gives None. With ``anchored``, ``members[0]`` is a FusedEpilogue's anchor:
+    each of its inputs becomes a body input of its own, first and in order, never a pulled-in
+    constant, and no other member reads those body inputs (an outer value both read gets a
+    second body input)."""
     inside = set(members)
     exported = [v for m in members for v in m.outputs
                 if v in outputs or any(u not in inside for u in v.users)]
     if not exported:
         return None
-    body = graph.subgraph("fused_body")
+    body = graph.subgraph(f"{name}_body")
     external: dict[Value, Value] = {}   # outer value -> body input or initializer
     node_inputs: list[Value] = []
     pulled: list[Value] = []
-    for m in members:
+    anchor_inputs: list[Value] = []
+    if anchored:
+        for v in members[0].inputs:
+            inp = body._new_value(None, v.type, v.name)
+            body.inputs.append(inp)
+            anchor_inputs.append(inp)
+            node_inputs.append(v)
+    for m in members[1:] if anchored else members:
         for v in m.inputs:
             if v is None or v in external or (v.producer is not None and v.producer in inside):
                 continue
@@ -242,8 +423,8 @@ def _fuse(graph: Graph, members: list, outputs: set) -> Optional[Node]:
                 body.inputs.append(inp)
                 external[v] = inp
                 node_inputs.append(v)
-    fused = graph.add_node(FUSED_OP, node_inputs, {"body": body}, domain=KILN_DOMAIN, num_outputs=0,
-                           name="fused", meta=dict(members[0].meta), before=members[0])
+    fused = graph.add_node(op, node_inputs, {"body": body}, domain=KILN_DOMAIN, num_outputs=0,
+                           name=name, meta=dict(members[0].meta), before=at or members[0])
     # Body copies of the exported values; the outer Values stay (names, uses) and change producer.
     copies: dict[Value, Value] = {}
     for v in exported:
@@ -252,7 +433,10 @@ def _fuse(graph: Graph, members: list, outputs: set) -> Optional[Node]:
         graph.nodes.remove(m)
         m.graph = body
         body.nodes.append(m)
-        m.inputs = [None if v is None else copies.get(v) or external.get(v) or v for v in m.inputs]
+        if anchored and m is members[0]:
+            m.inputs = anchor_inputs
+        else:
+            m.inputs = [None if v is None else copies.get(v) or external.get(v) or v for v in m.inputs]
         for i, v in enumerate(m.outputs):
             if v in copies:
                 c = copies[v]
@@ -268,6 +452,33 @@ def _fuse(graph: Graph, members: list, outputs: set) -> Optional[Node]:
         if not v.uses and v not in outputs and v.graph.initializers.get(v.name) is v:
             v.graph.remove_initializer(v)
     return fused
+
+
+def _inline(node: Node) -> None:
+    """Replace the FusedElementwise ``node`` by the nodes of its body, in its place in its graph
+    (how ``fuse_epilogues`` flattens a group into an epilogue body). The body's nodes, values and
+    initializers move unchanged (names included): body inputs read the node's inputs, and
+    readers of the node's outputs read the body's outputs."""
+    graph = node.graph
+    body: Graph = node.attrs["body"]
+    vmap: dict[Value, Value] = dict(zip(body.inputs, node.inputs))
+    for v in body.initializers.values():
+        v.graph = graph
+        graph.initializers[v.name] = v
+    at = graph._index_of(node)
+    graph.nodes[at:at + 1] = body.nodes
+    for m in body.nodes:
+        m.graph = graph
+        m.inputs = [None if v is None else vmap.get(v, v) for v in m.inputs]
+        for v in m.outputs:
+            v.graph = graph
+    node.inputs = []
+    for out, v in zip(node.outputs, body.outputs):
+        for user, i in out.uses:
+            user.set_input(i, v)
+        graph.outputs = [v if o is out else o for o in graph.outputs]
+    node.outputs = []
+    body.nodes, body.inputs, body.outputs, body.initializers = [], [], [], {}
 
 
 def _stable_toposort(graph: Graph, key: dict) -> None:

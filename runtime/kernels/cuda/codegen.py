@@ -127,12 +127,19 @@ def _static_dtype(v) -> np.dtype:
 
 def body_from_graph(g) -> Body:
     """The Body of a FusedElementwise ``body`` graph (its inputs are the node's inputs)."""
+    return body_from_nodes(g.inputs, g.initializers.values(), g.nodes, g.outputs)
+
+
+def body_from_nodes(inputs, initializers, nodes, outputs) -> Body:
+    """The Body computing ``outputs`` from ``inputs`` (the operands, in order) and the constant
+    Values ``initializers`` through the elementwise ``nodes`` (in order): a whole fused body, or
+    the elementwise part of a ``kiln.FusedEpilogue`` body (whose anchor's output is an input)."""
     names: dict = {}
-    dtypes = [_static_dtype(v) for v in g.inputs]
-    body = Body(operand_dtypes=list(dtypes), n_inputs=len(g.inputs))
-    for i, v in enumerate(g.inputs):
+    dtypes = [_static_dtype(v) for v in inputs]
+    body = Body(operand_dtypes=list(dtypes), n_inputs=len(inputs))
+    for i, v in enumerate(inputs):
         names[v] = f"a{i}"
-    for v in g.initializers.values():
+    for v in initializers:
         arr = np.asarray(v.const)
         dt = arr.dtype
         if not supported_dtype(dt):
@@ -145,12 +152,12 @@ def body_from_graph(g) -> Body:
             body.operand_dtypes.append(dt)
             body.consts.append(arr)
         names[v] = name
-    for node in g.nodes:
+    for node in nodes:
         _add_step(body, node.op, node.domain, node.schema.fill_attrs(node.attrs),
                   [None if v is None else names[v] for v in node.inputs],
                   [None if v is None else _static_dtype(v) for v in node.inputs],
                   node.outputs, names)
-    for v in g.outputs:
+    for v in outputs:
         if v not in names:
             raise Unsupported(f"output {v.name} is not computed by the body")
         body.outputs.append(names[v])
@@ -412,16 +419,18 @@ def operands_read(body: Body) -> set:
     return used
 
 
-def generate(body: Body, modes: Sequence[str], ndim: int, index: str, vec: bool) -> str:
+def generate(body: Body, modes: Sequence[str], ndim: int, index: str, vec: bool, alias: bool = False) -> str:
     """The kernel source for ``body`` with operand ``modes`` (FLAT/SCALAR/STRIDED, '-' for
     operands not read), ``ndim`` collapsed output dims, index type ``index`` ('int' or
-    'long long') and the 4-wide vector path or not."""
+    'long long') and the 4-wide vector path or not. ``alias``: an output is also an operand
+    (an in-place launch), so no pointer is declared ``__restrict__``."""
+    restrict = "" if alias else " __restrict__"
     params = []
     for k, dt in enumerate(body.operand_dtypes):
         if modes[k] != "-":
-            params.append(f"const {ctype(dt)}* __restrict__ p{k}")
+            params.append(f"const {ctype(dt)}*{restrict} p{k}")
     for j, dt in enumerate(body.output_dtypes):
-        params.append(f"{ctype(dt)}* __restrict__ q{j}")
+        params.append(f"{ctype(dt)}*{restrict} q{j}")
     params.append(f"{index} n")
     if not vec:
         params += [f"{index} D{d}" for d in range(ndim)]
@@ -528,7 +537,14 @@ def collapse(shape: tuple, strides: list) -> tuple:
     return tuple(out_shape), out_strides
 
 
-BLOCK = 256
+# Launch shape: BLOCK threads a block; at most BLOCKS_PER_SM blocks per multiprocessor, each
+# thread looping over the rest (grid-stride); 0 = no cap (one vector or element per thread).
+# The 4-wide path and the element path differ (bench/gpu_launch_shape.py, H200): the 8192^2
+# chain ran 1.08x the bandwidth floor at 256/32 and 1.01x at 128/uncapped, while a broadcast
+# bias + Gelu on the element path ran 2.0x at 256/32 and 2.8x uncapped. Module globals, read at
+# each new launch plan, so a benchmark can compare shapes.
+BLOCK, BLOCKS_PER_SM = 256, 32
+BLOCK_VEC, BLOCKS_PER_SM_VEC = 128, 0
 _INT32_MAX = (1 << 31) - 1
 
 
@@ -546,11 +562,14 @@ class ElementwiseKernel:
         self.dtypes = [np.dtype(d) for d in body.operand_dtypes]
         self._plans: dict = {}
         dev = cupy.cuda.Device()
-        self.max_blocks = dev.attributes["MultiProcessorCount"] * 32
+        self.sms = dev.attributes["MultiProcessorCount"]
         self.vector_launches = 0
         self.launches = 0
 
-    def __call__(self, *inputs):
+    def __call__(self, *inputs, out=None):
+        """The outputs for these operands; ``out``: an array to write the (single) output into,
+        of the output's shape and dtype (it may be one of the operands: each element is read
+        before it is written, by the same thread)."""
         cp = self.cp
         ops = []
         for k, a in enumerate(list(inputs) + self.consts):
@@ -559,24 +578,32 @@ class ElementwiseKernel:
             if a.dtype != self.dtypes[k]:
                 a = a.astype(self.dtypes[k])  # a scalar given with another dtype (rare)
             ops.append(a)
-        key = tuple((a.shape, a.strides, a.data.ptr % 16 == 0) for a in ops)
+        alias = out is not None and any(a.data.ptr == out.data.ptr for a in ops)
+        key = tuple((a.shape, a.strides, a.data.ptr % 16 == 0) for a in ops) + (alias,)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan(ops)
+            plan = self._plan(ops, alias)
             if len(self._plans) < 64:
                 self._plans[key] = plan
-        kern, shape, blocks, extra, vec = plan
-        outs = [cp.empty(shape, dt) for dt in self.body.output_dtypes]
+        kern, shape, blocks, block, extra, vec = plan
+        if out is not None:
+            if len(self.body.output_dtypes) != 1 or out.shape != tuple(shape) or \
+                    out.dtype != self.body.output_dtypes[0] or not out.flags.c_contiguous or \
+                    (vec and out.data.ptr % 16):
+                raise ValueError("out= must be one C-contiguous, 16-byte aligned array of the output's shape and dtype")
+            outs = [out]
+        else:
+            outs = [cp.empty(shape, dt) for dt in self.body.output_dtypes]
         n = math.prod(shape)
         if n == 0:
             return outs
         args = [a for k, a in enumerate(ops) if k in self.read] + outs + extra
-        kern((blocks,), (BLOCK,), tuple(args))
+        kern((blocks,), (block,), tuple(args))
         self.launches += 1
         self.vector_launches += vec
         return outs
 
-    def _plan(self, ops: list) -> tuple:
+    def _plan(self, ops: list, alias: bool = False) -> tuple:
         # The output covers the operands the body reads (CastLike's dtype-only input is not one).
         shape = np.broadcast_shapes(*(a.shape for k, a in enumerate(ops) if k in self.read))
         n = math.prod(shape)
@@ -609,15 +636,19 @@ class ElementwiseKernel:
         else:
             cshape, cstr = (n,), []
         span = max([n] + [sum(abs(s) * (d - 1) for s, d in zip(st, cshape)) + 1 for st in cstr])
-        index = "int" if span <= _INT32_MAX and n + BLOCK * self.max_blocks <= _INT32_MAX else "long long"
-        it = np.int32 if index == "int" else np.int64
-        src = generate(self.body, modes, len(cshape), index, vec)
-        kern = compile_kernel(src)
+        block, per_sm = (BLOCK_VEC, BLOCKS_PER_SM_VEC) if vec else (BLOCK, BLOCKS_PER_SM)
         work = n // 4 if vec else n
-        blocks = max(1, min(-(-work // BLOCK), self.max_blocks))
+        blocks = -(-work // block)
+        if per_sm:
+            blocks = min(blocks, self.sms * per_sm)
+        blocks = max(1, blocks)
+        index = "int" if span <= _INT32_MAX and n + 4 * block * blocks <= _INT32_MAX else "long long"
+        it = np.int32 if index == "int" else np.int64
+        src = generate(self.body, modes, len(cshape), index, vec, alias)
+        kern = compile_kernel(src)
         extra = [it(n)]
         if not vec:
             extra += [it(d) for d in cshape]
             for st in cstr:
                 extra += [it(s) for s in st]
-        return kern, tuple(shape), blocks, extra, int(vec)
+        return kern, tuple(shape), blocks, block, extra, int(vec)

@@ -1,4 +1,4 @@
-"""2-D convolution through cuDNN, reached from CuPy device pointers by nvidia-cudnn-frontend.
+"""Convolution (N-d, float32) through cuDNN, reached from CuPy device pointers by nvidia-cudnn-frontend.
 
 Why: the CuPy-only path (nn.py: im2col + cuBLAS) copies every input window into a column
 buffer and runs a plain GEMM; on the device's H200 that ran 1.6x to 9.2x slower than cuDNN on
@@ -8,13 +8,16 @@ pointers, so no torch is needed at run time. The frontend is an optional depende
 ``gpu`` extra); when it does not import or its self-test fails, ``available()`` says no, and
 ``why_unavailable()`` says why, and the Conv kernel keeps the im2col path.
 
-How: one frontend graph per (input shape, weight shape, dtype, pads, strides, dilations, bias,
-TF32): ``conv_fprop`` (+ an ``add`` of the [1, M, 1, 1] bias, fused into the same cuDNN
-graph) built once: validate, build_operation_graph, create_execution_plans (heuristics A, then
-FALLBACK), deselect engines by numerical note, check_support, build_plans (the heuristics'
-first engine that builds). When no engine takes the fused bias, the plan is the bare
-convolution and the caller adds the bias. Grouped convolutions are described by the weight's
-[M, C/group, kh, kw] dims; a shape cuDNN refuses raises ``Unsupported`` at build and the caller
+How: one frontend graph per (input shape, weight shape, pads, strides, dilations, epilogue,
+TF32): ``conv_fprop``, then the epilogue the caller asks for (the [1, M, 1, 1] bias, a
+residual tensor, ReLU: the ``kiln.FusedEpilogue`` patterns of ResNet-style blocks) as pointwise
+ops of the same cuDNN graph, built once: validate, build_operation_graph,
+create_execution_plans (heuristics A, then FALLBACK), deselect engines by numerical note,
+check_support, build_plans (the heuristics' first engine that builds). When no engine takes the
+whole epilogue, shorter prefixes of it are tried down to the bare convolution, and the caller
+applies what is left (``Plan.fused`` says how far cuDNN got). N-d convolutions (1-D as 2-D
+with a unit height, 3-D as is) and grouped convolutions are described by the weight's
+[M, C/group, *k] dims; a shape cuDNN refuses raises ``Unsupported`` at build and the caller
 keeps im2col for it.
 
 TF32: for float32, engines whose numerical notes say TENSOR_CORE or DOWN_CONVERT_INPUTS (the
@@ -23,10 +26,12 @@ linalg's switch), the same filter torch applies for ``cudnn.allow_tf32 = False``
 takes this path; float64 stays on im2col.
 
 Streams and CUDA graphs: one cuDNN handle per (device, stream), like linalg's cuBLAS handles,
-created on first use outside a capture; each executor owns its workspace (allocated when its
-plan is built), so a capture allocates nothing. Whether an execute can be captured at all is
-checked once by the self-test (capture a small convolution, replay it, compare):
-``capture_ok()``; if it cannot, the Conv kernel uses im2col while a stream is capturing.
+created on first use outside a capture, and one workspace per (device, stream), shared by every
+convolution on it and grown (outside captures) to the largest plan's need (``workspace``); a
+captured graph keeps its stream's workspace alive (``pinned``), so a capture allocates nothing.
+Whether an execute can be captured at all is checked once by the self-test (capture a small
+convolution, replay it, compare): ``capture_ok()``; if it cannot, the Conv kernel uses im2col
+while a stream is capturing.
 """
 from __future__ import annotations
 
@@ -39,10 +44,14 @@ import numpy as np
 
 _STATE: dict = {"module": None, "checked": False, "why": None, "capture": None, "handles": {}}
 _PLANS: dict = {}   # key -> Plan, or an Unsupported instance (the reason is kept)
+_WORKSPACES: dict = {}  # (device, stream ptr) -> the stream's workspace (see workspace())
 _LOCK = threading.Lock()
 # "auto": time both paths once per convolution shape and keep the faster (nn.py);
 # "cudnn" / "im2col": force one (tests, benchmarks). KILN_CUDA_CONV sets the default.
 _MODE = {"mode": os.environ.get("KILN_CUDA_CONV", "auto")}
+# Residual add and ReLU inside the cuDNN graph (where an engine takes them); KILN_CUDNN_EPILOGUE=0
+# keeps cuDNN to convolution + bias, the rest then being one pass after it (for A/B timing).
+FUSE_EPILOGUE = os.environ.get("KILN_CUDNN_EPILOGUE", "1") != "0"
 
 
 class Unsupported(Exception):
@@ -96,17 +105,22 @@ def capturing() -> bool:
 
 
 class Plan:
-    """A built cuDNN graph for one convolution key; executes on any buffers of that shape."""
+    """A built cuDNN graph for one convolution key; executes on any buffers of that shape.
 
-    def __init__(self, cudnn, x_shape, w_shape, pre, post, strides, dilations, bias: bool, tf32: bool):
+    ``epilogue`` asks for ops after the convolution inside the same cuDNN graph, in this order:
+    ``"bias"`` (add the [1, M, 1, 1] bias), ``"residual"`` (add a tensor of the output's
+    shape), ``"relu"``. Engines for a fused graph may not exist (for float32 without tensor
+    cores most fused patterns have none), so the build tries the whole epilogue first, then
+    ever shorter prefixes of it, down to the bare convolution; ``fused`` is the prefix that
+    built, and the caller applies the rest itself."""
+
+    def __init__(self, cudnn, x_shape, w_shape, pre, post, strides, dilations, epilogue: tuple, tf32: bool):
         f32 = cudnn.data_type.FLOAT
-        self.fused_bias = False
         last = None
-        # The fused bias first; when no engine takes it, the bare convolution.
-        for with_bias in ((True, False) if bias else (False,)):
+        for n in range(len(epilogue), -1, -1):
             try:
-                self._build(cudnn, f32, x_shape, w_shape, pre, post, strides, dilations, with_bias, tf32)
-                self.fused_bias = with_bias
+                self._build(cudnn, f32, x_shape, w_shape, pre, post, strides, dilations, epilogue[:n], tf32)
+                self.fused = tuple(epilogue[:n])
                 break
             except Exception as e:  # noqa: BLE001 - the frontend raises several types
                 last = e
@@ -114,21 +128,34 @@ class Plan:
             raise Unsupported(f"{type(last).__name__}: {last}")
         self.workspace_bytes = int(self.graph.get_workspace_size())
 
-    def _build(self, cudnn, f32, x_shape, w_shape, pre, post, strides, dilations, with_bias, tf32):
+    @property
+    def fused_bias(self) -> bool:
+        return "bias" in self.fused
+
+    def _build(self, cudnn, f32, x_shape, w_shape, pre, post, strides, dilations, epilogue, tf32):
         g = cudnn.pygraph(io_data_type=f32, intermediate_data_type=f32, compute_data_type=f32)
         X = g.tensor(name="X", dim=list(x_shape), stride=_row_major(x_shape), data_type=f32)
         W = g.tensor(name="W", dim=list(w_shape), stride=_row_major(w_shape), data_type=f32)
         Y = g.conv_fprop(image=X, weight=W, pre_padding=list(pre), post_padding=list(post),
                          stride=list(strides), dilation=list(dilations), compute_data_type=f32)
-        B = None
-        if with_bias:
-            m = w_shape[0]
-            B = g.tensor(name="B", dim=[1, m, 1, 1], stride=[m, 1, 1, 1], data_type=f32)
-            Y = g.add(a=Y, b=B, compute_data_type=f32)
+        nsp = len(x_shape) - 2
         # The output's layout is stated, not inferred: left to the frontend, a conv output can get
         # a channels-last stride order, and the NCHW buffer handed to execute would be misread.
         out = [x_shape[0], w_shape[0]] + [(x_shape[i + 2] + pre[i] + post[i] - (w_shape[i + 2] - 1) * dilations[i] - 1)
-                                          // strides[i] + 1 for i in range(2)]
+                                          // strides[i] + 1 for i in range(nsp)]
+        B = R = None
+        for step in epilogue:
+            if step == "bias":
+                m = w_shape[0]
+                B = g.tensor(name="B", dim=[1, m] + [1] * nsp, stride=[m, 1] + [1] * nsp, data_type=f32)
+                Y = g.add(a=Y, b=B, compute_data_type=f32)
+            elif step == "residual":
+                R = g.tensor(name="R", dim=list(out), stride=_row_major(out), data_type=f32)
+                Y = g.add(a=Y, b=R, compute_data_type=f32)
+            elif step == "relu":
+                Y = g.relu(input=Y, compute_data_type=f32)
+            else:
+                raise ValueError(f"unknown epilogue step {step!r}")
         Y.set_output(True).set_data_type(f32).set_dim(out).set_stride(_row_major(out))
         g.validate()
         g.build_operation_graph()
@@ -137,15 +164,18 @@ class Plan:
             g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS])
         g.check_support()
         g.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
-        self.graph, self.uids = g, (X.uid, W.uid, None if B is None else B.uid, Y.uid)
+        self.graph = g
+        self.uids = (X.uid, W.uid, None if B is None else B.uid, None if R is None else R.uid, Y.uid)
         self.out_shape = tuple(out)
 
-    def execute(self, x, w, b, y, workspace) -> None:
-        """y = conv(x, w) (+ b when the bias is fused), on the current stream."""
-        xu, wu, bu, yu = self.uids
+    def execute(self, x, w, b, y, workspace, residual=None) -> None:
+        """y = epilogue(conv(x, w)) for the fused steps, on the current stream."""
+        xu, wu, bu, ru, yu = self.uids
         pack = {xu: x.data.ptr, wu: w.data.ptr, yu: y.data.ptr}
         if bu is not None:
             pack[bu] = b.data.ptr
+        if ru is not None:
+            pack[ru] = residual.data.ptr
         ws = None if workspace is None else workspace.ptr
         self.graph.execute(pack, ws, handle=_handle(cp.cuda.get_current_stream()))
 
@@ -158,13 +188,13 @@ def _row_major(shape) -> list:
     return strides[::-1]
 
 
-def plan(x_shape, w_shape, pre, post, strides, dilations, bias: bool) -> Plan:
-    """The built plan for this float32 convolution (cached), or raise Unsupported."""
+def plan(x_shape, w_shape, pre, post, strides, dilations, epilogue=()) -> Plan:
+    """The built plan for this float32 convolution and epilogue (cached), or raise Unsupported."""
     cudnn = _module()
     if cudnn is None:
         raise Unsupported(_STATE["why"])
     key = (tuple(x_shape), tuple(w_shape), tuple(pre), tuple(post), tuple(strides), tuple(dilations),
-           bool(bias), _tf32())
+           tuple(epilogue), _tf32())
     with _LOCK:
         p = _PLANS.get(key)
         if p is None:
@@ -180,34 +210,81 @@ def plan(x_shape, w_shape, pre, post, strides, dilations, bias: bool) -> Plan:
     return p
 
 
+def workspace(nbytes: int):
+    """The cuDNN workspace of the current stream, at least ``nbytes`` (None for 0).
+
+    One buffer per (device, stream), shared by every convolution run on that stream (they run
+    one after another), grown when a plan needs more. A grown-out buffer is not freed while a
+    CUDA graph may point at it: ``CudaProgram`` captures each graph on a private stream right
+    after an eager warm-up on that stream (so nothing grows inside the capture, and the buffer is
+    already big enough), and keeps that stream's buffers alive with the graph (``pinned``).
+    Before this, every Conv node kept a workspace of its own: ResNet-50 at batch 32 peaked at 846
+    MiB on an H200 against torch's 464."""
+    if nbytes <= 0:
+        return None
+    stream = cp.cuda.get_current_stream()
+    key = (cp.cuda.Device().id, stream.ptr)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws.mem.size < nbytes:
+        if capturing():
+            raise Unsupported("cuDNN workspace would grow inside a capture")
+        ws = _WORKSPACES[key] = cp.cuda.memory.alloc(nbytes)
+    return ws
+
+
+def pinned(stream) -> list:
+    """The workspace buffers a graph captured on ``stream`` may point at (keep them alive with it)."""
+    ws = _WORKSPACES.get((cp.cuda.Device().id, stream.ptr))
+    return [] if ws is None else [ws]
+
+
 class Executor:
-    """One Conv node's cuDNN path: its plans' workspaces are its own (a captured graph keeps
-    pointing at them), the plans themselves are shared across nodes of the same key."""
+    """One Conv node's cuDNN path; the plans are shared across nodes of the same key, the
+    workspace across everything on the stream (``workspace``)."""
 
     def __init__(self, w, b, strides, dilations):
-        self.w, self.b = w, b  # device arrays: [M, C/group, kh, kw] and [1, M, 1, 1] (or None)
+        self.w, self.b = w, b  # device arrays: [M, C/group, *k] and [1, M, 1, ...] (or None)
         self.strides, self.dilations = tuple(strides), tuple(dilations)
-        self.workspaces: dict = {}
 
-    def plan_for(self, x_shape, pre, post) -> Plan:
-        return plan(x_shape, self.w.shape, pre, post, self.strides, self.dilations, self.b is not None)
+    def epilogue(self, residual: bool = False, relu: bool = False) -> tuple:
+        return tuple(s for s, on in (("bias", self.b is not None), ("residual", residual), ("relu", relu)) if on)
 
-    def __call__(self, x, pre, post, out_shape):
-        p = self.plan_for(x.shape, pre, post)
+    def plan_for(self, x_shape, pre, post, epilogue=None) -> Plan:
+        if epilogue is None:
+            epilogue = self.epilogue()
+        return plan(x_shape, self.w.shape, pre, post, self.strides, self.dilations, epilogue)
+
+    def __call__(self, x, pre, post, out_shape, residual=None, relu: bool = False, finish=None):
+        """conv(x) + bias [+ residual] [then relu]. The steps cuDNN did not fuse are done by
+        ``finish(y, bias or None, residual or None, relu)`` in place (default: CuPy ops)."""
+        ep = self.epilogue(residual is not None, relu)
+        if not FUSE_EPILOGUE:
+            ep = ep[:1] if ep[:1] == ("bias",) else ()
+        p = self.plan_for(x.shape, pre, post, ep)
         expected = (x.shape[0], self.w.shape[0]) + tuple(out_shape)
         if p.out_shape is not None and tuple(p.out_shape) != expected:
             raise Unsupported(f"cuDNN infers output {p.out_shape}, ONNX {expected}")
-        ws = self.workspaces.get(id(p))
-        if ws is None and p.workspace_bytes:
-            if capturing():
-                raise Unsupported("workspace not allocated before the capture")
-            ws = self.workspaces[id(p)] = cp.cuda.memory.alloc(p.workspace_bytes)
+        ws = workspace(p.workspace_bytes)
         x = cp.ascontiguousarray(x)
         y = cp.empty(expected, x.dtype)
-        p.execute(x, self.w, self.b if p.fused_bias else None, y, ws)
-        if self.b is not None and not p.fused_bias:
-            y += self.b
+        if residual is not None and "residual" in p.fused:
+            residual = cp.ascontiguousarray(residual)
+        p.execute(x, self.w, self.b if p.fused_bias else None, y, ws, residual)
+        b = None if p.fused_bias else self.b
+        r = None if residual is None or "residual" in p.fused else residual
+        act = relu and "relu" not in p.fused
+        if b is not None or r is not None or act:
+            (finish or _finish)(y, b, r, act)
         return y
+
+
+def _finish(y, b, r, relu: bool) -> None:
+    if b is not None:
+        y += b
+    if r is not None:
+        y += r
+    if relu:
+        cp.maximum(y, 0, out=y)
 
 
 def available() -> bool:
@@ -262,6 +339,13 @@ def _self_test() -> None:
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
     if not err < 1e-5:
         raise RuntimeError(f"relative error {err:.2e} against float64 (TF32 engines not deselected?)")
+    # The longest epilogue, whatever part of it cuDNN fuses.
+    r = rng.standard_normal(want.shape).astype(np.float32)
+    want2 = np.maximum(want + r, 0)
+    got2 = ex(cp.asarray(x), (1, 1), (1, 1), want.shape[2:], residual=cp.asarray(r), relu=True).get()
+    err = np.linalg.norm(got2 - want2) / np.linalg.norm(want2)
+    if not err < 1e-5:
+        raise RuntimeError(f"bias + residual + relu epilogue: relative error {err:.2e} against float64")
     # Capture probe: the same convolution captured on a private stream, replayed, compared.
     stream = cp.cuda.Stream(non_blocking=True)
     try:
@@ -284,4 +368,4 @@ def _self_test() -> None:
 
 
 __all__ = ["available", "why_unavailable", "capture_ok", "capture_failure", "capturing", "Executor",
-           "Unsupported", "set_mode", "mode", "plan"]
+           "Unsupported", "set_mode", "mode", "plan", "workspace", "pinned"]

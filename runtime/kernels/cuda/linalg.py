@@ -26,7 +26,7 @@ import numpy as np
 from kiln.runtime.kernels.cuda import FLOATS, const_input, in_dtype, kernel
 
 
-_STATE: dict = {"tf32": False, "handles": {}, "lib": None}
+_STATE: dict = {"tf32": False, "handles": {}, "lt": {}, "lib": None}
 WORKSPACE_BYTES = 32 << 20
 _OP_N, _OP_T = 0, 1
 _DEFAULT_MATH, _TF32_MATH = 0, 3
@@ -107,11 +107,15 @@ def _operand(x):
     return None
 
 
-def cublas_matmul(a, b):
-    """``a @ b`` for float32/float64 stacks (batch dims broadcast as numpy's matmul), through
-    cuBLAS on kiln's handle. Falls back to ``cupy.matmul`` for layouts it cannot describe."""
+def cublas_matmul(a, b, alpha: float = 1.0):
+    """``alpha * (a @ b)`` for float32/float64 stacks (batch dims broadcast as numpy's matmul),
+    through cuBLAS on kiln's handle (alpha is the GEMM's own scale: free). Falls back to
+    ``cupy.matmul`` for layouts it cannot describe."""
     if a.ndim < 2 or b.ndim < 2 or a.dtype != b.dtype or a.dtype not in _ONE:
-        return cp.matmul(a, b)
+        y = cp.matmul(a, b)
+        if alpha != 1.0:
+            y *= alpha
+        return y
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     nb = math.prod(batch)
@@ -132,7 +136,10 @@ def cublas_matmul(a, b):
             x = cp.ascontiguousarray(x)
             desc = _operand(x)
         if desc is None:
-            return cp.matmul(a, b)
+            y = cp.matmul(a, b)
+            if alpha != 1.0:
+                y *= alpha
+            return y
         x3, trans, ld, stride = desc
         if math.prod(x.shape[:-2]) == 1:
             stride = 0
@@ -142,24 +149,168 @@ def cublas_matmul(a, b):
     lib = _lib()
     fn = lib.cublasSgemmStridedBatched if a.dtype == np.float32 else lib.cublasDgemmStridedBatched
     h = _handle(cp.cuda.get_current_stream())
-    one, zero = _ONE[a.dtype], _ZERO[a.dtype]
+    one, zero = (_ONE[a.dtype] if alpha == 1.0 else np.full(1, alpha, a.dtype)), _ZERO[a.dtype]
     _check(fn(h, _OP_T if tb else _OP_N, _OP_T if ta else _OP_N, n, m, k, one.ctypes.data, b3.data.ptr, ldb, sb,
               a3.data.ptr, lda, sa, zero.ctypes.data, out.data.ptr, n, m * n, nb), "cublasGemmStridedBatched")
     return out
 
 
-def matmul2(a, b):
-    """``a @ b`` with a stacked ``a`` against a matrix ``b`` as one 2-D product."""
+# --------------------------------------------------------------------------- cuBLASLt: bias epilogue
+# cublasLt (the library torch's addmm uses) adds a bias vector inside the GEMM's epilogue, so a
+# Linear layer's ``x @ W + b`` is one kernel and one write of the output instead of a GEMM and a
+# second pass over its result. Reached through ctypes for the reason above (CuPy refuses cuBLAS
+# calls during a capture). Enum values are cublasLt.h's (CUDA 11.4 and later).
+_LT_DESC_TRANSA, _LT_DESC_TRANSB, _LT_DESC_EPILOGUE, _LT_DESC_BIAS_POINTER = 3, 4, 7, 8
+_LT_EPILOGUE_BIAS, _LT_EPILOGUE_RELU_BIAS = 4, 6
+_LT_PREF_MAX_WORKSPACE_BYTES = 1
+_COMPUTE = {(np.dtype(np.float32), False): 68, (np.dtype(np.float32), True): 77,  # 32F, 32F_FAST_TF32
+            (np.dtype(np.float64), False): 70, (np.dtype(np.float64), True): 70}
+_CUDA_TYPE = {np.dtype(np.float32): 0, np.dtype(np.float64): 1}  # CUDA_R_32F, CUDA_R_64F
+
+
+class _Heuristic(ctypes.Structure):
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace_size", ctypes.c_size_t), ("state", ctypes.c_int),
+                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+
+def _lt():
+    """(libcublasLt, its handle for this device), or raise OSError where the library is missing."""
+    key = cp.cuda.Device().id
+    entry = _STATE["lt"].get(key)
+    if entry is None:
+        _lib()  # loads libcublas (and with it libcublasLt) the way CuPy does
+        major = cp.cuda.runtime.runtimeGetVersion() // 1000
+        lib = None
+        for name in (f"libcublasLt.so.{major}", "libcublasLt.so"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        if lib is None:
+            raise OSError("libcublasLt not found")
+        vp, i32, u64, i64, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
+        lib.cublasLtCreate.argtypes = [ctypes.POINTER(vp)]
+        lib.cublasLtMatmulDescCreate.argtypes = [ctypes.POINTER(vp), i32, i32]
+        lib.cublasLtMatmulDescSetAttribute.argtypes = [vp, i32, vp, sz]
+        lib.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(vp), i32, u64, u64, i64]
+        lib.cublasLtMatmulPreferenceCreate.argtypes = [ctypes.POINTER(vp)]
+        lib.cublasLtMatmulPreferenceSetAttribute.argtypes = [vp, i32, vp, sz]
+        lib.cublasLtMatmulAlgoGetHeuristic.argtypes = [vp, vp, vp, vp, vp, vp, vp, i32,
+                                                       ctypes.POINTER(_Heuristic), ctypes.POINTER(i32)]
+        lib.cublasLtMatmul.argtypes = [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp]
+        h = vp()
+        _check(lib.cublasLtCreate(ctypes.byref(h)), "cublasLtCreate")
+        entry = _STATE["lt"][key] = (lib, h)
+    return entry
+
+
+class LtBias:
+    """``a @ b + bias`` (+ ReLU) for float32/float64 matrices through one cublasLt matmul with
+    a bias epilogue; ``bias`` is a device vector of b's column count. Descriptors and the
+    heuristic's algorithm are built once per operand layout, outside any capture; the workspace
+    is the cuBLAS handle's of the same stream (calls on one stream never overlap).
+    ``__call__`` returns None for operands it cannot describe (the caller then multiplies and
+    adds on its own)."""
+
+    def __init__(self, bias, relu: bool = False):
+        self.bias = bias
+        self.relu = relu
+        self._plans: dict = {}
+
+    def __call__(self, a, b):
+        if a.ndim > 2 and b.ndim == 2:
+            lead = a.shape[:-1]
+            try:
+                flat = a.reshape(math.prod(lead), a.shape[-1])
+            except ValueError:
+                flat = cp.ascontiguousarray(a).reshape(math.prod(lead), a.shape[-1])
+            y = self(flat, b)
+            return None if y is None else y.reshape(lead + (b.shape[1],))
+        if a.ndim != 2 or b.ndim != 2 or a.dtype != b.dtype or a.dtype not in _CUDA_TYPE or \
+                self.bias.dtype != a.dtype or self.bias.size != b.shape[1] or 0 in a.shape or 0 in b.shape:
+            return None
+        da, db = _operand(a), _operand(b)
+        if da is None or db is None:
+            return None
+        (a3, ta, lda, _), (b3, tb, ldb, _) = da, db
+        m, k, n = a.shape[0], a.shape[1], b.shape[1]
+        key = (a.dtype, ta, lda, tb, ldb, m, k, n, bool(_STATE["tf32"]))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(*key)
+        if plan is False:
+            return None
+        lib, h, desc, la, lb, ld, algo = plan
+        out = cp.empty((m, n), a.dtype)
+        stream = cp.cuda.get_current_stream()
+        _handle(stream)  # the stream's cuBLAS workspace
+        ws = _STATE["handles"][(cp.cuda.Device().id, stream.ptr)][1]
+        one, zero = _ONE[a.dtype], _ZERO[a.dtype]
+        # Row-major D = A @ B is column-major D^T = B^T @ A^T: cublasLt gets B first (as cublas_matmul).
+        _check(lib.cublasLtMatmul(h, desc, one.ctypes.data, b3.data.ptr, la, a3.data.ptr, lb, zero.ctypes.data,
+                                  out.data.ptr, ld, out.data.ptr, ld, ctypes.byref(algo), ws.ptr,
+                                  WORKSPACE_BYTES, stream.ptr), "cublasLtMatmul")
+        return out
+
+    def _plan(self, dtype, ta, lda, tb, ldb, m, k, n, tf32):
+        """(lib, handle, matmul desc, B layout, A layout, D layout, algo), or False when cublasLt
+        has no algorithm for it."""
+        try:
+            lib, h = _lt()
+        except OSError:
+            return False
+        vp = ctypes.c_void_p
+        desc = vp()
+        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE[(dtype, tf32)], _CUDA_TYPE[dtype]),
+               "cublasLtMatmulDescCreate")
+
+        def set_attr(attr, value):
+            _check(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
+                   "cublasLtMatmulDescSetAttribute")
+        set_attr(_LT_DESC_TRANSA, ctypes.c_int32(_OP_T if tb else _OP_N))
+        set_attr(_LT_DESC_TRANSB, ctypes.c_int32(_OP_T if ta else _OP_N))
+        set_attr(_LT_DESC_EPILOGUE, ctypes.c_uint32(_LT_EPILOGUE_RELU_BIAS if self.relu else _LT_EPILOGUE_BIAS))
+        set_attr(_LT_DESC_BIAS_POINTER, vp(self.bias.data.ptr))
+        t = _CUDA_TYPE[dtype]
+
+        def layout(rows, cols, ld):
+            lay = vp()
+            _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), t, rows, cols, ld), "cublasLtMatrixLayoutCreate")
+            return lay
+        # Column-major shapes as stored: B^T is n x k (k x n when transposed), A^T is k x m (m x k).
+        la = layout(k, n, ldb) if tb else layout(n, k, ldb)
+        lb = layout(m, k, lda) if ta else layout(k, m, lda)
+        ld = layout(n, m, n)
+        pref = vp()
+        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
+        wsb = ctypes.c_uint64(WORKSPACE_BYTES)
+        _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _LT_PREF_MAX_WORKSPACE_BYTES, ctypes.byref(wsb), 8),
+               "cublasLtMatmulPreferenceSetAttribute")
+        result, count = _Heuristic(), ctypes.c_int(0)
+        status = lib.cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, ld, ld, pref, 1, ctypes.byref(result),
+                                                    ctypes.byref(count))
+        if status != 0 or count.value < 1 or result.state != 0:
+            return False
+        algo = (ctypes.c_uint64 * 8)(*result.algo)
+        return lib, h, desc, la, lb, ld, algo
+
+
+def matmul2(a, b, alpha: float = 1.0):
+    """``alpha * (a @ b)`` with a stacked ``a`` against a matrix ``b`` as one 2-D product."""
     if a.ndim > 2 and b.ndim == 2:
         lead = a.shape[:-1]
         try:
             flat = a.reshape(math.prod(lead), a.shape[-1])
         except ValueError:
             flat = cp.ascontiguousarray(a).reshape(math.prod(lead), a.shape[-1])
-        return cublas_matmul(flat, b).reshape(lead + (b.shape[1],))
+        return cublas_matmul(flat, b, alpha).reshape(lead + (b.shape[1],))
     if a.ndim == 1 or b.ndim == 1:
-        return cp.matmul(a, b)
-    return cublas_matmul(a, b)
+        y = cp.matmul(a, b)
+        if alpha != 1.0:
+            y *= alpha
+        return y
+    return cublas_matmul(a, b, alpha)
 
 
 @kernel("MatMul")

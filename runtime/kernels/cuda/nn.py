@@ -1,21 +1,26 @@
 """Convolution, pooling, normalizations and softmax on the GPU with CuPy.
 
-Conv (2-D) has two paths. The CuPy-only one is im2col + cuBLAS: the padded input is viewed as
-[N, C, kh, kw, OH, OW] windows through strides (no per-tap loop), copied once into the column
-buffer, and multiplied by the weights ([group, M/group, C/group*kh*kw], prepared at load) in
-one batched GEMM; a 1x1 conv with no padding is one GEMM on a view. The other is cuDNN through
-nvidia-cudnn-frontend (cudnn.py: float32, bias fused, TF32 engines deselected unless allowed),
-used where that library imports and passes its self-test. Which one runs is decided per
-convolution shape (input shape, weight shape, pads, strides, dilations, group, bias) the
-first time it is seen outside a stream capture. In the default "auto" mode the rule is by
-batch: cuDNN from ``CUDNN_MIN_BATCH`` samples up (on an H200 it ran ResNet-50's convolution
-classes 1.3-2.4x faster than im2col at batch 32), im2col below it. Timing both paths per shape
-on first use was tried and dropped: at batch 1 both times are host and launch overhead, which
-picked cuDNN everywhere and made ResNet-50 at batch 1 under CUDA graphs 1.1 -> 2.1 ms.
-``CONV_CHOICES`` records each shape's decision; a shape cuDNN refuses stays on im2col. ``cudnn.set_mode`` (or
+Conv (1-D, 2-D and 3-D) has two paths. The CuPy-only one is im2col + cuBLAS: the padded input
+is viewed as [N, C, *k, *out] windows through strides (no per-tap loop), copied once into the
+column buffer, and multiplied by the weights ([group, M/group, C/group*prod(k)], a view of the
+one device copy of the weights) in one batched GEMM; a 1x1 conv with no padding is one GEMM on a
+view. The other is cuDNN through nvidia-cudnn-frontend (cudnn.py: float32, bias fused, TF32
+engines deselected unless allowed; 1-D as 2-D with a unit height), used where that library
+imports and passes its self-test. Which one runs is decided per convolution shape (input shape,
+weight shape, pads, strides, dilations, group, epilogue) the first time it is seen outside a
+stream capture. In the default "auto" mode the rule is by batch: cuDNN from ``CUDNN_MIN_BATCH``
+samples up (on an H200 it ran ResNet-50's convolution classes 1.3-2.4x faster than im2col at
+batch 32), im2col below it. Timing both paths per shape on first use was tried and dropped: at
+batch 1 both times are host and launch overhead, which picked cuDNN everywhere and made
+ResNet-50 at batch 1 under CUDA graphs 1.1 -> 2.1 ms. ``CONV_CHOICES`` records each shape's
+decision; a shape cuDNN refuses stays on im2col. ``cudnn.set_mode`` (or
 KILN_CUDA_CONV=cudnn|im2col) forces one path. While a stream is capturing, an undecided shape
 runs im2col (nothing is built or timed inside a capture), and so does every shape if cuDNN's
-execute failed the capture probe. Pools reduce the same window view.
+execute failed the capture probe. The Conv kernel also takes an epilogue (a residual add, a
+ReLU: ``run.with_epilogue``, used by ``kiln.FusedEpilogue``): inside the cuDNN graph where an
+engine fuses it, else in one pass after the product (with the bias, on the im2col path).
+Pools (1-D to 3-D) reduce the same window view, except float MaxPool over 1 or 2 dims: one
+direct kernel (``_maxpool_direct``).
 Softmax, LogSoftmax (last axis) and LayerNormalization (float32/float64) are one fused kernel
 each (rowwise.py); other axes, InstanceNormalization and other dtypes are a few CuPy passes.
 
@@ -25,6 +30,7 @@ then skips uploading that constant unless another node reads it, so weights are 
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional
 
 import cupy as cp
@@ -40,72 +46,119 @@ from kiln.runtime.kernels.cuda.linalg import cublas_matmul
 
 
 def _windows(x, window, fill) -> tuple:
-    """([N, C, kh, kw, OH, OW] strided window view of the padded ``x``, [OH, OW])."""
-    n, c, h, w = x.shape
-    begin, _, reach = static_pads(window, (h, w))
-    out = window_out_shape(window, (h, w))
+    """([N, C, *k, *out] strided window view of the padded ``x``, out): any number of spatial dims."""
+    sizes = x.shape[2:]
+    nsp = len(sizes)
+    begin, _, reach = static_pads(window, sizes)
+    out = window_out_shape(window, sizes)
     if any(begin) or any(reach):
-        x = cp.pad(x, ((0, 0), (0, 0), (begin[0], max(reach[0], 0)), (begin[1], max(reach[1], 0))),
-                   constant_values=fill)
+        x = cp.pad(x, ((0, 0), (0, 0)) + tuple((b, max(r, 0)) for b, r in zip(begin, reach)), constant_values=fill)
     x = cp.ascontiguousarray(x)
-    sn, sc, sh_, sw_ = x.strides
-    (kh, kw), (sh, sw), (dh, dw) = window.kernel, window.strides, window.dilations
-    view = as_strided(x, (n, c, kh, kw, out[0], out[1]), (sn, sc, dh * sh_, dw * sw_, sh * sh_, sw * sw_))
+    st = x.strides
+    taps = tuple(window.dilations[i] * st[2 + i] for i in range(nsp))
+    steps = tuple(window.strides[i] * st[2 + i] for i in range(nsp))
+    view = as_strided(x, x.shape[:2] + tuple(window.kernel) + tuple(out), st[:2] + taps + steps)
     return view, out
 
 
-# (x shape, w shape, pads, strides, dilations, group, bias) -> {"path": "cudnn"|"im2col",
-# "cudnn_ms", "im2col_ms", "why"}: the auto mode's decisions, shared by every Conv of that shape.
+# (x shape, w shape, pads, strides, dilations, group, bias) -> {"path": "cudnn"|"im2col", "why",
+# "fused": the epilogue steps cuDNN took}: the auto mode's decisions, shared by every Conv of that shape.
 CONV_CHOICES: dict = {}
 # The auto mode's rule: cuDNN for convolutions of at least this many samples (module docstring).
 CUDNN_MIN_BATCH = 8
 
+# The epilogue after an im2col GEMM, or what cuDNN did not fuse: y <- relu?(y + b + r) in place,
+# one generated kernel (codegen.py: the 4-wide path when b is absent, as after cuDNN's fused bias).
+_EPILOGUE_KERNELS: dict = {}
+
+
+def _epilogue_kernel(dtype, bias: bool, residual: bool, relu: bool):
+    key = (np.dtype(dtype), bias, residual, relu)
+    k = _EPILOGUE_KERNELS.get(key)
+    if k is None:
+        from kiln.ir import Graph
+        from kiln.ir.passes.shape_inference import infer_shapes
+        from kiln.runtime.kernels.cuda import codegen
+        g = Graph("conv_epilogue")
+        dims = ["n", "c", "h", "w"]
+        t = g.add_input("y", key[0].name, dims)
+        for name, on in (("b", bias), ("r", residual)):
+            if on:
+                t = g.op("Add", t, g.add_input(name, key[0].name, dims))
+        if relu:
+            t = g.op("Relu", t)
+        g.outputs = [t]
+        infer_shapes(g)
+        k = _EPILOGUE_KERNELS[key] = codegen.ElementwiseKernel(codegen.body_from_graph(g))
+    return k
+
+
+def _im2col_epilogue(y, b, r, relu: bool) -> None:
+    """y <- relu?(y + b + r) in place (b, r optional): the epilogue after an im2col GEMM, or what
+    cuDNN did not fuse."""
+    if b is None and r is None and not relu:
+        return
+    k = _epilogue_kernel(y.dtype, b is not None, r is not None, relu)
+    k(y, *[a for a in (b, r) if a is not None], out=y)
+
 
 @kernel("Conv")
 def conv(node, attrs) -> Optional[Callable[..., Any]]:
+    """Conv with 1, 2 or 3 spatial dims (module docstring). Besides ``run(x, w, b)``, the kernel
+    offers ``run.with_epilogue(x, residual, relu)``: the convolution with the residual added and
+    ReLU applied, fused into the cuDNN graph where an engine takes it, else one extra pass
+    (the ``kiln.FusedEpilogue`` kernel calls it)."""
     w = const_input(node, 1)
     has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
     bias = const_input(node, 2)
-    if in_dtype(node) not in FLOATS or w is None or w.ndim != 4 or (has_bias and bias is None):
+    if in_dtype(node) not in FLOATS or w is None or w.ndim not in (3, 4, 5) or (has_bias and bias is None):
         return None
+    nsp = w.ndim - 2
     window = make_window(attrs["kernel_shape"] or w.shape[2:], strides=attrs["strides"],
                          dilations=attrs["dilations"], pads=attrs["pads"], auto_pad=attrs["auto_pad"])
     group = attrs["group"]
-    m, cg, kh, kw = w.shape
-    bias_d = None if bias is None else cp.asarray(bias.reshape(1, m, 1, 1))
-    pointwise = (kh, kw) == (1, 1) and group == 1 and not any(window.pads) and window.auto_pad == "NOTSET" \
-        and window.strides == (1, 1)
+    m, cg = w.shape[:2]
+    ks = tuple(w.shape[2:])
+    # One device copy of the weights; every path reads a view of it.
+    wd = cp.asarray(np.ascontiguousarray(w))
+    bias_d = None if bias is None else cp.asarray(np.ascontiguousarray(bias).reshape((1, m) + (1,) * nsp))
+    pointwise = all(k == 1 for k in ks) and group == 1 and not any(window.pads) and window.auto_pad == "NOTSET" \
+        and all(s == 1 for s in window.strides)
     depthwise = group == m and cg == 1 and group > 1
     if pointwise:
-        w2 = cp.asarray(np.ascontiguousarray(w.reshape(m, cg)))
+        w2 = wd.reshape(m, cg)
     elif depthwise:
-        wdw = cp.asarray(np.ascontiguousarray(w.reshape(1, m, kh, kw, 1, 1)))
+        wdw = wd.reshape((1, m) + ks + (1,) * nsp)
     else:
-        wg = cp.asarray(np.ascontiguousarray(w.reshape(group, m // group, cg * kh * kw)))
+        wg = wd.reshape(group, m // group, cg * math.prod(ks))
     exe = None
     if in_dtype(node) == np.float32 and cudnn.mode() != "im2col" and cudnn.available():
-        exe = cudnn.Executor(cp.asarray(np.ascontiguousarray(w)), bias_d, window.strides, window.dilations)
+        # 1-D runs as 2-D with a unit height (cuDNN's own convolutions are 2-D and 3-D).
+        w_dnn = wd.reshape((m, cg, 1) + ks) if nsp == 1 else wd
+        b_dnn = None if bias_d is None else (bias_d.reshape(1, m, 1, 1) if nsp == 1 else bias_d)
+        exe = cudnn.Executor(w_dnn, b_dnn, ((1,) if nsp == 1 else ()) + tuple(window.strides),
+                             ((1,) if nsp == 1 else ()) + tuple(window.dilations))
 
-    def im2col(x):
-        n, c, h, wd = x.shape
+    def im2col(x, residual=None, relu=False):
+        n, c = x.shape[:2]
         if pointwise:
-            y = cublas_matmul(w2, x.reshape(n, c, h * wd)).reshape(n, m, h, wd)
+            hw = x.shape[2:]
+            y = cublas_matmul(w2, x.reshape(n, c, math.prod(hw))).reshape((n, m) + hw)
         else:
             view, out = _windows(x, window, 0)
             if depthwise:
-                y = (view * wdw).sum(axis=(2, 3))
+                y = (view * wdw).sum(axis=tuple(range(2, 2 + nsp)))
             else:
-                cols = cp.ascontiguousarray(view).reshape(n, group, cg * kh * kw, out[0] * out[1])
-                y = cublas_matmul(wg, cols).reshape(n, m, out[0], out[1])
-        if bias_d is not None:
-            y += bias_d
+                cols = cp.ascontiguousarray(view).reshape(n, group, cg * math.prod(ks), math.prod(out))
+                y = cublas_matmul(wg, cols).reshape((n, m) + tuple(out))
+        _im2col_epilogue(y, bias_d, residual, relu)
         return y
 
-    def decide(key, x, pre, post, out) -> str:
-        """The path for this shape: cuDNN where it builds and (in auto mode) is faster."""
+    def decide(key, x, pre, post, ep) -> str:
+        """The path for this shape: cuDNN where it builds and (in auto mode) the batch is large."""
         entry = {"path": "im2col"}
         try:
-            entry["fused_bias"] = exe.plan_for(x.shape, pre, post).fused_bias
+            entry["fused"] = exe.plan_for(x.shape, pre, post, ep).fused
             if cudnn.mode() == "cudnn" or x.shape[0] >= CUDNN_MIN_BATCH:
                 entry["path"] = "cudnn"
             else:
@@ -115,24 +168,85 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
         CONV_CHOICES[key] = entry
         return entry["path"]
 
-    def run(x, w_unused, b_unused=None):
-        if exe is not None and x.dtype == np.float32 and x.ndim == 4:
+    def with_epilogue(x, residual=None, relu=False):
+        if exe is not None and x.dtype == np.float32 and x.ndim == nsp + 2:
             begin, end, _ = static_pads(window, x.shape[2:])
             out = window_out_shape(window, x.shape[2:])
-            key = (x.shape, w.shape, tuple(begin), tuple(end), window.strides, window.dilations, group,
-                   bias_d is not None)
+            x4 = x
+            if nsp == 1:
+                x4, begin, end, out = x.reshape(x.shape[:2] + (1, x.shape[2])), [0] + begin, [0] + end, [1] + out
+            r4 = residual
+            if nsp == 1 and residual is not None:
+                r4 = residual.reshape(residual.shape[:2] + (1, residual.shape[2]))
+            ep = exe.epilogue(residual is not None, relu)
+            key = (x4.shape, w.shape, tuple(begin), tuple(end), window.strides, window.dilations, group, ep)
             entry = CONV_CHOICES.get(key)
             if cudnn.capturing():
                 path = entry["path"] if entry is not None and cudnn.capture_ok() else "im2col"
             else:
-                path = entry["path"] if entry is not None else decide(key, x, begin, end, out)
+                path = entry["path"] if entry is not None else decide(key, x4, begin, end, ep)
             if path == "cudnn":
                 try:
-                    return exe(x, begin, end, out)
+                    y = exe(x4, begin, end, out, residual=r4, relu=relu, finish=_im2col_epilogue)
+                    return y.reshape((x.shape[0], m) + tuple(out[1:])) if nsp == 1 else y
                 except cudnn.Unsupported:  # e.g. a plan first needed inside a capture
                     pass
-        return im2col(x)
+        return im2col(x, residual, relu)
+
+    def run(x, w_unused, b_unused=None):
+        return with_epilogue(x)
+    run.with_epilogue = with_epilogue
     run.ignores = (1, 2)  # the weights and bias are read from the copies prepared above
+    return run
+
+
+@kernel("ConvTranspose")
+def conv_transpose(node, attrs) -> Optional[Callable[..., Any]]:
+    """ConvTranspose (1-D to 3-D, grouped, output_padding / output_shape / auto_pad as ONNX says):
+    one batched GEMM gives every input position's contribution to every kernel tap
+    ([N, group, M/g * prod(k), L] = W_g^T @ x_g, the weights transposed once at load), then each
+    tap is added into a zeroed buffer at stride * i + dilation * tap (the reference's scatter,
+    ir/ops/nn.py, one strided add per tap) and the result is cropped. All kernels are cuBLAS and
+    CuPy elementwise launches, so it runs inside a CUDA graph too."""
+    from kiln.ir.ops.nn import _transpose_geometry
+    w = const_input(node, 1)
+    has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
+    bias = const_input(node, 2)
+    if in_dtype(node) not in FLOATS or w is None or w.ndim not in (3, 4, 5) or (has_bias and bias is None):
+        return None
+    nsp = w.ndim - 2
+    window = make_window(attrs["kernel_shape"] or w.shape[2:], strides=attrs["strides"],
+                         dilations=attrs["dilations"], pads=attrs["pads"], auto_pad=attrs["auto_pad"])
+    group = attrs["group"]
+    c_in, m_g = w.shape[:2]
+    ks = tuple(w.shape[2:])
+    c_g = c_in // group
+    # [group, M/g * prod(k), C/g]: the GEMM's left operand, transposed once here.
+    wt = cp.asarray(np.ascontiguousarray(w.reshape(group, c_g, m_g * math.prod(ks)).transpose(0, 2, 1)))
+    bias_d = None if bias is None else cp.asarray(np.ascontiguousarray(bias).reshape((1, -1) + (1,) * nsp))
+    geo_attrs = {"output_padding": attrs["output_padding"], "output_shape": attrs["output_shape"]}
+
+    def run(x, w_unused, b_unused=None):
+        n, ins = x.shape[0], x.shape[2:]
+        geo = _transpose_geometry(geo_attrs, window, ins)
+        lo = [min(0, b) for b in geo.begin]
+        size = [max(f, b + o) - lo_i for f, b, o, lo_i in zip(geo.full, geo.begin, geo.out, lo)]
+        xg = cp.ascontiguousarray(x).reshape(n, group, c_g, math.prod(ins))
+        # Per group, [M/g*K, C/g] @ [N, C/g, L] (the weight's batch stride 0: nothing copied).
+        parts = [cublas_matmul(wt[g], xg[:, g]) for g in range(group)]
+        cols = parts[0] if group == 1 else cp.stack(parts, axis=1)
+        cols = cols.reshape((n, group * m_g) + ks + tuple(ins))
+        buf = cp.zeros((n, group * m_g) + tuple(size), x.dtype)
+        for tap in np.ndindex(*ks):
+            target = tuple(slice(t * d - lo_i, t * d - lo_i + s * (sz - 1) + 1, s)
+                           for t, d, lo_i, s, sz in zip(tap, window.dilations, lo, window.strides, ins))
+            buf[(slice(None), slice(None)) + target] += cols[(slice(None), slice(None)) + tap]
+        crop = tuple(slice(b - lo_i, b - lo_i + o) for b, lo_i, o in zip(geo.begin, lo, geo.out))
+        y = buf[(slice(None), slice(None)) + crop]
+        if bias_d is not None:
+            y = y + bias_d
+        return cp.ascontiguousarray(y)
+    run.ignores = (1, 2)
     return run
 
 
@@ -142,39 +256,117 @@ def _pool_window(attrs: dict, dilations=True):
                        pads=attrs["pads"], auto_pad=attrs["auto_pad"], ceil_mode=attrs["ceil_mode"])
 
 
+_MAXPOOL_SOURCE = r"""
+extern "C" __global__ void kiln_maxpool2d(const T* __restrict__ x, T* __restrict__ y, long long total,
+        int H, int W, int OH, int OW, int KH, int KW, int SH, int SW, int PH, int PW, int DH, int DW) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const int ow = (int)(i % OW);
+        const long long t = i / OW;
+        const int oh = (int)(t % OH);
+        const T* p = x + (t / OH) * H * W;
+        T m = LOWEST;
+        const int h0 = oh * SH - PH, w0 = ow * SW - PW;
+        for (int a = 0; a < KH; ++a) {
+            const int h = h0 + a * DH;
+            if (h < 0 || h >= H) continue;
+            for (int b = 0; b < KW; ++b) {
+                const int w = w0 + b * DW;
+                if (w < 0 || w >= W) continue;
+                const T v = p[h * W + w];
+                m = (v > m || v != v) ? v : m;  // NaN wins, as in the reference's max
+            }
+        }
+        y[i] = m;
+    }
+}
+"""
+_MAXPOOL_TYPES = {np.dtype(np.float32): ("float", "__int_as_float(0xff800000)"),  # -inf (NVRTC has no INFINITY)
+                  np.dtype(np.float64): ("double", "__longlong_as_double(0xfff0000000000000LL)")}
+
+
+def _maxpool_direct(dt: np.dtype, window):
+    """MaxPool over 1 or 2 spatial dims as one kernel (one thread an output, the window read in
+    place, padding and ceil_mode overhang skipped): no padded copy of the input, no strided
+    reduction. On an H200 the strided-view reduction took 0.95 ms for ResNet-50's stem pool at
+    batch 32, 8% of the model."""
+    from kiln.runtime.kernels.cuda.codegen import compile_kernel
+    ctype, lowest = _MAXPOOL_TYPES[dt]
+    kern = compile_kernel(f"#define T {ctype}\n#define LOWEST {lowest}\n" + _MAXPOOL_SOURCE, "kiln_maxpool2d")
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    one_d = window.rank == 1
+
+    def run(x):
+        sizes = x.shape[2:]
+        begin, _, _ = static_pads(window, sizes)
+        out = window_out_shape(window, sizes)
+        if one_d:
+            h, w, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw = (1, sizes[0], 1, out[0], 1, window.kernel[0], 1,
+                                                            window.strides[0], 0, begin[0], 1, window.dilations[0])
+        else:
+            (h, w), (oh, ow), (kh, kw) = sizes, out, window.kernel
+            (sh, sw), (ph, pw), (dh, dw) = window.strides, begin, window.dilations
+        x = cp.ascontiguousarray(x)
+        y = cp.empty(x.shape[:2] + tuple(out), x.dtype)
+        total = y.size
+        if total:
+            blocks = max(1, min(-(-total // 256), sms * 32))
+            kern((blocks,), (256,), (x, y, np.int64(total), *(np.int32(v) for v in
+                                                               (h, w, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw))))
+        return y
+    return run
+
+
 @kernel("MaxPool")
 def max_pool(node, attrs) -> Optional[Callable[..., Any]]:
     dt = in_dtype(node)
     if dt is None or dt.kind not in "fiu" or dt.itemsize < 4 and dt.kind == "f" or \
-            len(attrs["kernel_shape"]) != 2 or len(node.outputs) > 1:
+            len(attrs["kernel_shape"]) not in (1, 2, 3) or len(node.outputs) > 1:
         return None
     window = _pool_window(attrs)
+    if dt in _MAXPOOL_TYPES and window.rank in (1, 2):
+        return _maxpool_direct(dt, window)
     lowest = -np.inf if dt.kind == "f" else np.iinfo(dt).min
+    axes = tuple(range(2, 2 + len(attrs["kernel_shape"])))
 
     def run(x):
         view, out = _windows(x, window, lowest)
-        return view.max(axis=(2, 3))
+        return view.max(axis=axes)
     return run
+
+
+def _average_counts(sizes: tuple, window, include_pad: int) -> np.ndarray:
+    """[1, 1, *out] how many positions each window averages (the reference's rule: padding
+    counts with ``count_include_pad``, a ceil_mode overhang past the padding never does)."""
+    begin, end, reach = static_pads(window, sizes)
+    ones = np.ones(sizes)
+    if include_pad:
+        mask = np.pad(ones, [(b, e) for b, e in zip(begin, end)], constant_values=1)
+        mask = np.pad(mask, [(0, max(r - e, 0)) for r, e in zip(reach, end)], constant_values=0)
+    else:
+        mask = np.pad(ones, [(b, max(r, 0)) for b, r in zip(begin, reach)], constant_values=0)
+    out = window_out_shape(window, sizes)
+    st = mask.strides
+    view = np.lib.stride_tricks.as_strided(mask, tuple(window.kernel) + tuple(out),
+                                           st + tuple(s * st[i] for i, s in enumerate(window.strides)))
+    return view.sum(axis=tuple(range(len(sizes))))[None, None]
 
 
 @kernel("AveragePool")
 def average_pool(node, attrs) -> Optional[Callable[..., Any]]:
-    if in_dtype(node) not in FLOATS or len(attrs["kernel_shape"]) != 2:
+    if in_dtype(node) not in FLOATS or len(attrs["kernel_shape"]) not in (1, 2, 3):
         return None
-    from kiln.runtime.kernels.cpu.pool import _counts, _taps
     window = _pool_window(attrs, dilations=False)
-    taps = _taps(window)
     include_pad = attrs["count_include_pad"]
+    axes = tuple(range(2, 2 + len(attrs["kernel_shape"])))
     counts: dict = {}
 
     def run(x):
         view, out = _windows(x, window, 0)
         key = (x.shape[2:], x.dtype)
         if key not in counts:
-            begin, end, reach = static_pads(window, x.shape[2:])
-            c = _counts(np.empty((1, 1) + x.shape[2:], x.dtype), window, out, (begin, end, reach), include_pad, taps)
-            counts[key] = cp.asarray(c)
-        return view.sum(axis=(2, 3)) / counts[key]
+            counts[key] = cp.asarray(_average_counts(x.shape[2:], window, include_pad).astype(x.dtype))
+        return view.sum(axis=axes) / counts[key]
     return run
 
 

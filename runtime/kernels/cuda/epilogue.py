@@ -1,0 +1,231 @@
+"""``kiln.FusedEpilogue`` on the GPU: a Conv/Gemm/MatMul (the anchor) and its elementwise epilogue.
+
+Why: the unfused graph writes the anchor's output, then reads it back once per epilogue kernel
+(bias add, activation, residual add), each a launch of its own. Here the epilogue runs inside
+the anchor's library call where the library can do it, and otherwise as one generated kernel
+writing over the anchor's output in place:
+
+- **Conv** whose epilogue is ``[Add(residual)] [Relu]`` (ResNet's ``relu(conv(x) + identity)``
+  and ``relu(conv(x))``; the conv's own bias, from the folded BatchNorm, is part of the conv):
+  the conv kernel's ``with_epilogue`` (nn.py), i.e. cuDNN's fused graph, or for what cuDNN
+  would not fuse, and on the im2col path, one pass after the GEMM;
+- **MatMul / Gemm** whose epilogue starts with the add of a constant bias vector (a Linear
+  layer): cublasLt with its bias epilogue (linalg.LtBias; with a ReLU right after, ReLU too),
+  then the rest of the epilogue (a Gelu, a residual add) as one generated kernel;
+- **MatMul** times a one-element constant (attention's ``q @ k^T * (1/sqrt(d))``): the scale
+  is the GEMM's alpha, free;
+- anything else: the anchor's own kernel, then the whole epilogue as one generated kernel.
+
+The anchor's kernel is the one the unfused node would get (chosen with a detached copy of the
+anchor node whose inputs are the fused node's outer values, so constant weights are seen as
+constants and prepared once). What each node ended up doing is in ``run.strategy`` (reported
+by CudaProgram.epilogues). When the epilogue has no generated kernel (an op the code generator
+lacks), the factory returns None and the node runs on the host like any unsupported node.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import cupy as cp
+import numpy as np
+
+from kiln.ir.graph import Node
+from kiln.runtime.kernels.cuda import FLOATS, codegen, in_dtype, kernel
+from kiln.runtime.kernels.cuda.codegen import ElementwiseKernel, Unsupported
+
+
+def _shadow(anchor: Node, outer_inputs: list) -> Node:
+    """A detached copy of ``anchor`` reading ``outer_inputs``: never part of a graph, and it
+    registers no uses on those values (the inputs are set below the use-tracking setter)."""
+    s = Node(anchor.graph, anchor.op, anchor.domain, anchor.name, anchor.attrs)
+    s.meta = anchor.meta
+    s.outputs = anchor.outputs
+    s._inputs = tuple(outer_inputs)
+    return s
+
+
+def _other(add: Node, v) -> Optional[Any]:
+    """The other input of a two-input Add reading ``v`` once."""
+    a, b = add.inputs
+    if a is v and b is not v:
+        return b
+    if b is v and a is not v:
+        return a
+    return None
+
+
+def _only_reader(v, node: Node) -> bool:
+    return all(u is node for u in v.users) and len(v.users) == 1
+
+
+@kernel("FusedEpilogue", domain="kiln")
+def fused_epilogue(node, attrs) -> Optional[Callable[..., Any]]:
+    from kiln.runtime.kernels import cuda
+    body = attrs["body"]
+    anchor = body.nodes[0]
+    k = len(anchor.inputs)
+    outer = dict(zip(body.inputs, node.inputs))
+    y = anchor.outputs[0]
+    if y.type is None or y.type.shape is None:
+        return None
+    rest = list(body.nodes[1:])
+    single = len(body.outputs) == 1
+    position = {v: i for i, v in enumerate(body.inputs)}
+
+    def const(v) -> Optional[np.ndarray]:
+        return outer[v].const if v in outer else v.const
+
+    # ---- MatMul / Gemm: a constant bias vector first (and a ReLU right after it) -> cublasLt.
+    lt, bias_at, t, steps, operands = None, None, y, list(rest), None
+    if anchor.op in ("MatMul", "Gemm") and steps and steps[0].op == "Add" and _only_reader(y, steps[0]):
+        n = y.type.shape[-1]
+        b = _other(steps[0], y)
+        c = None if b is None else const(b)
+        operands = _matmul_operands(anchor, const)
+        if c is not None and operands is not None and isinstance(n, int) and c.size == n and c.ndim >= 1 \
+                and c.shape[-1] == n and np.dtype(c.dtype) in FLOATS and np.dtype(c.dtype) == in_dtype(anchor):
+            from kiln.runtime.kernels.cuda.linalg import LtBias
+            t = steps[0].outputs[0]
+            steps.pop(0)
+            relu = bool(steps) and steps[0].op == "Relu" and _only_reader(t, steps[0])
+            if relu:
+                t = steps[0].outputs[0]
+                steps.pop(0)
+            lt = LtBias(cp.asarray(np.ascontiguousarray(c.reshape(-1))), relu=relu)
+            bias_at = position.get(b)
+    # ---- MatMul then a multiply by a one-element constant (attention's 1/sqrt(d)) -> the GEMM's alpha.
+    alpha = None
+    if lt is None and anchor.op == "MatMul" and steps and steps[0].op == "Mul" and _only_reader(y, steps[0]) \
+            and in_dtype(anchor) in FLOATS:
+        c = _other(steps[0], y)
+        c = None if c is None else const(c)
+        if c is not None and c.size == 1 and np.dtype(c.dtype) == in_dtype(anchor) and \
+                steps[0].outputs[0].type is not None and steps[0].outputs[0].type.shape == y.type.shape:
+            alpha = float(c.reshape(-1)[0])
+            t = steps[0].outputs[0]
+            steps.pop(0)
+    anchor_k = None
+    if lt is None and alpha is None:
+        anchor_k = cuda.choose(_shadow(anchor, [outer[v] for v in anchor.inputs]),
+                               anchor.schema.fill_attrs(anchor.attrs))
+        if anchor_k is None:
+            return None
+
+    # ---- Conv: [Add(residual)] [Relu], the last node giving the one output.
+    if anchor.op == "Conv" and anchor_k is not None and hasattr(anchor_k, "with_epilogue") and single:
+        t, residual_at, relu, steps = y, None, False, list(rest)
+        if steps and steps[0].op == "Add" and _only_reader(t, steps[0]):
+            r = _other(steps[0], t)
+            if r is not None and r in position and const(r) is None and r.type is not None \
+                    and r.type.shape == y.type.shape and r.type.dtype == y.type.dtype:
+                residual_at, t = position[r], steps[0].outputs[0]
+                steps.pop(0)
+        if steps and steps[0].op == "Relu" and _only_reader(t, steps[0]):
+            relu, t = True, steps[0].outputs[0]
+            steps.pop(0)
+        if not steps and body.outputs[0] is t and (relu or residual_at is not None):
+            conv = anchor_k.with_epilogue
+
+            def run_conv(*args):
+                return conv(args[0], None if residual_at is None else args[residual_at], relu)
+            run_conv.ignores = _ignored(anchor_k)
+            run_conv.strategy = "conv with " + "+".join(s for s, on in (("residual", residual_at is not None),
+                                                                       ("relu", relu)) if on)
+            return run_conv
+        t, steps = y, list(rest)
+
+    # ---- the rest of the epilogue: one generated kernel over t and the inputs it reads.
+    ew, extra = None, []
+    if steps:
+        reads = []
+        for s in steps:
+            for v in s.inputs:
+                if v is not None and v is not t and v in position and v not in reads:
+                    reads.append(v)
+        extra = [position[v] for v in reads]
+        try:
+            ew = ElementwiseKernel(codegen.body_from_nodes([t] + reads, body.initializers.values(), steps,
+                                                           body.outputs))
+        except Unsupported:
+            return None
+    elif not (len(body.outputs) == 1 and body.outputs[0] is t):
+        return None  # an epilogue of nothing but an exported intermediate: not a pattern made here
+    in_place = ew is not None and len(body.outputs) == 1 and body.outputs[0].type is not None and \
+        body.outputs[0].type.dtype == y.type.dtype
+
+    if lt is not None:
+        from kiln.runtime.kernels.cuda.linalg import cublas_matmul
+        ta, tb, b_const = operands
+        b_dev = None if b_const is None else cp.asarray(np.ascontiguousarray(b_const))
+
+        def first(args):
+            a = args[0].T if ta else args[0]
+            bm = b_dev if b_dev is not None else (args[1].T if tb else args[1])
+            out = lt(a, bm)
+            if out is None:  # a layout cublasLt cannot take: cuBLAS, then the bias (and ReLU)
+                out = cublas_matmul(a, bm) if a.ndim == 2 or bm.ndim != 2 else \
+                    cublas_matmul(a.reshape(-1, a.shape[-1]), bm).reshape(a.shape[:-1] + (bm.shape[1],))
+                out += lt.bias
+                if lt.relu:
+                    cp.maximum(out, 0, out=out)
+            return out
+        ignored = tuple(sorted(({1} if b_dev is not None else set())
+                               | ({bias_at} if bias_at is not None and bias_at >= k else set())))
+        strategy = "cublasLt bias" + ("+relu" if lt.relu else "")
+    elif alpha is not None:
+        from kiln.runtime.kernels.cuda.linalg import matmul2
+
+        def first(args):
+            return matmul2(args[0], args[1], alpha)
+        ignored = ()
+        strategy = "cuBLAS alpha"
+    else:
+        def first(args):
+            return anchor_k(*args[:k])
+        ignored = _ignored(anchor_k)
+        strategy = f"{anchor.op} kernel"
+
+    def run(*args):
+        base = first(args)
+        if ew is None:
+            return base
+        operands = [base] + [args[i] for i in extra]
+        outs = None
+        if in_place and base.flags.c_contiguous and base.data.ptr % 16 == 0 and \
+                all(o is not base for o in operands[1:]):
+            try:
+                outs = ew(*operands, out=base)
+            except ValueError:  # shapes the contract rules out; computed into a fresh array then
+                outs = None
+        if outs is None:
+            outs = ew(*operands)
+        return outs[0] if single else tuple(outs)
+    run.ignores = ignored
+    run.strategy = strategy + (f" + generated epilogue ({', '.join(s.op for s in steps)})" if steps else "")
+    if ew is not None:
+        run.launcher = ew
+    return run
+
+
+def _matmul_operands(anchor: Node, const) -> Optional[tuple]:
+    """(transpose A, transpose B, constant B as [K, N] or None) when the anchor is a plain product
+    cublasLt can take with a bias: a MatMul of float matrices (or a stack times a matrix), or a
+    Gemm with alpha 1 and no C of its own."""
+    if in_dtype(anchor) not in FLOATS:
+        return None
+    if anchor.op == "MatMul":
+        return False, False, None
+    attrs = anchor.schema.fill_attrs(anchor.attrs)
+    if attrs["alpha"] != 1.0 or len(anchor.inputs) > 2:
+        return None
+    c = const(anchor.inputs[1])
+    return bool(attrs["transA"]), bool(attrs["transB"]), None if c is None else (c.T if attrs["transB"] else c)
+
+
+def _ignored(k) -> tuple:
+    while k is not None:
+        ignored = getattr(k, "ignores", None)
+        if ignored is not None:
+            return tuple(ignored)
+        k = getattr(k, "inner", None)
+    return ()
