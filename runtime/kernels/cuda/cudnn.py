@@ -13,6 +13,7 @@ TF32): ``conv_fprop``, then the epilogue the caller asks for (the [1, M, 1, 1] b
 residual tensor, ReLU: the ``kiln.FusedEpilogue`` patterns of ResNet-style blocks) as pointwise
 ops of the same cuDNN graph, built once: validate, build_operation_graph,
 create_execution_plans (heuristics A, then FALLBACK), deselect engines by numerical note,
+deselect engines needing more workspace than ``WORKSPACE_CAP`` (unless none is left),
 check_support, build_plans (the heuristics' first engine that builds). When no engine takes the
 whole epilogue, shorter prefixes of it are tried down to the bare convolution, and the caller
 applies what is left (``Plan.fused`` says how far cuDNN got). N-d convolutions (1-D as 2-D
@@ -49,6 +50,12 @@ _LOCK = threading.Lock()
 # "auto": time both paths once per convolution shape and keep the faster (nn.py);
 # "cudnn" / "im2col": force one (tests, benchmarks). KILN_CUDA_CONV sets the default.
 _MODE = {"mode": os.environ.get("KILN_CUDA_CONV", "auto")}
+# Engines needing a workspace above this many bytes are passed over while another engine takes
+# the same graph (then, and only then, the cap is dropped): the heuristics' first choice for some
+# of ResNet-50's shapes at batch 32 wanted 170 MiB on an H200. KILN_CUDNN_WORKSPACE_MIB sets it
+# ("none": no cap). The workspace is one buffer per stream (``workspace``), so the cap bounds it.
+_cap = os.environ.get("KILN_CUDNN_WORKSPACE_MIB", "32")
+WORKSPACE_CAP = None if _cap.lower() == "none" else int(float(_cap) * (1 << 20))
 # Residual add and ReLU inside the cuDNN graph (where an engine takes them); KILN_CUDNN_EPILOGUE=0
 # keeps cuDNN to convolution + bias, the rest then being one pass after it (for A/B timing).
 FUSE_EPILOGUE = os.environ.get("KILN_CUDNN_EPILOGUE", "1") != "0"
@@ -117,10 +124,13 @@ class Plan:
     def __init__(self, cudnn, x_shape, w_shape, pre, post, strides, dilations, epilogue: tuple, tf32: bool):
         f32 = cudnn.data_type.FLOAT
         last = None
-        for n in range(len(epilogue), -1, -1):
+        attempts = [(n, cap) for n in range(len(epilogue), -1, -1)
+                    for cap in ((WORKSPACE_CAP, None) if WORKSPACE_CAP is not None else (None,))]
+        for n, cap in attempts:
             try:
-                self._build(cudnn, f32, x_shape, w_shape, pre, post, strides, dilations, epilogue[:n], tf32)
+                self._build(cudnn, f32, x_shape, w_shape, pre, post, strides, dilations, epilogue[:n], tf32, cap)
                 self.fused = tuple(epilogue[:n])
+                self.capped = cap is not None
                 break
             except Exception as e:  # noqa: BLE001 - the frontend raises several types
                 last = e
@@ -132,7 +142,7 @@ class Plan:
     def fused_bias(self) -> bool:
         return "bias" in self.fused
 
-    def _build(self, cudnn, f32, x_shape, w_shape, pre, post, strides, dilations, epilogue, tf32):
+    def _build(self, cudnn, f32, x_shape, w_shape, pre, post, strides, dilations, epilogue, tf32, cap):
         g = cudnn.pygraph(io_data_type=f32, intermediate_data_type=f32, compute_data_type=f32)
         X = g.tensor(name="X", dim=list(x_shape), stride=_row_major(x_shape), data_type=f32)
         W = g.tensor(name="W", dim=list(w_shape), stride=_row_major(w_shape), data_type=f32)
@@ -162,6 +172,8 @@ class Plan:
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         if not tf32:
             g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS])
+        if cap is not None:
+            g.deselect_workspace_greater_than(cap)
         g.check_support()
         g.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
         self.graph = g
