@@ -62,6 +62,7 @@ one run. Both count weights, activations and the output, not the input.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import importlib.util
 import json
@@ -724,12 +725,41 @@ def zoo_compare(dev: Dev, entry, model, inputs, spec, graph, base: dict, rows: l
     _, fresh = zoo.fresh_inputs(model, inputs, spec, sizes, seed=7)
     sets = [("example", tensors), ("fresh " + ",".join(f"{k}={v}" for k, v in sizes.items()
                                                          if any(k in d.values() for d in spec.values())), fresh)]
+    def forward(mod, ts, device, double=False):
+        tt = [t.to(device) for t in ts]
+        if double:
+            tt = [t.double() if t.is_floating_point() else t for t in tt]
+        with torch.no_grad():
+            out = mod(**dict(zip(names, tt))) if isinstance(inputs, dict) else mod(*tt)
+        return [to_numpy(o) for o in flat_outputs(out, torch)]
+    # float64 on the CPU: what both float32 GPU results are measured against (which one is off).
+    m64 = copy.deepcopy(model).double()
+    truth = {label: forward(m64, ts, "cpu", double=True) for label, ts in sets}
+    del m64
     m = model.to(dev.tdev)
-    wants = {}
-    for label, ts in sets:
-        tt = [t.to(dev.tdev) for t in ts]
-        out = m(**dict(zip(names, tt))) if isinstance(inputs, dict) else m(*tt)
-        wants[label] = [to_numpy(o) for o in flat_outputs(out, torch)]
+    # The reference is the module's own math: nn.MultiheadAttention's fused "fast path" (on by
+    # default in eval under no_grad) is switched off for it, and measured on the side.
+    mha = getattr(getattr(torch, "backends", None), "mha", None)
+    fast_before = mha.get_fastpath_enabled() if mha is not None else None
+    wants, fast = {}, {}
+    try:
+        if mha is not None:
+            mha.set_fastpath_enabled(False)
+        for label, ts in sets:
+            wants[label] = forward(m, ts, dev.tdev)
+        if mha is not None:
+            mha.set_fastpath_enabled(True)
+            for label, ts in sets:
+                fast[label] = forward(m, ts, dev.tdev)
+    finally:
+        if mha is not None:
+            mha.set_fastpath_enabled(fast_before)
+
+    def vs_truth(outs, label):
+        return max((rel_err(o, t).get("rel_l2", math.inf) for o, t in zip(outs, truth[label])), default=0.0)
+    base = {**base, "vs_float64": {label: {"torch_gpu": vs_truth(wants[label], label),
+                                           "torch_gpu_fastpath": vs_truth(fast[label], label) if fast else None}
+                                   for label, _ in sets}}
     for graphs in (False, True):
         row = {**base, "cuda_graphs": graphs, "checks": []}
         try:
@@ -741,6 +771,7 @@ def zoo_compare(dev: Dev, entry, model, inputs, spec, graph, base: dict, rows: l
                 ok = len(got) == len(want) and all(e.get("finite") and e.get("tol_ratio", math.inf) <= 1.0
                                                    for e in errs)
                 row["checks"].append({"inputs": label, "ok": ok, "outputs": len(got),
+                                      "kiln_vs_float64": vs_truth([dev.host(g) for g in got], label),
                                       "max_abs": max((e.get("max_abs", math.inf) for e in errs), default=0.0),
                                       "rel_l2": max((e.get("rel_l2", math.inf) for e in errs), default=0.0),
                                       "tol_ratio": max((e.get("tol_ratio", math.inf) for e in errs), default=0.0)})
@@ -925,6 +956,9 @@ def render(res: dict) -> str:
     zres = res.get("zoo", {}).get("rows", [])
     if zres:
         lines += ["### Test-zoo models through CudaProgram vs torch eager on the GPU", "",
+                  f"torch's reference runs under `no_grad` with `torch.backends.mha` fast path off (the module's own "
+                  f"math; the fused fast path, nn.MultiheadAttention's default in eval, is measured on the side), and "
+                  f"every result is also compared with the model in float64 on the CPU (the 'vs float64' column). "
                   f"Each tests/zoo.py model at its test size, traced with its dynamic dims, on the example inputs and on "
                   f"fresh random inputs at another size; pass = `assert_allclose(rtol={RTOL}, atol={ATOL})` on every "
                   "output (tol. ratio = max |kiln - torch| / (atol + rtol |torch|), pass iff <= 1). traced = where "
@@ -932,20 +966,28 @@ def render(res: dict) -> str:
                   "file and the model's state_dict, sha256-checked; the weights are loaded into the model built on the "
                   "device with `strict=True`, so torch's reference on the GPU uses exactly the traced weights).", "",
                   "| model | traced | CUDA graphs | status | worst tol. ratio | worst rel. err | max abs err | "
-                  "host fallbacks |",
-                  "|---|---|---|---|---:|---:|---:|---|"]
+                  "rel. err vs float64: kiln / torch GPU / torch GPU fast path | host fallbacks |",
+                  "|---|---|---|---|---:|---:|---:|---:|---|"]
         for r in zres:
             checks = r.get("checks", [])
             traced = r.get("traced", "")
             if not checks:
                 lines.append(f"| {r['model']} | {traced} | "
                              f"{'yes' if r.get('cuda_graphs') else 'no' if 'cuda_graphs' in r else ''}"
-                             f" | {r['status']}: {r.get('note', '')[:120]} | | | | |")
+                             f" | {r['status']}: {r.get('note', '')[:120]} | | | | | |")
                 continue
             prog = r.get("program", {})
+            v64 = r.get("vs_float64", {})
+
+            def worst(values):
+                values = [v for v in values if v is not None]
+                return f"{max(values):.1e}" if values else "-"
+            truth = (f"{worst(c.get('kiln_vs_float64') for c in checks)} / "
+                     f"{worst(v.get('torch_gpu') for v in v64.values())} / "
+                     f"{worst(v.get('torch_gpu_fastpath') for v in v64.values())}")
             lines.append(f"| {r['model']} | {traced} | {'yes' if r['cuda_graphs'] else 'no'} | {r['status']} | "
                          f"{max(c['tol_ratio'] for c in checks):.3f} | {max(c['rel_l2'] for c in checks):.1e} | "
-                         f"{max(c['max_abs'] for c in checks):.1e} | {prog.get('fallback_ops') or '-'} |")
+                         f"{max(c['max_abs'] for c in checks):.1e} | {truth} | {prog.get('fallback_ops') or '-'} |")
         notes, seen = [], set()
         for r in zres:
             if r["model"] in seen:
