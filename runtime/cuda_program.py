@@ -4,7 +4,10 @@ Same public interface as :class:`kiln.runtime.program.Program` (``inputs``, ``ou
 ``metadata``, ``run(inputs, as_list=False)``), same execution plan (runtime/plan.py), with the
 kernels of runtime/kernels/cuda. What differs, and why:
 
-- **Loading.** Elementwise chains are fused into ``kiln.FusedElementwise`` nodes first, so each
+- **Loading.** Scaled dot-product attention (``MatMul -> [scale] -> [mask] -> Softmax ->
+  MatMul``) becomes one ``kiln.FusedAttention`` node, run by one kernel that never stores the
+  score matrix (runtime/kernels/cuda/attention.py). Elementwise chains are fused into
+  ``kiln.FusedElementwise`` nodes next, so each
   chain is one generated kernel (runtime/kernels/cuda/codegen.py), then each Conv/Gemm/MatMul
   feeding such a group (or a single elementwise op) alone takes it as its epilogue
   (``kiln.FusedEpilogue``: cuDNN's fused graph, cublasLt's bias epilogue, or one generated
@@ -96,8 +99,10 @@ class CudaProgram:
         self.tf32 = tf32
         self.fused_groups = 0
         self.fused_epilogues = 0
+        self.fused_attention = 0
         if fuse:
-            from kiln.ir.passes.fuse import fuse_elementwise, fuse_epilogues
+            from kiln.ir.passes.fuse import fuse_attention, fuse_elementwise, fuse_epilogues
+            self.fused_attention = fuse_attention(graph)
             self.fused_groups = fuse_elementwise(graph)
             self.fused_epilogues = fuse_epilogues(graph)
         self.graph = graph

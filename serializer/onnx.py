@@ -538,9 +538,10 @@ def _umask() -> int:
     return mask
 
 
-# ------------------------------------------------------------ kiln.FusedElementwise, kiln.FusedEpilogue
+# ------------------------------------- kiln.FusedElementwise, kiln.FusedEpilogue, kiln.FusedAttention
 
 
+@register_expansion("kiln", "FusedAttention")
 @register_expansion("kiln", "FusedEpilogue")
 @register_expansion("kiln", "FusedElementwise")
 def _expand_fused_elementwise(em: Emitter, node: Node) -> None:
@@ -549,7 +550,8 @@ def _expand_fused_elementwise(em: Emitter, node: Node) -> None:
     top-level one (so a Gelu in the body is expanded below opset 20 too). A body output that is
     not computed by a body node, or is repeated, goes through an Identity (ONNX is SSA).
     A FusedEpilogue body is closed the same way (its anchor, a Conv/Gemm/MatMul, is one more
-    body node), so both ops expand alike."""
+    body node), and so is a FusedAttention body (MatMul, scale, mask Add, Softmax, MatMul), so
+    the three ops expand alike."""
     body: Graph = node.attrs["body"]
     b = em._builder
     for v, name in zip(body.inputs, em.inputs):

@@ -35,6 +35,30 @@ operands without searching the body. So the body has a fixed layout, checked by
 
 Otherwise it is a FusedElementwise: closed, the same inference, the same evaluator, the same
 CPU kernel (a nested plan) and ONNX expansion (the body inlined).
+
+``kiln.FusedAttention``: scaled dot-product attention, ``softmax(q @ kt * scale [+ mask]) @ v``,
+made by ``fuse_attention``. Why a third op: a GPU backend runs it as one fused kernel that never
+writes the [..., Lq, Lk] score matrix to memory (the scores of a row block live in registers and
+shared memory, the softmax is computed online), which no elementwise/epilogue fusion can do: the
+softmax is a reduction over the scores, and its output is the left operand of a second GEMM. The
+kernel must find q, kt, v, the scale and the mask without searching the body, so the body has a
+fixed layout, checked by :func:`attention_parts` on every inference (and so by ``verify``):
+
+- ``body.inputs`` are ``[q, kt, v]`` or ``[q, kt, v, mask]``, ``node.inputs`` the outer values
+  1:1 (kt is k already transposed: [..., D, Lk]);
+- ``body.nodes`` are, in this order: ``MatMul(q, kt)``; optionally ``Mul(s, c)`` (either
+  operand order) or ``Div(s, c)`` (only s / c), c a one-element float body initializer (the
+  body's only one); ``Add(s, mask)`` (either operand order) exactly when there is a mask input;
+  ``Softmax(s)`` over the last axis; ``MatMul(p, v)``. Each intermediate is read only by the
+  next node, once; ``body.outputs`` is ``[the last MatMul's output]``;
+- q [..., Lq, D], kt [..., D, Lk], v [..., Lk, Dv] have one rank r >= 3, one float dtype and
+  the same batch dims ``[...]`` (no broadcasting among them); every value's shape is fully known
+  (ints and symbols). The mask has their dtype and broadcasts into the scores' shape without
+  growing it ([B, 1, 1, Lk], [Lq, Lk], ...); every intermediate has the scores' shape.
+
+Otherwise it is a FusedElementwise too (the same evaluator, CPU kernel and ONNX expansion): the
+CPU runs the body's ops as they are (Div as a division), while a GPU kernel multiplies the scores
+by the ``scale`` that :func:`attention_parts` returns (1/c for a Div).
 """
 from __future__ import annotations
 
@@ -43,6 +67,7 @@ from typing import NoReturn, Optional
 import numpy as np
 
 from kiln.errors import KilnError
+from kiln.ir.dtypes import FLOAT_TYPES
 from kiln.ir.evaluator import run_subgraph
 from kiln.ir.graph import Graph
 from kiln.ir.ops._common import ALL
@@ -51,6 +76,7 @@ from kiln.ir.types import TensorType, dims_compatible
 
 FUSED_OP = "FusedElementwise"
 EPILOGUE_OP = "FusedEpilogue"
+ATTENTION_OP = "FusedAttention"
 
 # Elementwise ops of the default domain: each output element depends only on the input elements
 # at the same (broadcast) position. What fuse_elementwise groups and what an epilogue may hold.
@@ -154,6 +180,107 @@ def epilogue_parts(body: Graph, types: Optional[dict] = None) -> tuple:
     return anchor, k
 
 
+def attention_parts(body: Graph, types: Optional[dict] = None) -> dict:
+    """``dict(scale=float, mask=bool)`` of a FusedAttention body: the factor the scores are
+    multiplied by (c for ``Mul(s, c)``, 1/c for ``Div(s, c)``, 1.0 without either) and whether
+    there is a mask input. Raises KilnError naming the layout rule (module docstring) the body
+    breaks. Types are read from ``types`` (Value -> TensorType, as :func:`body_types` gives;
+    default: the types recorded on the body's values)."""
+    def broken(rule: str) -> NoReturn:
+        raise KilnError(f"FusedAttention body '{body.name}': {rule}")
+
+    if len(body.inputs) not in (3, 4) or len(set(body.inputs)) != len(body.inputs):
+        broken(f"input rule: the body takes [q, kt, v] or [q, kt, v, mask], distinct values, "
+               f"not {len(body.inputs)} inputs")
+    q, kt, v = body.inputs[:3]
+    mask = body.inputs[3] if len(body.inputs) == 4 else None
+    nodes = list(body.nodes)
+    for inner in nodes:
+        if inner.domain != ONNX_DOMAIN or len(inner.outputs) != 1:
+            broken(f"node rule: {inner.describe()} is not a default-domain op with one output")
+    names = [n.op for n in nodes]
+    if len(nodes) < 3 or names[0] != "MatMul" or names[-2:] != ["Softmax", "MatMul"]:
+        broken(f"node rule: the nodes must be MatMul, [Mul|Div], [Add], Softmax, MatMul; got {names}")
+    first, softmax, last = nodes[0], nodes[-2], nodes[-1]
+    middle = nodes[1:-2]
+    scaler = middle[0] if middle and middle[0].op in ("Mul", "Div") else None
+    adder = middle[-1] if middle and middle[-1].op == "Add" else None
+    if len(middle) != (scaler is not None) + (adder is not None):
+        broken(f"node rule: the nodes must be MatMul, [Mul|Div], [Add], Softmax, MatMul; got {names}")
+    if (adder is not None) != (mask is not None):
+        broken("mask rule: an Add(s, mask) needs a fourth body input (the mask), and a mask input needs the Add")
+    if list(first.inputs) != [q, kt]:
+        broken(f"input rule: the first node {first.describe()} must be MatMul(q, kt) of body inputs 0 and 1")
+    if len(last.inputs) != 2 or last.inputs[1] is not v:
+        broken(f"input rule: the last node {last.describe()} must read v (body input 2) as its second input")
+
+    # The chain: each node reads the previous node's output once (at a fixed position for Div,
+    # Softmax and the last MatMul) and nothing else reads it.
+    chain = [first] + [n for n in (scaler, adder) if n is not None] + [softmax, last]
+    for prev, nxt in zip(chain, chain[1:]):
+        s = prev.outputs[0]
+        at = None if nxt.op in ("Mul", "Add") else 0
+        positions = [i for i, x in enumerate(nxt.inputs) if x is s]
+        if nxt.op == "Div" and positions == [1]:
+            broken(f"scale rule: {nxt.describe()} must divide the scores by c (s / c), not c by the scores")
+        if len(nxt.inputs) != (1 if nxt is softmax else 2) or len(positions) != 1 or at not in (None, positions[0]):
+            broken(f"chain rule: {nxt.describe()} must read '{s.name}' ({prev.describe()}'s output) once"
+                   + ("" if at is None else f", as input {at}") + " and one other value")
+        if [u for u, _ in s.uses] != [nxt] or any(s is o for o in body.outputs):
+            broken(f"chain rule: '{s.name}' ({prev.describe()}'s output) must be read by {nxt.describe()} only")
+    if len(body.outputs) != 1 or body.outputs[0] is not last.outputs[0]:
+        broken("output rule: the body's only output is the last MatMul's output")
+    if adder is not None and mask not in adder.inputs:
+        broken(f"mask rule: {adder.describe()} must add the mask (body input 3) to the scores")
+    scale = 1.0
+    constants = set()
+    if scaler is not None:
+        c = scaler.inputs[1] if scaler.inputs[0] is first.outputs[0] else scaler.inputs[0]
+        if (c is None or body.initializers.get(c.name) is not c or c.const is None or c.const.size != 1
+                or TensorType.of(c.const).dtype not in FLOAT_TYPES):
+            broken(f"scale rule: the scale of {scaler.describe()} must be a one-element float body initializer")
+        scale = float(c.const.reshape(()))
+        if scaler.op == "Div":
+            scale = 1.0 / scale if scale != 0.0 else float("inf")
+        if not np.isfinite(scale):
+            broken(f"scale rule: the scale of {scaler.describe()} gives the factor {scale}, not a finite number")
+        constants.add(c)
+    if set(body.initializers.values()) != constants:
+        broken("scale rule: the body's only initializer is the scale constant c (none without a Mul/Div)")
+    for x, role in ((q, "q"), (kt, "kt"), (v, "v"), (mask, "mask")):
+        if x is not None and {u for u, _ in x.uses if u.graph is body} != {
+                {"q": first, "kt": first, "v": last, "mask": adder}[role]}:
+            broken(f"input rule: body input '{x.name}' ({role}) is read by other nodes than its own")
+
+    type_of = (lambda x: types.get(x)) if types is not None else (lambda x: x.type)
+    values = [q, kt, v] + ([mask] if mask is not None else []) + [n.outputs[0] for n in chain]
+    for x in values:
+        t = type_of(x)
+        if t is None or t.shape is None or any(d is None for d in t.shape):
+            broken(f"shape rule: '{x.name}' has no fully known shape ({t})")
+    tq, tk, tv = type_of(q), type_of(kt), type_of(v)
+    r = len(tq.shape)
+    if r < 3 or len(tk.shape) != r or len(tv.shape) != r:
+        broken(f"shape rule: q, kt, v must have one rank >= 3, not {tq}, {tk}, {tv}")
+    if tq.dtype not in FLOAT_TYPES or tk.dtype is not tq.dtype or tv.dtype is not tq.dtype:
+        broken(f"dtype rule: q, kt, v must have one float dtype, not {tq.dtype}, {tk.dtype}, {tv.dtype}")
+    if not tq.shape[:-2] == tk.shape[:-2] == tv.shape[:-2]:
+        broken(f"shape rule: q, kt, v must have the same batch dims (no broadcasting), not {tq}, {tk}, {tv}")
+    if tq.shape[-1] != tk.shape[-2] or tk.shape[-1] != tv.shape[-2]:
+        broken(f"shape rule: q [..., Lq, D], kt [..., D, Lk], v [..., Lk, Dv] do not fit: {tq}, {tk}, {tv}")
+    scores = tq.shape[:-1] + tk.shape[-1:]
+    for n in chain[:-1]:
+        t = type_of(n.outputs[0])
+        if t.shape != scores or t.dtype is not tq.dtype:
+            broken(f"shape rule: {n.describe()} gives {t}, not the scores' type {tq.dtype}{list(scores)}")
+    if mask is not None and (type_of(mask).dtype is not tq.dtype or len(type_of(mask).shape) > r):
+        broken(f"mask rule: the mask must be {tq.dtype} of rank <= {r}, not {type_of(mask)}")
+    axis = softmax.schema.fill_attrs(softmax.attrs).get("axis", -1)
+    if axis not in (-1, r - 1):
+        broken(f"softmax rule: {softmax.describe()} must normalize over the last axis (-1 or {r - 1}), not {axis}")
+    return {"scale": scale, "mask": mask is not None}
+
+
 def _check_counts(ctx: InferContext, body: Graph) -> None:
     if len(body.inputs) != len(ctx.inputs):
         ctx.fail(f"body '{body.name}' takes {len(body.inputs)} inputs, the node has {len(ctx.inputs)}")
@@ -179,6 +306,18 @@ def _infer_epilogue(ctx: InferContext) -> list:
     return [types[v] for v in body.outputs]
 
 
+def _infer_attention(ctx: InferContext) -> list:
+    """FusedElementwise's inference, with the body's attention layout checked (in the substituted types)."""
+    body: Graph = ctx.attrs["body"]
+    _check_counts(ctx, body)
+    types = body_types(body, ctx.inputs, ctx.fail)
+    try:
+        attention_parts(body, types)
+    except KilnError as e:
+        ctx.fail(str(e))
+    return [types[v] for v in body.outputs]
+
+
 _SIGNATURE = dict(domain=KILN_DOMAIN, inputs=[In("inputs", ALL, variadic=True, optional=True)],
                   outputs=[In("outputs", ALL, variadic=True)], attrs=[Attr("body", AttrKind.GRAPH)])
 
@@ -191,3 +330,4 @@ def fused_elementwise(*inputs: Optional[np.ndarray], body: Graph, scope=None):
 
 # The same evaluator: the anchor is an ordinary op of the body.
 op(EPILOGUE_OP, infer=_infer_epilogue, **_SIGNATURE)(fused_elementwise)
+op(ATTENTION_OP, infer=_infer_attention, **_SIGNATURE)(fused_elementwise)

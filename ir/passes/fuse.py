@@ -71,20 +71,60 @@ values and initializers move into the epilogue body unchanged. A trailing omitte
 input of the anchor (Conv's bias, Gemm's C) is dropped. If/Loop bodies are handled like the
 main graph; FusedElementwise and FusedEpilogue bodies are not entered, and FusedEpilogue is
 no consumer, so a second run finds nothing to do.
+
+Attention (``fuse_attention``, run *before* the two above): scaled dot-product attention,
+``MatMul(q, kt) -> [Mul|Div by a constant] -> [Add(mask)] -> Softmax(last axis) -> MatMul(., v)``,
+becomes one ``kiln.FusedAttention`` (its body's layout: kiln/ir/ops/fused.py). Why: a GPU runs it
+as one kernel that never materializes the [..., Lq, Lk] scores (at BERT-base's 12 heads and
+sequence 512, 12 MiB per sequence and layer in float32, written and read back three times by the
+unfused ops). Why first: fuse_epilogues would take the score MatMul and its scale as an epilogue,
+and fuse_elementwise the scale and mask Add as a group, and the chain would be gone. The rules:
+
+- the chain is read backwards from the final MatMul; each intermediate (the scores, scaled,
+  masked, the probabilities) has exactly one use, by the next node of the chain in the same
+  graph (so no subgraph reads it), and is no graph output: nothing else needs it materialized;
+- the scale is a one-element float constant (``Mul`` in either operand order, ``Div`` only as
+  s / c), pulled into the body as an initializer (the outer one is dropped once unread); the
+  mask of an ``Add`` (either operand order) stays a node input, whatever it is;
+- a bool mask as the tracer writes ``masked_fill(mask, -inf)`` and causal
+  ``F.scaled_dot_product_attention`` (GPT's ``Where(cond, -inf, s)``, SDPA's
+  ``Where(cond, s, -inf)``, the fill a one-element constant of -inf) is taken as an additive mask:
+  the bool condition becomes a float mask of 0 and -inf, ``Where(cond, -inf, 0)`` (or the other
+  way round) outside the node, a constant when the condition is one, with the condition's shape
+  ([Lq, Lk] for a causal mask, not the scores'). For finite scores ``s + (-inf) = -inf`` and
+  ``s + 0 = s`` exactly, so the results are the same (only an infinite or NaN score under the
+  mask, which the Where hid, now spreads to its row; other fill values are left alone, as
+  s + fill differs from fill);
+- q, kt, v have one rank r >= 3, one float dtype and the same batch dims (the kernel does not
+  broadcast among them), every value's shape is fully known (ints and symbols), and each
+  intermediate has the scores' shape (a mask broadcasts into it without growing it).
+
+The chain is rewritten into one node named ``attention``/``attention_<k>`` at the final MatMul's
+place (every input of the chain is defined before it), carrying the first MatMul's meta (the
+attention module's scope); the final MatMul's outer output Value stays (name, readers), now
+produced by the node; the chain's nodes move into the body unchanged (names, meta). If/Loop
+bodies are handled like the main graph; fused bodies are not entered, and FusedAttention is
+neither elementwise, nor an anchor, nor a consumer for the other two passes, so they leave it
+alone, and a second run of any of the three finds nothing to do.
 """
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 from typing import Iterable, Optional
+
+import numpy as np
 
 from kiln.ir.dtypes import FLOAT_TYPES, DType
 from kiln.ir.graph import Graph, Node, Value
 # ELEMENTWISE_OPS lives with the ops (FusedEpilogue's layout check needs it); exported here too.
-from kiln.ir.ops.fused import ANCHOR_OPS, ELEMENTWISE_OPS, EPILOGUE_OP, FUSED_OP
+from kiln.ir.ops.fused import ANCHOR_OPS, ATTENTION_OP, ELEMENTWISE_OPS, EPILOGUE_OP, FUSED_OP, attention_parts
 from kiln.ir.passes._rewrite import graph_outputs
+from kiln.ir.passes.shape_inference import infer_node
 from kiln.ir.registry import KILN_DOMAIN, ONNX_DOMAIN
 
-_FUSED_OPS = frozenset({FUSED_OP, EPILOGUE_OP})  # kiln ops whose bodies the passes never enter
+# kiln ops whose bodies the passes never enter
+_FUSED_OPS = frozenset({FUSED_OP, EPILOGUE_OP, ATTENTION_OP})
 
 SMALL_CONSTANT = 64  # initializers of at most this many elements are copied into the body
 
@@ -262,12 +302,212 @@ def fuse_epilogues(graph: Graph, *, anchors: Iterable[str] = ANCHOR_OPS) -> int:
     return made
 
 
+def fuse_attention(graph: Graph) -> int:
+    """Replace each attention chain (``MatMul(q, kt) -> [Mul|Div] -> [Add|Where mask] -> Softmax
+    -> MatMul(., v)``) of ``graph`` and its If/Loop bodies by one FusedAttention node; returns
+    the number of nodes made. Meant to run before :func:`fuse_elementwise` and
+    :func:`fuse_epilogues` (module docstring: "Attention")."""
+    outputs = graph_outputs(graph.root)
+    made = 0
+    for g in list(_graphs(graph)):
+        for node in list(g.nodes):
+            chain = _attention_chain(node, g, outputs)
+            if chain is not None:
+                _fuse_attention(g, chain, outputs)
+                made += 1
+    return made
+
+
+@dataclass
+class _Attention:
+    """A chain found by :func:`_attention_chain`; None fields are the parts it lacks."""
+    first: Node                        # MatMul(q, kt)
+    scaler: Optional[Node]             # Mul(s, c) / Mul(c, s) / Div(s, c)
+    scale_at: int                      # the scaler's input position of c
+    masker: Optional[Node]             # Add(s, mask) / Add(mask, s) / Where(cond, -inf, s) / Where(cond, s, -inf)
+    mask_at: int                       # the masker's input position of the mask (Add) or the fill (Where)
+    softmax: Node
+    final: Node                        # MatMul(p, v)
+
+    @property
+    def nodes(self) -> list:
+        return [n for n in (self.first, self.scaler, self.masker, self.softmax, self.final) if n is not None]
+
+
+def _attention_chain(final: Node, graph: Graph, outputs: set) -> Optional[_Attention]:
+    """The attention chain ending in ``final`` (a MatMul of ``graph``), or None (module docstring:
+    "Attention")."""
+    if not _plain(final, ("MatMul",)):
+        return None
+    softmax = _link(final.inputs[0], final, graph, outputs, ("Softmax",))
+    if softmax is None:
+        return None
+    node = _link(softmax.inputs[0], softmax, graph, outputs, ("Add", "Where", "Mul", "Div", "MatMul"))
+    masker, mask_at = None, 0
+    if node is not None and node.op in ("Add", "Where"):
+        masker, node = node, None
+        # Add: either operand is the scores; Where: the scores are the branch that is not the fill.
+        sides = [(0, 1), (1, 0)] if masker.op == "Add" else [(2, 1), (1, 2)]
+        for s_at, mask_at in sides:
+            if masker.op == "Where" and not _neg_inf(masker.inputs[mask_at]):
+                continue
+            node = _link(masker.inputs[s_at], masker, graph, outputs, ("Mul", "Div", "MatMul"))
+            if node is not None:
+                break
+    scaler, scale_at = None, 0
+    if node is not None and node.op in ("Mul", "Div"):
+        scaler, node = node, None
+        for s_at, scale_at in [(0, 1)] if scaler.op == "Div" else [(0, 1), (1, 0)]:
+            c = scaler.inputs[scale_at]
+            if c is not None and c.const is not None and c.const.size == 1:
+                node = _link(scaler.inputs[s_at], scaler, graph, outputs, ("MatMul",))
+                if node is not None:
+                    break
+    if node is None or node.op != "MatMul":
+        return None
+    chain = _Attention(node, scaler, scale_at, masker, mask_at, softmax, final)
+    return chain if _attention_types_fit(chain) else None
+
+
+def _attention_types_fit(chain: _Attention) -> bool:
+    """Whether the types of a chain of the right ops fit FusedAttention's layout (ranks, dtypes,
+    batch dims, fully known shapes, the scores' shape kept, the softmax over the last axis)."""
+    q, kt = chain.first.inputs
+    v = chain.final.inputs[1]
+    types = [None if x is None else x.type for x in (q, kt, v)]
+    if any(t is None or t.shape is None or any(d is None for d in t.shape) for t in types):
+        return False
+    tq, tk, tv = types
+    r = len(tq.shape)
+    if (r < 3 or len(tk.shape) != r or len(tv.shape) != r or tq.dtype not in FLOAT_TYPES
+            or tk.dtype is not tq.dtype or tv.dtype is not tq.dtype
+            or not tq.shape[:-2] == tk.shape[:-2] == tv.shape[:-2]
+            or tq.shape[-1] != tk.shape[-2] or tk.shape[-1] != tv.shape[-2]):
+        return False
+    scores = tq.shape[:-1] + tk.shape[-1:]
+    for n in chain.nodes[:-1]:
+        t = n.outputs[0].type
+        if t is None or t.shape != scores or t.dtype is not tq.dtype:
+            return False
+    out = chain.final.outputs[0].type
+    if out is None or out.shape is None or any(d is None for d in out.shape):
+        return False
+    extra = []  # the mask (Add) or the condition (Where), which must have a fully known shape
+    if chain.scaler is not None:
+        c = chain.scaler.inputs[chain.scale_at]
+        if c.type is None or c.type.dtype is not tq.dtype:
+            return False
+    if chain.masker is not None:
+        m = chain.masker.inputs[chain.mask_at] if chain.masker.op == "Add" else chain.masker.inputs[0]
+        want = tq.dtype if chain.masker.op == "Add" else DType.BOOL
+        if m is None or m.type is None or m.type.dtype is not want:
+            return False
+        extra.append(m)
+        if chain.masker.op == "Where" and chain.masker.inputs[chain.mask_at].type.dtype is not tq.dtype:
+            return False
+    for x in extra:
+        if x.type.shape is None or any(d is None for d in x.type.shape) or len(x.type.shape) > r:
+            return False
+    axis = chain.softmax.schema.fill_attrs(chain.softmax.attrs).get("axis", -1)
+    return axis in (-1, r - 1)
+
+
+def _fuse_attention(graph: Graph, chain: _Attention, outputs: set) -> Node:
+    """Rewrite ``chain`` into one FusedAttention node of ``graph`` (module docstring: "Attention")."""
+    first, scaler, masker, softmax, final = chain.first, chain.scaler, chain.masker, chain.softmax, chain.final
+    q, kt = first.inputs
+    v = final.inputs[1]
+    dropped: list[Value] = []  # outer constants the chain read, removed below once nothing reads them
+    where = None
+    if masker is not None and masker.op == "Where":
+        where, masker = masker, None
+        mask = _additive_mask(graph, where, chain.mask_at, before=final)
+        dropped += [where.inputs[0], where.inputs[chain.mask_at]]
+    else:
+        mask = None if masker is None else masker.inputs[chain.mask_at]
+    outer = [q, kt, v] + ([mask] if mask is not None else [])
+    body = graph.subgraph("attention_body")
+    for x in outer:
+        body.inputs.append(body._new_value(None, x.type, x.name))
+    bq, bk, bv = body.inputs[:3]
+    node = graph.add_node(ATTENTION_OP, outer, {"body": body}, domain=KILN_DOMAIN, num_outputs=0,
+                          name="attention", meta=dict(first.meta), before=final)
+    for m in [n for n in (first, scaler, masker, softmax, final) if n is not None]:
+        del graph.nodes[graph._index_of(m)]
+        m.graph = body
+        body.nodes.append(m)
+        for o in m.outputs:
+            o.graph = body
+        if m is scaler:
+            c = scaler.inputs[chain.scale_at]
+            scaler.set_input(chain.scale_at, body.add_constant(c.const, c.name))
+            dropped.append(c)
+        if where is not None and m is (first if scaler is None else scaler):
+            # A Where mask's Add(s, mask) takes the Where's place: right after the scores' last node.
+            s = m.outputs[0]
+            add = body.add_node("Add", [s, body.inputs[3]], name="add", meta=dict(where.meta),
+                                output_types=[where.outputs[0].type])
+            softmax.set_input(0, add.outputs[0])
+            graph.remove_node(where)
+    first.inputs = [bq, bk]
+    if masker is not None:
+        masker.set_input(chain.mask_at, body.inputs[3])
+    final.set_input(1, bv)
+    out = final.outputs[0]
+    inner = body._new_value(None, out.type, out.name)
+    inner.producer, inner.index = final, 0
+    final.outputs[0] = inner
+    out.producer, out.index, out.graph = node, 0, graph
+    node.outputs = [out]
+    body.outputs = [inner]
+    for c in dropped:
+        if not c.uses and c not in outputs and c.graph.initializers.get(c.name) is c:
+            c.graph.remove_initializer(c)
+    attention_parts(body)  # the layout the backends rely on; a failure here is a bug of this pass
+    return node
+
+
+def _additive_mask(graph: Graph, where: Node, fill_at: int, *, before: Node) -> Value:
+    """The float mask equal to ``where``'s masking of the scores: ``Where(cond, -inf, 0)`` for
+    ``Where(cond, -inf, s)`` (``Where(cond, 0, -inf)`` for ``Where(cond, s, -inf)``), computed by
+    a new node placed before ``before``, or a constant when the condition is one."""
+    cond, fill = where.inputs[0], where.inputs[fill_at]
+    zero = np.zeros_like(fill.const)
+    if cond.const is not None:
+        picks = (fill.const, zero) if fill_at == 1 else (zero, fill.const)
+        return graph.add_constant(np.where(cond.const, *picks), "attention_mask")
+    zero_v = graph.add_constant(zero, "zero")
+    picks = [fill, zero_v] if fill_at == 1 else [zero_v, fill]
+    node = graph.add_node("Where", [cond] + picks, name="attention_mask", meta=dict(where.meta), before=before)
+    infer_node(node)
+    return node.outputs[0]
+
+
+def _plain(node: Node, ops: tuple) -> bool:
+    return node.domain == ONNX_DOMAIN and node.op in ops and len(node.outputs) == 1
+
+
+def _link(value: Optional[Value], reader: Node, graph: Graph, outputs: set, ops: tuple) -> Optional[Node]:
+    """The producer of ``value`` if it is a default-domain node of ``ops`` in ``graph`` with one
+    output, and ``value`` is read once, by ``reader``, and is no graph output; else None."""
+    if value is None or value in outputs or len(value.uses) != 1 or value.uses[0][0] is not reader:
+        return None
+    p = _producer_in(value, graph)
+    return p if p is not None and _plain(p, ops) else None
+
+
+def _neg_inf(value: Optional[Value]) -> bool:
+    """Whether ``value`` is a one-element float constant holding -inf."""
+    return (value is not None and value.const is not None and value.const.size == 1
+            and np.issubdtype(value.const.dtype, np.floating) and bool(np.isneginf(value.const).all()))
+
+
 # --------------------------------------------------------------------------- analysis helpers
 
 
 def _graphs(graph: Graph):
-    """``graph`` and the bodies of its If/Loop nodes, recursively; not FusedElementwise or
-    FusedEpilogue bodies."""
+    """``graph`` and the bodies of its If/Loop nodes, recursively; not the bodies of fused nodes
+    (FusedElementwise, FusedEpilogue, FusedAttention)."""
     yield graph
     for n in graph.nodes:
         if n.domain == KILN_DOMAIN and n.op in _FUSED_OPS:

@@ -1,5 +1,5 @@
-"""CPU kernel of ``kiln.FusedElementwise`` and ``kiln.FusedEpilogue``: the body lowered once, at
-load, to its own plan.
+"""CPU kernel of ``kiln.FusedElementwise``, ``kiln.FusedEpilogue`` and ``kiln.FusedAttention``:
+the body lowered once, at load, to its own plan.
 
 The CPU gains nothing from fusion itself (numpy still makes one pass per op), but a fused graph
 (the CUDA loader's input, or a file saved after fusing) must run here too, at the speed of the
@@ -9,7 +9,9 @@ is closed (it reads only its inputs and initializers), so unlike If/Loop bodies 
 access to the enclosing run's slots: it gets a PlanBuilder of its own, with liveness and
 in-place writes into its intermediates (never into its inputs: the plan keeps those intact).
 A FusedEpilogue body is the same kind of closed body (its anchor, a Conv/Gemm/MatMul, is one
-more op of the nested plan), so the same kernel runs it.
+more op of the nested plan), so the same kernel runs it; so is a FusedAttention body (MatMul,
+scale, mask Add, Softmax, MatMul: the CPU has no score-free attention kernel to gain from, and
+runs the ops as the unfused graph does, the [..., Lq, Lk] scores included).
 
 One thing the body hides: which of its inputs are constants. An epilogue's weights are node
 inputs (never pulled into the body, whatever their size), and the CPU kernels prepare a constant
@@ -39,7 +41,7 @@ def _seeing_constants(inner: Node, consts: dict) -> Node:
     return shadow
 
 
-@kernel("FusedElementwise", "FusedEpilogue", domain="kiln")
+@kernel("FusedElementwise", "FusedEpilogue", "FusedAttention", domain="kiln")
 def fused_elementwise(node: Node, attrs: dict):
     body = attrs["body"]
     consts = {b: v for b, v in zip(body.inputs, node.inputs) if v is not None and v.const is not None}

@@ -83,4 +83,4 @@ def in_dtype(node: Node, i: int = 0) -> Optional[np.dtype]:
 
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
-from kiln.runtime.kernels.cuda import elementwise, epilogue, linalg, nn, shape  # noqa: E402,F401  (registers kernels)
+from kiln.runtime.kernels.cuda import attention, elementwise, epilogue, linalg, nn, shape  # noqa: E402,F401,I001  (registers kernels)
