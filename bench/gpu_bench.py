@@ -845,8 +845,10 @@ def render(res: dict) -> str:
         "CUDA-event-timed batches of back-to-back calls (about 25 ms a batch, 2 rounds x 7 batches interleaved "
         "across a row's variants, after warm-up; CuPy's events for kiln and CuPy, torch's for torch, all on the "
         "default stream); inputs random normal. kiln: `kiln.trace` on the CPU (models: dynamic batch), then "
-        "`kiln.load(graph, device=\"cuda\")` (CudaProgram: elementwise chains fused into generated kernels, cuBLAS, "
-        "convolution by im2col + cuBLAS); \"CUDA graphs\" = `cuda_graphs=True` (each run copies the input into the "
+        "`kiln.load(graph, device=\"cuda\")` (CudaProgram: attention fused into one kernel from 1 block per SM, "
+        "elementwise chains into generated kernels, Conv/MatMul/Gemm epilogues into cuDNN graphs, cublasLt bias "
+        "epilogues or one generated pass; cuBLAS and cublasLt through ctypes; convolution by cuDNN from batch 8, "
+        "im2col + cuBLAS below); \"CUDA graphs\" = `cuda_graphs=True` (each run copies the input into the "
         "captured buffers, replays, and copies the output out), \"eager\" = `cuda_graphs=False`. torch.compile: "
         "Inductor, `dynamic=False`, one compile per shape and mode (`torch._dynamo.reset()` between), compile time "
         "= the first call's wall time.")

@@ -215,6 +215,10 @@ ND_CASES = [
     ("ConvTranspose", [_r(1, 3, 3, 4, 5), _r(3, 2, 2, 2, 2, scale=0.3)], {"strides": [2, 2, 2]}, (1,)),
     ("ConvTranspose", [_r(1, 3, 5, 5), _r(3, 2, 3, 3, scale=0.3)], {"strides": [2, 2], "output_shape": [12, 11]},
      (1,)),
+    # weights computed in the graph (graph inputs here), not constants
+    ("Conv", [_r(2, 4, 7, 8), _r(6, 2, 3, 3), _r(6)], {"group": 2, "pads": [1, 1, 1, 1], "strides": [1, 2]}, ()),
+    ("Conv", [_r(2, 4, 9), _r(3, 4, 2)], {"dilations": [2]}, ()),
+    ("ConvTranspose", [_r(2, 4, 5, 6), _r(4, 3, 3, 3), _r(3)], {"strides": [2, 1]}, ()),
     ("Mod", [np.array([7, -7, 9, -9], np.int64), np.array([2, 3, -4, 4], np.int64)], {}, ()),
     ("Mod", [_r(6), np.abs(_r(6)) + 0.5], {"fmod": 1}, ()),
     ("DequantizeLinear", [RNG.integers(-128, 127, (2, 3, 4)).astype(np.int8), np.abs(_r(3)) + 0.01,

@@ -111,7 +111,11 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
     w = const_input(node, 1)
     has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
     bias = const_input(node, 2)
-    if in_dtype(node) not in FLOATS or w is None or w.ndim not in (3, 4, 5) or (has_bias and bias is None):
+    if in_dtype(node) not in FLOATS:
+        return None
+    if w is None or (has_bias and bias is None):
+        return _conv_dynamic(attrs)
+    if w.ndim not in (3, 4, 5):
         return None
     nsp = w.ndim - 2
     window = make_window(attrs["kernel_shape"] or w.shape[2:], strides=attrs["strides"],
@@ -200,6 +204,28 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
     return run
 
 
+def _conv_dynamic(attrs):
+    """Conv whose weights (or bias) are computed in the graph, not constants: im2col + cuBLAS on
+    the arrays as they come (their layouts prepared per call; no cuDNN plan per weight)."""
+    def run(x, w, b=None):
+        if w.ndim not in (3, 4, 5) or x.ndim != w.ndim:
+            raise ValueError(f"Conv: X of rank {x.ndim} and W of rank {w.ndim}")
+        nsp = w.ndim - 2
+        window = make_window(attrs["kernel_shape"] or w.shape[2:], strides=attrs["strides"],
+                             dilations=attrs["dilations"], pads=attrs["pads"], auto_pad=attrs["auto_pad"])
+        group = attrs["group"]
+        m, cg = w.shape[:2]
+        n = x.shape[0]
+        view, out = _windows(x, window, 0)
+        k = cg * math.prod(w.shape[2:])
+        cols = cp.ascontiguousarray(view).reshape(n, group, k, math.prod(out))
+        y = cublas_matmul(cp.ascontiguousarray(w).reshape(group, m // group, k), cols).reshape((n, m) + tuple(out))
+        if b is not None:
+            y += b.reshape((1, m) + (1,) * nsp)
+        return y
+    return run
+
+
 @kernel("ConvTranspose")
 def conv_transpose(node, attrs) -> Optional[Callable[..., Any]]:
     """ConvTranspose (1-D to 3-D, grouped, output_padding / output_shape / auto_pad as ONNX says):
@@ -208,46 +234,65 @@ def conv_transpose(node, attrs) -> Optional[Callable[..., Any]]:
     tap is added into a zeroed buffer at stride * i + dilation * tap (the reference's scatter,
     ir/ops/nn.py, one strided add per tap) and the result is cropped. All kernels are cuBLAS and
     CuPy elementwise launches, so it runs inside a CUDA graph too."""
-    from kiln.ir.ops.nn import _transpose_geometry
     w = const_input(node, 1)
     has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
     bias = const_input(node, 2)
-    if in_dtype(node) not in FLOATS or w is None or w.ndim not in (3, 4, 5) or (has_bias and bias is None):
+    if in_dtype(node) not in FLOATS:
         return None
-    nsp = w.ndim - 2
+    if w is None or (has_bias and bias is None):  # weights computed in the graph: laid out per call
+        def dynamic(x, w_arg, b_arg=None):
+            if w_arg.ndim not in (3, 4, 5):
+                raise ValueError(f"ConvTranspose: W of rank {w_arg.ndim}")
+            return _conv_transpose(x, w_arg, b_arg, attrs)
+        return dynamic
+    if w.ndim not in (3, 4, 5):
+        return None
+    bias_d = None if bias is None else cp.asarray(bias)
+    layout = _conv_transpose_layout(cp.asarray(w), attrs)  # only this layout stays on the device
+
+    def run(x, w_unused, b_unused=None):
+        return _conv_transpose(x, None, bias_d, attrs, layout)
+    run.ignores = (1, 2)
+    return run
+
+
+def _conv_transpose_layout(w, attrs) -> tuple:
+    """(window, group, C/g, M/g, kernel, [group, M/g * prod(k), C/g] weights for the GEMM)."""
     window = make_window(attrs["kernel_shape"] or w.shape[2:], strides=attrs["strides"],
                          dilations=attrs["dilations"], pads=attrs["pads"], auto_pad=attrs["auto_pad"])
     group = attrs["group"]
     c_in, m_g = w.shape[:2]
     ks = tuple(w.shape[2:])
     c_g = c_in // group
-    # [group, M/g * prod(k), C/g]: the GEMM's left operand, transposed once here.
-    wt = cp.asarray(np.ascontiguousarray(w.reshape(group, c_g, m_g * math.prod(ks)).transpose(0, 2, 1)))
-    bias_d = None if bias is None else cp.asarray(np.ascontiguousarray(bias).reshape((1, -1) + (1,) * nsp))
-    geo_attrs = {"output_padding": attrs["output_padding"], "output_shape": attrs["output_shape"]}
+    wt = cp.ascontiguousarray(cp.ascontiguousarray(w).reshape(group, c_g, m_g * math.prod(ks)).transpose(0, 2, 1))
+    return window, group, c_g, m_g, ks, wt
 
-    def run(x, w_unused, b_unused=None):
-        n, ins = x.shape[0], x.shape[2:]
-        geo = _transpose_geometry(geo_attrs, window, ins)
-        lo = [min(0, b) for b in geo.begin]
-        size = [max(f, b + o) - lo_i for f, b, o, lo_i in zip(geo.full, geo.begin, geo.out, lo)]
-        xg = cp.ascontiguousarray(x).reshape(n, group, c_g, math.prod(ins))
-        # Per group, [M/g*K, C/g] @ [N, C/g, L] (the weight's batch stride 0: nothing copied).
-        parts = [cublas_matmul(wt[g], xg[:, g]) for g in range(group)]
-        cols = parts[0] if group == 1 else cp.stack(parts, axis=1)
-        cols = cols.reshape((n, group * m_g) + ks + tuple(ins))
-        buf = cp.zeros((n, group * m_g) + tuple(size), x.dtype)
-        for tap in np.ndindex(*ks):
-            target = tuple(slice(t * d - lo_i, t * d - lo_i + s * (sz - 1) + 1, s)
-                           for t, d, lo_i, s, sz in zip(tap, window.dilations, lo, window.strides, ins))
-            buf[(slice(None), slice(None)) + target] += cols[(slice(None), slice(None)) + tap]
-        crop = tuple(slice(b - lo_i, b - lo_i + o) for b, lo_i, o in zip(geo.begin, lo, geo.out))
-        y = buf[(slice(None), slice(None)) + crop]
-        if bias_d is not None:
-            y = y + bias_d
-        return cp.ascontiguousarray(y)
-    run.ignores = (1, 2)
-    return run
+
+def _conv_transpose(x, w, bias, attrs, layout=None):
+    from kiln.ir.ops.nn import _transpose_geometry
+    window, group, c_g, m_g, ks, wt = layout if layout is not None else _conv_transpose_layout(w, attrs)
+    nsp = len(ks)
+    geo_attrs = {"output_padding": attrs["output_padding"], "output_shape": attrs["output_shape"]}
+    bias_d = None if bias is None else bias.reshape((1, -1) + (1,) * nsp)
+    n, ins = x.shape[0], x.shape[2:]
+    geo = _transpose_geometry(geo_attrs, window, ins)
+    lo = [min(0, b) for b in geo.begin]
+    size = [max(f, b + o) - lo_i for f, b, o, lo_i in zip(geo.full, geo.begin, geo.out, lo)]
+    xg = cp.ascontiguousarray(x).reshape(n, group, c_g, math.prod(ins))
+    # Per group, [M/g*K, C/g] @ [N, C/g, L] (the weight's batch stride 0: nothing copied).
+    parts = [cublas_matmul(wt[g], xg[:, g]) for g in range(group)]
+    cols = parts[0] if group == 1 else cp.stack(parts, axis=1)
+    cols = cols.reshape((n, group * m_g) + ks + tuple(ins))
+    buf = cp.zeros((n, group * m_g) + tuple(size), x.dtype)
+    for tap in np.ndindex(*ks):
+        target = tuple(slice(t * d - lo_i, t * d - lo_i + s * (sz - 1) + 1, s)
+                       for t, d, lo_i, s, sz in zip(tap, window.dilations, lo, window.strides, ins))
+        buf[(slice(None), slice(None)) + target] += cols[(slice(None), slice(None)) + tap]
+    crop = tuple(slice(b - lo_i, b - lo_i + o) for b, lo_i, o in zip(geo.begin, lo, geo.out))
+    y = buf[(slice(None), slice(None)) + crop]
+    if bias_d is not None:
+        y = y + bias_d
+    return cp.ascontiguousarray(y)
 
 
 def _pool_window(attrs: dict, dilations=True):
