@@ -21,25 +21,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_smoke import bench  # noqa: E402  (median of CUDA-event-timed batches)
 
 SHAPES = [(256, 32), (256, 64), (256, 0), (128, 0), (512, 0), (1024, 0), (128, 32)]
-
-
-def bench(fn, iters: int, reps: int = 9) -> float:
-    import cupy as cp
-    for _ in range(3):
-        fn()
-    cp.cuda.Device().synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b) / iters)
-    return sorted(times)[reps // 2]
 
 
 def main() -> int:
@@ -51,8 +35,8 @@ def main() -> int:
     from kiln.runtime.kernels.cuda import codegen
     src = cp.ones(1 << 28, cp.float32)
     dst = cp.empty_like(src)
-    bw = 2 * src.nbytes / (bench(lambda: cp.copyto(dst, src), 10) * 1e-3)
-    del src, dst
+    bw = 2 * src.nbytes / (bench(lambda: cp.copyto(dst, src), 10, reps=9) * 1e-3)
+    src = dst = None  # the 2 GiB back to the pool
     cases = []
     for n in (2048, 8192):
         g = Graph("chain")
@@ -84,7 +68,7 @@ def main() -> int:
                 want = got.copy()
             same = bool(cp.array_equal(got, want))
             iters = 200 if nbytes < (64 << 20) else 40
-            ms = bench(lambda: ew(*ops), iters)
+            ms = bench(lambda: ew(*ops), iters, reps=9)
             rows.append({"case": name, "block": block, "blocks_per_sm": per_sm, "ms": ms, "floor_ms": floor,
                          "x_floor": ms / floor, "same_result": same})
             print(f"{name:22s} block {block:5d} per-SM cap {per_sm or 'none':>4}: {ms:.4f} ms "

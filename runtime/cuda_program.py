@@ -212,7 +212,7 @@ class CudaProgram:
         ``ignores``, plus any constant that is an output of the graph or of a subgraph."""
         read: set = set(self.graph.outputs)
         for node, k in self._kernels:
-            ignored = _ignored_inputs(k)
+            ignored = cuda.ignored_inputs(k)
             for i, v in enumerate(node.inputs):
                 if v is not None and v.const is not None and i not in ignored:
                     read.add(v)
@@ -360,16 +360,6 @@ class CudaProgram:
 
     def captured_graphs(self) -> int:
         return len(self._graphs)
-
-
-def _ignored_inputs(k) -> tuple:
-    """Input positions a kernel (or the kernel an adapter wraps) never reads."""
-    while k is not None:
-        ignored = getattr(k, "ignores", None)
-        if ignored is not None:
-            return tuple(ignored)
-        k = getattr(k, "inner", None)
-    return ()
 
 
 def _strategy(k) -> str:

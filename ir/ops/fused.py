@@ -62,7 +62,7 @@ by the ``scale`` that :func:`attention_parts` returns (1/c for a Div).
 """
 from __future__ import annotations
 
-from typing import NoReturn, Optional
+from typing import Callable, NoReturn, Optional
 
 import numpy as np
 
@@ -294,28 +294,23 @@ def _infer_fused(ctx: InferContext) -> list:
     return body_output_types(body, ctx.inputs, ctx.fail)
 
 
-def _infer_epilogue(ctx: InferContext) -> list:
-    """FusedElementwise's inference, with the body's layout checked (in the substituted types)."""
-    body: Graph = ctx.attrs["body"]
-    _check_counts(ctx, body)
-    types = body_types(body, ctx.inputs, ctx.fail)
-    try:
-        epilogue_parts(body, types)
-    except KilnError as e:
-        ctx.fail(str(e))
-    return [types[v] for v in body.outputs]
+def _infer_with_layout(parts) -> Callable:
+    """FusedElementwise's inference, with the body's layout checked by ``parts(body, types)`` (in
+    the substituted types): FusedEpilogue's and FusedAttention's."""
+    def infer(ctx: InferContext) -> list:
+        body: Graph = ctx.attrs["body"]
+        _check_counts(ctx, body)
+        types = body_types(body, ctx.inputs, ctx.fail)
+        try:
+            parts(body, types)
+        except KilnError as e:
+            ctx.fail(str(e))
+        return [types[v] for v in body.outputs]
+    return infer
 
 
-def _infer_attention(ctx: InferContext) -> list:
-    """FusedElementwise's inference, with the body's attention layout checked (in the substituted types)."""
-    body: Graph = ctx.attrs["body"]
-    _check_counts(ctx, body)
-    types = body_types(body, ctx.inputs, ctx.fail)
-    try:
-        attention_parts(body, types)
-    except KilnError as e:
-        ctx.fail(str(e))
-    return [types[v] for v in body.outputs]
+_infer_epilogue = _infer_with_layout(epilogue_parts)
+_infer_attention = _infer_with_layout(attention_parts)
 
 
 _SIGNATURE = dict(domain=KILN_DOMAIN, inputs=[In("inputs", ALL, variadic=True, optional=True)],

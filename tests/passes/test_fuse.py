@@ -34,15 +34,6 @@ def body_ops(node) -> list:
     return [n.op for n in node.attrs["body"].nodes]
 
 
-def feeds_for(g: Graph, batch: int = 3, seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    out = {}
-    for v in g.inputs:
-        shape = [batch if isinstance(d, str) else d for d in v.type.shape]
-        out[v.name] = rng.standard_normal(shape).astype(v.type.dtype.numpy)
-    return out
-
-
 def assert_runtime_matches(before: Graph, after: Graph, feeds: dict, tmp_path, rtol=1e-5, atol=1e-6) -> None:
     """The fused graph, saved and loaded with kiln.load, computes what the original evaluates to."""
     path = kiln.save(after, tmp_path / "fused.kiln")
@@ -300,6 +291,7 @@ def test_if_and_loop_bodies_are_fused(tmp_path):
 torch = pytest.importorskip("torch")
 import zoo  # noqa: E402
 from kiln.frontend.tracer import to_numpy  # noqa: E402
+from graph_feeds import feeds_for
 
 
 class DecomposedBlock(torch.nn.Module):

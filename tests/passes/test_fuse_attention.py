@@ -45,13 +45,7 @@ def body_ops(node) -> list:
 
 
 def feeds_for(g: Graph, batch: int = 2, seq: int = 5, seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    out = {}
-    for v in g.inputs:
-        shape = [{"batch": batch, "seq": seq}[d] if isinstance(d, str) else d for d in v.type.shape]
-        out[v.name] = (rng.standard_normal(shape).astype(v.type.dtype.numpy) if v.type.dtype.is_float
-                       else rng.integers(0, 2, shape).astype(v.type.dtype.numpy))
-    return out
+    return graph_feeds.feeds_for(g, batch, seed, seq=seq)
 
 
 def qkv(g: Graph, batch="batch", seq="seq") -> tuple:
@@ -354,6 +348,7 @@ def test_fused_nodes_are_not_entered_and_the_other_order_breaks_the_chain():
 torch = pytest.importorskip("torch")
 import zoo  # noqa: E402
 from kiln.frontend.tracer import to_numpy  # noqa: E402
+import graph_feeds
 
 TRANSFORMERS = [e for e in zoo.params() if e.values[0].name in ("transformer_encoder", "gpt", "sdpa", "hf_bert")]
 

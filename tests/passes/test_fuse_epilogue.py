@@ -47,15 +47,6 @@ def weight(*shape) -> np.ndarray:
     return RNG.standard_normal(shape).astype(np.float32) * 0.3
 
 
-def feeds_for(g: Graph, batch: int = 3, seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    out = {}
-    for v in g.inputs:
-        shape = [batch if isinstance(d, str) else d for d in v.type.shape]
-        out[v.name] = rng.standard_normal(shape).astype(v.type.dtype.numpy)
-    return out
-
-
 def assert_layout(node, anchor_op: str, outer_anchor_inputs: list) -> None:
     """The contract the CUDA kernel relies on, checked by hand (not through epilogue_parts)."""
     body = node.attrs["body"]
@@ -442,6 +433,7 @@ def test_broken_bodies_fail_verify_naming_the_rule(case):
 torch = pytest.importorskip("torch")
 import zoo  # noqa: E402
 from kiln.frontend.tracer import to_numpy  # noqa: E402
+from graph_feeds import feeds_for
 
 # Epilogue kinds (body ops joined by '+') that must appear, where the model's shape is known.
 EXPECTED = {

@@ -10,12 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-cp = pytest.importorskip("cupy")
-try:
-    _DEVICES = cp.cuda.runtime.getDeviceCount()
-except cp.cuda.runtime.CUDARuntimeError:
-    _DEVICES = 0
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_DEVICES == 0, reason="no CUDA device")]
+from cuda_helpers import require_gpu
+
+cp, pytestmark = require_gpu()
 
 from kiln.ir import Graph, evaluate  # noqa: E402
 from kiln.ir.passes import infer_shapes  # noqa: E402

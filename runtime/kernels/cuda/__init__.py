@@ -83,4 +83,15 @@ def in_dtype(node: Node, i: int = 0) -> Optional[np.dtype]:
 
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
+
+def ignored_inputs(k) -> tuple:
+    """Input positions a kernel (or the kernel an adapter wraps, through ``inner``) never reads:
+    its ``ignores``, for constants it keeps its own device copy of."""
+    while k is not None:
+        ignored = getattr(k, "ignores", None)
+        if ignored is not None:
+            return tuple(ignored)
+        k = getattr(k, "inner", None)
+    return ()
+
 from kiln.runtime.kernels.cuda import attention, elementwise, epilogue, linalg, nn, shape  # noqa: E402,F401,I001  (registers kernels)

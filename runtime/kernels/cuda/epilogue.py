@@ -30,7 +30,7 @@ import cupy as cp
 import numpy as np
 
 from kiln.ir.graph import Node
-from kiln.runtime.kernels.cuda import FLOATS, codegen, in_dtype, kernel
+from kiln.runtime.kernels.cuda import FLOATS, codegen, ignored_inputs, in_dtype, kernel
 from kiln.runtime.kernels.cuda.codegen import ElementwiseKernel, Unsupported
 
 
@@ -128,7 +128,7 @@ def fused_epilogue(node, attrs) -> Optional[Callable[..., Any]]:
 
             def run_conv(*args):
                 return conv(args[0], None if residual_at is None else args[residual_at], relu)
-            run_conv.ignores = _ignored(anchor_k)
+            run_conv.ignores = ignored_inputs(anchor_k)
             run_conv.strategy = "conv with " + "+".join(s for s, on in (("residual", residual_at is not None),
                                                                        ("relu", relu)) if on)
             return run_conv
@@ -182,7 +182,7 @@ def fused_epilogue(node, attrs) -> Optional[Callable[..., Any]]:
     else:
         def first(args):
             return anchor_k(*args[:k])
-        ignored = _ignored(anchor_k)
+        ignored = ignored_inputs(anchor_k)
         strategy = f"{anchor.op} kernel"
 
     def run(*args):
@@ -220,12 +220,3 @@ def _matmul_operands(anchor: Node, const) -> Optional[tuple]:
         return None
     c = const(anchor.inputs[1])
     return bool(attrs["transA"]), bool(attrs["transB"]), None if c is None else (c.T if attrs["transB"] else c)
-
-
-def _ignored(k) -> tuple:
-    while k is not None:
-        ignored = getattr(k, "ignores", None)
-        if ignored is not None:
-            return tuple(ignored)
-        k = getattr(k, "inner", None)
-    return ()

@@ -32,20 +32,25 @@ _OP_N, _OP_T = 0, 1
 _DEFAULT_MATH, _TF32_MATH = 0, 3
 
 
+def _open(stem: str):
+    """``stem``.so of the CUDA runtime's major version (or unversioned) through ctypes, or None."""
+    major = cp.cuda.runtime.runtimeGetVersion() // 1000
+    for name in (f"{stem}.so.{major}", f"{stem}.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
 def _lib():
     """libcublas through ctypes: CuPy's own bindings refuse every call during a stream capture."""
     lib = _STATE["lib"]
     if lib is None:
-        major = cp.cuda.runtime.runtimeGetVersion() // 1000
-        for name in (f"libcublas.so.{major}", "libcublas.so"):
-            try:
-                lib = ctypes.CDLL(name)
-                break
-            except OSError:
-                continue
-        else:
+        lib = _open("libcublas")
+        if lib is None:
             import cupy_backends.cuda.libs.cublas  # noqa: F401  (loads the library CuPy uses)
-            lib = ctypes.CDLL(f"libcublas.so.{major}")
+            lib = ctypes.CDLL(f"libcublas.so.{cp.cuda.runtime.runtimeGetVersion() // 1000}")
         for fn in ("cublasSgemmStridedBatched", "cublasDgemmStridedBatched"):
             getattr(lib, fn).argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                          ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
@@ -179,14 +184,7 @@ def _lt():
     entry = _STATE["lt"].get(key)
     if entry is None:
         _lib()  # loads libcublas (and with it libcublasLt) the way CuPy does
-        major = cp.cuda.runtime.runtimeGetVersion() // 1000
-        lib = None
-        for name in (f"libcublasLt.so.{major}", "libcublasLt.so"):
-            try:
-                lib = ctypes.CDLL(name)
-                break
-            except OSError:
-                continue
+        lib = _open("libcublasLt")
         if lib is None:
             raise OSError("libcublasLt not found")
         vp, i32, u64, i64, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
@@ -220,13 +218,8 @@ class LtBias:
 
     def __call__(self, a, b):
         if a.ndim > 2 and b.ndim == 2:
-            lead = a.shape[:-1]
-            try:
-                flat = a.reshape(math.prod(lead), a.shape[-1])
-            except ValueError:
-                flat = cp.ascontiguousarray(a).reshape(math.prod(lead), a.shape[-1])
-            y = self(flat, b)
-            return None if y is None else y.reshape(lead + (b.shape[1],))
+            y = self(_as_rows(a), b)
+            return None if y is None else y.reshape(a.shape[:-1] + (b.shape[1],))
         if a.ndim != 2 or b.ndim != 2 or a.dtype != b.dtype or a.dtype not in _CUDA_TYPE or \
                 self.bias.dtype != a.dtype or self.bias.size != b.shape[1] or 0 in a.shape or 0 in b.shape:
             return None
@@ -296,15 +289,19 @@ class LtBias:
         return lib, h, desc, la, lb, ld, algo
 
 
+def _as_rows(a):
+    """A stack [..., K] as one [rows, K] matrix: a view where the leading dims merge, else a copy."""
+    rows = math.prod(a.shape[:-1])
+    try:
+        return a.reshape(rows, a.shape[-1])
+    except ValueError:
+        return cp.ascontiguousarray(a).reshape(rows, a.shape[-1])
+
+
 def matmul2(a, b, alpha: float = 1.0):
     """``alpha * (a @ b)`` with a stacked ``a`` against a matrix ``b`` as one 2-D product."""
     if a.ndim > 2 and b.ndim == 2:
-        lead = a.shape[:-1]
-        try:
-            flat = a.reshape(math.prod(lead), a.shape[-1])
-        except ValueError:
-            flat = cp.ascontiguousarray(a).reshape(math.prod(lead), a.shape[-1])
-        return cublas_matmul(flat, b, alpha).reshape(lead + (b.shape[1],))
+        return cublas_matmul(_as_rows(a), b, alpha).reshape(a.shape[:-1] + (b.shape[1],))
     if a.ndim == 1 or b.ndim == 1:
         y = cp.matmul(a, b)
         if alpha != 1.0:
