@@ -47,7 +47,7 @@ _STATE: dict = {"module": None, "checked": False, "why": None, "capture": None, 
 _PLANS: dict = {}   # key -> Plan, or an Unsupported instance (the reason is kept)
 _WORKSPACES: dict = {}  # (device, stream ptr) -> the stream's workspace (see workspace())
 _LOCK = threading.Lock()
-# "auto": time both paths once per convolution shape and keep the faster (nn.py);
+# "auto": cuDNN from nn.CUDNN_MIN_BATCH samples up, im2col below (nn.py explains why);
 # "cudnn" / "im2col": force one (tests, benchmarks). KILN_CUDA_CONV sets the default.
 _MODE = {"mode": os.environ.get("KILN_CUDA_CONV", "auto")}
 # Engines needing a workspace above this many bytes are passed over while another engine takes
