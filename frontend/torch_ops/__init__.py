@@ -49,4 +49,4 @@ DATA_DEPENDENT = {
 # Importing the families fills TABLE.
 from kiln.frontend.torch_ops import (  # noqa: E402,F401
     activation, assign, attention, concat, core, creation, elementwise, indexing, linalg, logic, nn, norm, reduce,
-    shape)
+    rnn, shape)
