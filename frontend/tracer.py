@@ -339,16 +339,11 @@ def _writes_in_place(func: Callable) -> bool:
 
 def _redispatch(func, types, args, kwargs):
     """Call ``func`` skipping one level of ``__torch_function__`` dispatch, so a Python composite
-    runs its body with the tracer still active: ``torch.overrides.redispatch_function`` where
-    torch has it (recent releases), else the C hook it wraps (torch 2.11 has only the hook)."""
-    public = getattr(torch.overrides, "redispatch_function", None)
-    if public is not None:
-        return public(func, types, args, kwargs)
-    hook = getattr(torch._C, "_skip_one_hop_torch_function", None)
-    if hook is None:
-        raise UnsupportedOpError(f"tracing through the Python function '{op_name(func)}' needs torch's "
-                                 f"redispatch hook, which torch {torch.__version__} lacks; upgrade torch")
-    return hook(func, types, args, kwargs or {})
+    runs its body with the tracer still active: torch's redispatch hook where this torch has one,
+    else the function's own body past its has_torch_function guard (frontend/compat.py)."""
+    from kiln.frontend.compat import redispatch
+
+    return redispatch(func, types, args, kwargs)
 
 
 def _is_python_function(func: Callable) -> bool:
