@@ -50,3 +50,4 @@ DATA_DEPENDENT = {
 from kiln.frontend.torch_ops import (  # noqa: E402,F401
     activation, assign, attention, concat, core, creation, elementwise, indexing, linalg, logic, nn, norm, reduce,
     rnn, shape)
+from kiln.frontend.torch_ops import resize  # noqa: E402,F401  (F.interpolate, nn.Upsample: issue 15)

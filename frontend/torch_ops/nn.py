@@ -1,5 +1,5 @@
 """Convolution and pooling layers (conv*, conv_transpose*, max/avg pools and their adaptive forms),
-F.pad, pixel shuffles, and resizing (not supported yet).
+F.pad and pixel shuffles (resizing: resize.py).
 
 Normalizations and embeddings live in norm.py; attention in attention.py. torch's conv/pool
 also take unbatched [C, *spatial] inputs: those gain a batch dim of 1 for the IR op and lose it.
@@ -312,7 +312,7 @@ def _pad(t, input, pad, mode, value):
     return t.emit("Pad", *inputs, mode=_PAD_MODES[mode])
 
 
-# ---------------------------------------------------------------------------- pixel shuffles, resizing
+# ---------------------------------------------------------------------------- pixel shuffles
 @maps(F.pixel_shuffle)
 def pixel_shuffle(t, res, input, upscale_factor):
     if input.dim() not in (3, 4):
@@ -335,9 +335,3 @@ def pixel_unshuffle(t, res, input, downscale_factor):
     perm = list(range(k)) + [k, k + 2, k + 4, k + 1, k + 3]
     moved = t.emit("Transpose", split, perm=perm)
     return t.emit("Reshape", moved, t.shape_value(lead + [c * (r * r), h // r, w // r]))
-
-
-@maps(F.interpolate, F.upsample, F.upsample_nearest, F.upsample_bilinear)
-def interpolate(t, res, input, *args, **kwargs):
-    raise UnsupportedOpError(f"{t.where()}: F.interpolate / nn.Upsample is not supported yet: kiln's IR has no "
-                             "Resize op")

@@ -48,3 +48,4 @@ def choose(node: Node, attrs: dict) -> Callable[..., Any]:
 
 
 from kiln.runtime.kernels.cpu import activation, elementwise, fused, linalg, nn, norm, pool, shape  # noqa: E402,F401  (registers kernels)
+from kiln.runtime.kernels.cpu import resize  # noqa: E402,F401  (Resize, issue 15)

@@ -95,3 +95,4 @@ def ignored_inputs(k) -> tuple:
     return ()
 
 from kiln.runtime.kernels.cuda import attention, elementwise, epilogue, linalg, nn, shape  # noqa: E402,F401,I001  (registers kernels)
+from kiln.runtime.kernels.cuda import resize  # noqa: E402,F401  (Resize, issue 15)
