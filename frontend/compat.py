@@ -55,9 +55,9 @@ if not SUPPORTED:
 
 # ---------------------------------------------------------------------------- behaviour that changed
 # scaled_dot_product_attention's math: a fully masked row (every key masked out) gives NaN up to
-# torch 2.4 and zeros from 2.5 on (the "safe softmax" of the math backend). kiln's graph follows
-# the torch that traced it, so the check compares like with like.
-SDPA_MASKED_ROWS_GIVE_ZEROS = TORCH_VERSION >= (2, 5)
+# torch 2.4 and zeros from 2.5 on, where the math backend's softmax became aten::_safe_softmax.
+# kiln's graph follows the torch that traced it, so the trace check compares like with like.
+SDPA_MASKED_ROWS_GIVE_ZEROS = hasattr(torch, "_safe_softmax")
 
 
 # ---------------------------------------------------------------------------- redispatch
@@ -72,23 +72,17 @@ def redispatch_hook() -> Optional[Callable]:
     return hook
 
 
-_HOOK = redispatch_hook()
-
-
-def redispatch(func: Callable, types_: Any, args: tuple, kwargs: Optional[dict], *,
-               use_hook: Optional[bool] = None) -> Any:
+def redispatch(func: Callable, types_: Any, args: tuple, kwargs: Optional[dict]) -> Any:
     """Run ``func(*args, **kwargs)`` with its own torch-function guard passed once, so its body
     runs under the TorchFunctionMode that is active (the caller re-enters it first).
 
-    ``use_hook=False`` takes the route a torch without the hook takes (tests run it everywhere)."""
-    kwargs = kwargs or {}
-    if _HOOK is not None and (use_hook if use_hook is not None else not _FORCE_BODY_ROUTE):
-        return _HOOK(func, types_, args, kwargs)
-    return call_past_guard(func, args, kwargs)
+    The hook is looked up at each call, so a test can take it away (monkeypatch) and run the
+    route of a torch without it."""
+    hook = redispatch_hook()
+    if hook is not None:
+        return hook(func, types_, args, kwargs or {})
+    return call_past_guard(func, args, kwargs or {})
 
-
-# Tests set this to run the hook-less route on a torch that has the hook.
-_FORCE_BODY_ROUTE = False
 
 _HAS_NAMES = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 _REAL = {n: getattr(torch.overrides, n) for n in _HAS_NAMES}
@@ -173,9 +167,6 @@ class _Names:
         return self.view(builtins.__import__(name, globals, locals, fromlist, level))
 
 
-_MODULE_NAMES = ("overrides", "torch")
-
-
 def _mentions_guard(code: types.CodeType) -> bool:
     return any(n in code.co_names for n in _HAS_NAMES)
 
@@ -202,13 +193,14 @@ def _copy(func: types.FunctionType, names: _Names, depth: int = 0) -> tuple[type
                     continue
             cells.append(cell)
         closure = tuple(cells)
-    replaced: dict[str, Any] = {"__builtins__": names.builtins}
+    replaced: dict[str, Any] = {}
     real_globals = func.__globals__
-    for n in code.co_names:
-        if n in names.checks:
-            replaced[n] = names.checks[n]
-        elif n in _MODULE_NAMES or n in real_globals and real_globals[n] in (torch, torch.overrides):
-            if n in real_globals:
+    if _mentions_guard(code):
+        replaced["__builtins__"] = names.builtins  # its __import__ hands out the module views
+        for n in code.co_names:
+            if n in names.checks:
+                replaced[n] = names.checks[n]
+            elif n in real_globals and (real_globals[n] is torch or real_globals[n] is torch.overrides):
                 replaced[n] = names.view(real_globals[n])
     copy = types.FunctionType(code, _Globals(real_globals, replaced), func.__name__, func.__defaults__, closure)
     copy.__kwdefaults__ = func.__kwdefaults__

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.errors import UnsupportedOpError
+from kiln.frontend import compat
 from kiln.frontend.symbolic import SymInt
 from kiln.frontend.torch_ops import maps
 from kiln.frontend.torch_ops.core import dim_of
@@ -90,6 +91,8 @@ def scaled_dot_product_attention(t, res, query, key, value, attn_mask=None, drop
         scores = t.emit("Where", mask, scores, t.scalar(float("-inf"), dt))
     if attn_mask is None:
         probs = t.emit("Softmax", scores, axis=-1)
-    else:
+    elif compat.SDPA_MASKED_ROWS_GIVE_ZEROS:
         probs = _safe_softmax(t, _masked(t, scores, attn_mask, dt), dt)
+    else:  # torch 2.4: a fully masked row is NaN in eager torch, so it is in the graph too
+        probs = t.emit("Softmax", _masked(t, scores, attn_mask, dt), axis=-1)
     return t.emit("MatMul", probs, v)

@@ -10,6 +10,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from frontend_helpers import check_traced, op_types  # noqa: E402
 from kiln import UnsupportedOpError  # noqa: E402
+from kiln.frontend.compat import TORCH_VERSION  # noqa: E402
 
 import kiln  # noqa: E402
 
@@ -85,6 +86,7 @@ def test_sdpa_three_dim_inputs_and_other_value_width():
                  other_inputs=[(_r(4, 5, 4), _r(4, 6, 4), _r(4, 6, 3))])
 
 
+@pytest.mark.skipif(TORCH_VERSION < (2, 5), reason="scaled_dot_product_attention(enable_gqa=) came in torch 2.5")
 def test_sdpa_grouped_query_attention():
     q, k, v = _r(2, 4, 5, 8), _r(2, 2, 5, 8), _r(2, 2, 5, 8)
 

@@ -118,14 +118,16 @@ def test_in_place_on_a_fresh_tensor_is_fine():
 
 
 def test_python_composites_trace_without_the_public_redispatch_function(monkeypatch):
-    # torch 2.11 has only the C hook behind torch.overrides.redispatch_function: the tracer falls back to it.
+    # Some releases have only the C hook behind torch.overrides.redispatch_function, older ones
+    # neither: the tracer then passes the function's own has_torch_function guard (frontend/compat.py;
+    # tests/frontend/test_torch_versions.py runs every model there both ways).
     monkeypatch.delattr(torch.overrides, "redispatch_function", raising=False)
     layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0).eval()
     x = torch.randn(2, 5, 16)
-    graph = kiln.trace(layer, (x,))
     with torch.no_grad():
         want = layer(x).numpy()
+    graph = kiln.trace(layer, (x,))
     np.testing.assert_allclose(kiln.evaluate(graph, [x.numpy()])[0], want, rtol=1e-5, atol=1e-5)
-    monkeypatch.delattr(torch._C, "_skip_one_hop_torch_function")
-    with pytest.raises(UnsupportedOpError, match="redispatch hook"):
-        kiln.trace(layer, (x,))
+    monkeypatch.delattr(torch._C, "_skip_one_hop_torch_function", raising=False)
+    graph = kiln.trace(layer, (x,))
+    np.testing.assert_allclose(kiln.evaluate(graph, [x.numpy()])[0], want, rtol=1e-5, atol=1e-5)
