@@ -8,6 +8,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kiln.runtime.kernels.cpu import kernel, reference_kernel
+from kiln.ir.ops.shape import _chunks
 from kiln.runtime.kernels.cpu.linalg import const_input
 
 
@@ -55,16 +56,52 @@ def unsqueeze(node, attrs) -> Callable[..., Any]:
 def gather(node, attrs) -> Callable[..., Any]:
     axis = attrs["axis"]
     index = const_input(node, 1)
-    if index is None or index.ndim != 0:
-        # np.take raises on out-of-range indices and wraps negative ones, as Gather does.
+    if index is None:
+        def computed(data, indices):
+            # A 0-d index computed at run time (a Loop's step counter picking one time step):
+            # a view, as for a constant one; np.take would copy the whole slice.
+            if indices.ndim == 0:
+                return _pick(data, int(indices), axis)
+            # np.take raises on out-of-range indices and wraps negative ones, as Gather does.
+            return np.take(data, indices, axis=axis)
+        return computed
+    if index.ndim != 0:
         return lambda data, indices: np.take(data, indices, axis=axis)
     i = int(index)
+    return lambda data, unused: _pick(data, i, axis)
 
-    def run(data, unused):
-        if not -data.shape[axis] <= i < data.shape[axis]:
-            raise IndexError(f"index {i} out of range [-{data.shape[axis]}, {data.shape[axis]}) on axis {axis}")
-        # A scalar index selects a view, no copy (the Ellipsis keeps a 0-d result an array).
-        return data[(slice(None),) * (axis % data.ndim) + (i, Ellipsis)]
+
+def _pick(data: np.ndarray, i: int, axis: int) -> np.ndarray:
+    """Gather of one scalar index: a view, no copy (the Ellipsis keeps a 0-d result an array)."""
+    if not -data.shape[axis] <= i < data.shape[axis]:
+        raise IndexError(f"index {i} out of range [-{data.shape[axis]}, {data.shape[axis]}) on axis {axis}")
+    return data[(slice(None),) * (axis % data.ndim) + (i, Ellipsis)]
+
+
+@kernel("Split")
+def split(node, attrs) -> Callable[..., Any]:
+    """Views of the parts, their bounds worked out once when the split sizes are constants (or
+    ``num_outputs``) and the axis is static: np.split's own bookkeeping cost 25 us a call, more
+    than the rest of an LSTM step's gate math."""
+    axis, n = attrs["axis"], attrs["num_outputs"]
+    has_sizes = len(node.inputs) > 1 and node.inputs[1] is not None
+    sizes = const_input(node, 1)
+    x_type = node.inputs[0].type
+    if (has_sizes and sizes is None) or x_type is None or x_type.shape is None:
+        return reference_kernel(node, attrs)
+    rank = len(x_type.shape)
+    ax = axis % rank
+    dim = x_type.shape[ax]
+    if not isinstance(dim, int):
+        return reference_kernel(node, attrs)
+    parts = [int(s) for s in sizes.reshape(-1)] if has_sizes else _chunks(dim, n)
+    if sum(parts) != dim or min(parts) < 0:
+        return reference_kernel(node, attrs)  # the reference raises the error
+    ends = np.cumsum(parts).tolist()
+    index = tuple((slice(None),) * ax + (slice(e - k, e),) for k, e in zip(parts, ends))
+
+    def run(x, unused=None):
+        return tuple(x[i] for i in index)
     return run
 
 
