@@ -238,9 +238,24 @@ def _tensor(arr: np.ndarray, name: str = "") -> TensorProto:
 # --------------------------------------------------------------------------- the builder
 
 
+_OPSET_RULES: dict[tuple[str, str], Callable[[Node], int]] = {}
+
+
+def register_opset_rule(domain: str, op: str, fn: Callable[[Node], int]) -> None:
+    """``fn(node)``: the oldest ai.onnx opset that writes ``node`` as itself (``default_opset``
+    takes the largest over the graph; Resize with half_pixel_symmetric asks for 19)."""
+    _OPSET_RULES[(domain, op)] = fn
+
+
 def default_opset(graph: Graph) -> int:
-    """18, or 20 when the graph (or a body) has a Gelu, so Gelu is written as itself."""
-    return GELU_OPSET if any(n.op == "Gelu" and n.domain == ONNX_DOMAIN for n in graph.walk()) else MIN_OPSET
+    """18, or 20 when the graph (or a body) has a Gelu, so Gelu is written as itself, or what a
+    registered opset rule asks for."""
+    opset = GELU_OPSET if any(n.op == "Gelu" and n.domain == ONNX_DOMAIN for n in graph.walk()) else MIN_OPSET
+    for n in graph.walk():
+        rule = _OPSET_RULES.get((n.domain, n.op))
+        if rule is not None:
+            opset = max(opset, rule(n))
+    return opset
 
 
 def _check_opset(opset: int) -> int:
@@ -586,3 +601,8 @@ def _drop_assert(em: Emitter, node: Node) -> None:
     where = node.attrs.get("location")
     _log.warning("ONNX export: dropping the run-time check %s (%r%s): ONNX cannot express an assertion",
                  node.describe(), message, f" at {where}" if where else "")
+
+
+from kiln.serializer import onnx_resize  # noqa: E402  (Resize-18/19 and the opset it needs)
+
+onnx_resize.register_export()

@@ -70,11 +70,13 @@ from kiln.ir.registry import KILN_DOMAIN, ONNX_DOMAIN, all_op_names, get_schema,
 from kiln.ir.types import TensorType
 from kiln.ir.verifier import verify
 from kiln.ir.versions import ONNX_OPSET_BASE
+from kiln.serializer import onnx_resize
 
 ModelLike = Union[str, os.PathLike, bytes, bytearray, "onnx.ModelProto"]
 
-# Ops whose kiln implementation follows a later ai.onnx version than the base opset.
-KILN_ONNX_VERSION = {"Gelu": 20}
+# Ops whose kiln implementation follows a later ai.onnx version than the base opset. (Resize-19:
+# every Resize/Upsample version is translated at import, see serializer/onnx_resize.py.)
+KILN_ONNX_VERSION = {"Gelu": 20, "Resize": 19}
 
 # Ops whose versions after opset 18 keep opset-18 semantics for everything kiln can express,
 # with the newest version checked (a later version is rejected until reviewed). Reviewed
@@ -174,6 +176,7 @@ def _default_opset(proto) -> Optional[int]:
 
 def _convert(proto, opset: int):
     from onnx import version_converter
+    proto = onnx_resize.hide_from_converter(proto, opset)
     try:
         return version_converter.convert_version(proto, ONNX_OPSET_BASE)
     except Exception as e:  # noqa: BLE001 - the converter raises plain C++ errors
@@ -216,6 +219,8 @@ def _check_ops(g, opset: Optional[int], imports: dict, where: str = "") -> bool:
     for n in g.node:
         domain = "" if n.domain in _DEFAULT_DOMAINS else n.domain
         label = _node_label(n, where)
+        if onnx_resize.handles(n, domain):
+            continue  # every version is translated when the node is built
         if domain != "":
             if domain == KILN_DOMAIN and has_op(n.op_type, KILN_DOMAIN):
                 continue
@@ -528,12 +533,21 @@ class _Importer:
         if n.op_type == "Constant" and domain == "":
             self._constant(kg, n, scope, label, declared)
             return
-        schema = get_schema(n.op_type, domain)
-        for i, v in enumerate(inputs):
-            self._check_input_type(n, schema, i, v, label)
-        attrs: dict[str, Any] = {}
-        for a in n.attribute:
-            attrs[a.name] = self._attr(kg, n, a, schema, scope, label, inputs)
+        op_type = n.op_type
+        if onnx_resize.handles(n, domain):
+            op_type, domain = "Resize", ""
+            inputs, attrs = onnx_resize.translate(self, kg, n, inputs, "" if n.domain in _DEFAULT_DOMAINS else n.domain,
+                                                  label)
+            schema = get_schema(op_type, domain)
+            for i, v in enumerate(inputs):
+                self._check_input_type(n, schema, i, v, label)
+        else:
+            schema = get_schema(n.op_type, domain)
+            for i, v in enumerate(inputs):
+                self._check_input_type(n, schema, i, v, label)
+            attrs: dict[str, Any] = {}
+            for a in n.attribute:
+                attrs[a.name] = self._attr(kg, n, a, schema, scope, label, inputs)
         out_names = list(n.output)
         while len(out_names) > 1 and not out_names[-1]:
             out_names.pop()  # trailing unused optional outputs
@@ -544,7 +558,7 @@ class _Importer:
                  for o in out_names]
         types = [declared.get(o) if o else None for o in out_names]
         try:
-            node = kg.add_node(n.op_type, inputs, attrs, domain=domain, name=n.name or None,
+            node = kg.add_node(op_type, inputs, attrs, domain=domain, name=n.name or None,
                                output_names=names, output_types=types)
         except KilnError as e:
             raise FormatError(f"{label} ({n.op_type}): {e}") from e

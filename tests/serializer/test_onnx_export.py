@@ -451,6 +451,11 @@ CASES.update({
 })
 CASES.update({op: [([X, np.array([0, 2], I64)], {"keepdims": 1}, (1,), None), ([X], {"keepdims": 0}, (), None)]
               for op in ["ReduceL2", "ReduceMax", "ReduceMean", "ReduceMin", "ReduceProd", "ReduceSum"]})
+CASES["Resize"] = [  # more in tests/serializer/test_onnx_resize.py
+    ([_f(1, 2, 4, 5), None, None, np.array([1, 2, 7, 3], I64)], {"mode": "linear"}, (3,), None),
+    ([_f(1, 2, 4, 5), None, np.array([1, 1, 2, 2], np.float32)],
+     {"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}, (2,), None),
+    ([_f(1, 2, 4, 5), None, None, np.array([3, 9], I64)], {"mode": "cubic", "axes": [2, 3]}, (3,), None)]
 ELSEWHERE = {"If": "test_if_and_loop_export_and_run", "Loop": "test_if_and_loop_export_and_run"}
 
 
