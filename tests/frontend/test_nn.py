@@ -168,10 +168,3 @@ def test_pixel_shuffle_and_unshuffle():
     check_traced(lambda x: F.pixel_shuffle(x, 3), (_r(18, 2, 2),))
     check_traced(lambda x: F.pixel_unshuffle(x, 2), (_r(2, 3, 2, 4, 6),),
                  dynamic={"x": {0: "batch", 3: "h"}}, other_inputs=[(_r(1, 3, 2, 6, 6),)])
-
-
-def test_interpolate_is_unsupported_with_a_clear_message():
-    with pytest.raises(UnsupportedOpError, match="no Resize op"):
-        kiln.trace(nn.Upsample(scale_factor=2), _r(1, 2, 3, 3), check=False)
-    with pytest.raises(UnsupportedOpError, match="interpolate"):
-        kiln.trace(lambda x: F.interpolate(x, size=(5, 5), mode="bilinear"), _r(1, 2, 3, 3), check=False)
