@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 
-FAMILIES = ("conv", "pool", "activation", "elementwise", "linalg", "norm", "shape")
+FAMILIES = ("conv", "pool", "activation", "elementwise", "linalg", "norm", "shape", "resize")
 
 
 def load(families=FAMILIES) -> tuple[dict, dict, dict]:
