@@ -346,3 +346,35 @@ def test_script_of_a_cell_stepped_over_a_runtime_length():
         with torch.no_grad():
             want = [to_numpy(model(x))]
         _close(kiln.evaluate(graph, [x.numpy()]), want, f"script T={T} B={B}")
+
+
+def test_script_with_rnns_inside_the_branches_of_an_if(tmp_path):
+    """A Loop recorded inside a scripted If branch (the tracer's current graph is the branch)."""
+
+    class Switch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gru = nn.GRU(INPUT, HIDDEN, bidirectional=True)
+            self.lstm = nn.LSTM(INPUT, 2 * HIDDEN)
+
+        def forward(self, x):
+            if x.mean() > 0:
+                y, _ = self.gru(x)
+            else:
+                y, _ = self.lstm(x)
+            return y
+
+    torch.manual_seed(4)
+    model = Switch().eval()
+    graph = kiln.script(model, (torch.randn(5, 2, INPUT),), dynamic={"x": {0: "seq", 1: "batch"}})
+    ifs = [n for n in graph.nodes if n.op == "If"]
+    assert len(ifs) == 1 and all(any(n.op == "Loop" for n in ifs[0].attrs[b].nodes)
+                                 for b in ("then_branch", "else_branch"))
+    program = kiln.load(kiln.save(graph, tmp_path / "switch.kiln"))
+    for T, B in ((1, 1), (4, 3), (9, 2)):
+        for sign in (1.0, -1.0):
+            x = torch.randn(T, B, INPUT) + sign
+            with torch.no_grad():
+                want = [to_numpy(model(x))]
+            _close(kiln.evaluate(graph, [x.numpy()]), want, f"evaluator T={T} B={B}")
+            _close(program.run([x.numpy()], as_list=True), want, f"runtime T={T} B={B}")
