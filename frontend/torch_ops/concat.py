@@ -98,7 +98,11 @@ def chunk(t, res, input, chunks, dim=0):
 
 
 @maps(torch.tensor_split, torch.Tensor.tensor_split)
-def tensor_split(t, res, input, indices_or_sections, dim=0):
+def tensor_split(t, res, input, indices_or_sections=None, dim=0, *, indices=None, sections=None,
+                 tensor_indices_or_sections=None):
+    # torch's overloads name the second argument indices=, sections= or tensor_indices_or_sections=.
+    given = [a for a in (indices_or_sections, indices, sections, tensor_indices_or_sections) if a is not None]
+    indices_or_sections = given[0] if given else None
     if isinstance(indices_or_sections, torch.Tensor):
         raise UnsupportedOpError(f"{t.where()}: 'tensor_split' by a tensor of indices is not supported; "
                                  "pass a Python int or list")

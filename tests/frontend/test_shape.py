@@ -160,6 +160,8 @@ def test_cat_promotes_dtypes():
     lambda x: x.tensor_split(3, 2), lambda x: torch.tensor_split(x, [1, 2], 1), lambda x: x.hsplit(3),
     lambda x: torch.dsplit(x, [1]), lambda x: x.unsafe_split(2, 2), lambda x: x.unsafe_chunk(2, 2),
     lambda x: x.split([x.size(1) - 1, 1], 1),
+    # the keyword spellings of tensor_split's overloads (torchvision's MViT: indices=(1,))
+    lambda x: torch.tensor_split(x, indices=(1,), dim=2), lambda x: x.tensor_split(sections=2, dim=1),
 ])
 def test_split_family(fn):
     dyn(fn)
