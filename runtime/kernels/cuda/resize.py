@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import cupy as cp
 import numpy as np
 
-from kiln.ir.ops.resize import DEFAULTS, resize_plan
+from kiln.ir.ops.resize import DEFAULTS, resize_plan, saturate
 from kiln.runtime.kernels.cuda import host, in_dtype, kernel
 
 DIRECT_MAX_TAPS = 64
@@ -52,17 +52,24 @@ _WORDS = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsign
 _NEAREST = r"""
 extern "C" __global__ void kiln_resize_nearest(const W* __restrict__ x, W* __restrict__ y, long long total,
         int rank, const long long* __restrict__ out_shape, const long long* __restrict__ in_strides,
-        const int* __restrict__ table, const int* __restrict__ offsets) {
+        const int* __restrict__ table, const int* __restrict__ offsets, const unsigned char* __restrict__ outside,
+        int extrapolate, W fill) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         long long rem = i, src = 0;
+        bool out = false;
         for (int d = rank - 1; d >= 0; --d) {
             const long long c = rem % out_shape[d];
             rem /= out_shape[d];
             const int off = offsets[d];
-            src += (off < 0 ? c : (long long)table[off + c]) * in_strides[d];
+            if (off < 0) {
+                src += c * in_strides[d];
+            } else {
+                src += (long long)table[off + c] * in_strides[d];
+                out = out || (extrapolate && outside[off + c]);
+            }
         }
-        y[i] = x[src];
+        y[i] = out ? fill : x[src];
     }
 }
 """
@@ -136,8 +143,14 @@ def _pass_kernels(dt: np.dtype):
     return _compile(src, "kiln_resize_2d"), _compile(src, "kiln_resize_axis")
 
 
+_SMS: dict = {}
+
+
 def _grid(total: int) -> tuple:
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    """Grid-stride launches of 256 threads, at most 32 blocks per multiprocessor (as MaxPool's)."""
+    sms = _SMS.get("n")
+    if sms is None:
+        sms = _SMS["n"] = cp.cuda.Device().attributes["MultiProcessorCount"]
     return (max(1, min(-(-total // 256), sms * 32)),), (256,)
 
 
@@ -153,12 +166,14 @@ class _Tables:
         self.out_shape = plan.out_shape
         self.axes = []
         if acc is None:  # nearest
-            table, offsets = [], [-1] * len(x_shape)
+            table, outside, offsets = [], [], [-1] * len(x_shape)
             for t in plan.axes:
                 offsets[t.axis] = sum(len(a) for a in table)
                 table.append(t.index[:, 0].astype(np.int32))
+                outside.append(np.zeros(t.out_size, np.uint8) if t.outside is None else t.outside.astype(np.uint8))
             strides = np.cumprod((1,) + tuple(x_shape[::-1]))[:-1][::-1].astype(np.int64)
             self.table = cp.asarray(np.concatenate(table) if table else np.zeros(1, np.int32))
+            self.outside = cp.asarray(np.concatenate(outside) if outside else np.zeros(1, np.uint8))
             self.offsets = cp.asarray(np.array(offsets, np.int32))
             self.shape = cp.asarray(np.array(self.out_shape, np.int64))
             self.strides = cp.asarray(strides)
@@ -181,6 +196,8 @@ def _resize_kernel(attrs: dict, dt: np.dtype, constant: bool):
     nearest = attrs["mode"] == "nearest"
     if nearest:
         word = _nearest_kernel(dt.itemsize)
+        # tf_crop_and_resize's value, rounded to the dtype as the reference does, as a raw word.
+        word_fill = saturate(np.array([attrs["extrapolation_value"]], np.float64), dt).view(f"u{dt.itemsize}")[0]
     else:
         k2d, kaxis = _pass_kernels(dt)
         acc = np.dtype(np.float64) if dt == np.float64 else np.dtype(np.float32)
@@ -211,7 +228,8 @@ def _resize_kernel(attrs: dict, dt: np.dtype, constant: bool):
         if nearest:
             LAUNCHES["nearest"] += 1
             word(*_grid(y.size), (_words(x, dt.itemsize), _words(y, dt.itemsize), np.int64(y.size),
-                                  np.int32(x.ndim), t.shape, t.strides, t.table, t.offsets))
+                                  np.int32(x.ndim), t.shape, t.strides, t.table, t.offsets, t.outside,
+                                  np.int32(t.plan.extrapolates), word_fill))
             return y
         if t.direct:
             (_, h, oh, th, ih, wh, outh), (_, w, ow, tw, iw, ww, outw) = t.axes
