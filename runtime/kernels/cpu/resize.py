@@ -131,18 +131,33 @@ def _phase(x: np.ndarray, y: np.ndarray, ax: _Axis, ph: _Phase) -> None:
 
 
 def _gather(x: np.ndarray, y: np.ndarray, ax: _Axis) -> None:
-    where = [slice(None)] * y.ndim
-    where[ax.axis] = ax.rest
-    if ax.weight is None:
-        y[tuple(where)] = np.take(x, ax.index[:, 0], axis=ax.axis)
-        return
+    """The outputs outside the phases (all of them on a non-periodic axis), by ``np.take``: written
+    straight into ``y`` when they are the whole axis, two taps as ``a + w * (b - a)`` in place."""
+    full = len(ax.rest) == ax.out_size
     shape = [1] * y.ndim
     shape[ax.axis] = len(ax.rest)
-    acc = None
-    for t in range(ax.index.shape[1]):
-        term = np.take(x, ax.index[:, t], axis=ax.axis) * ax.weight[:, t].reshape(shape)
-        acc = term if acc is None else acc + term
-    y[tuple(where)] = acc
+    part = list(y.shape)
+    part[ax.axis] = len(ax.rest)
+    dst = y if full else np.empty(part, y.dtype)
+    if ax.weight is None:
+        np.take(x, ax.index[:, 0], axis=ax.axis, out=dst)
+    elif ax.index.shape[1] == 2 and np.all(np.abs(ax.weight.sum(axis=1) - 1) <= _WEIGHT_TOL):
+        np.take(x, ax.index[:, 0], axis=ax.axis, out=dst)
+        b = np.take(x, ax.index[:, 1], axis=ax.axis)
+        b -= dst
+        b *= ax.weight[:, 1].reshape(shape)
+        dst += b
+    else:
+        np.take(x, ax.index[:, 0], axis=ax.axis, out=dst)
+        dst *= ax.weight[:, 0].reshape(shape)
+        for t in range(1, ax.index.shape[1]):
+            term = np.take(x, ax.index[:, t], axis=ax.axis)
+            term *= ax.weight[:, t].reshape(shape)
+            dst += term
+    if not full:
+        where = [slice(None)] * y.ndim
+        where[ax.axis] = ax.rest
+        y[tuple(where)] = dst
 
 
 def run_axis(x: np.ndarray, ax: _Axis, out: Optional[np.ndarray] = None) -> np.ndarray:
