@@ -96,7 +96,8 @@ def interpolate(t, res, input, size=None, scale_factor=None, mode="nearest", ali
     factors = [float(s) for s in _per_axis(scale_factor, n)]
     if recompute_scale_factor or mode == "area":
         sizes = [_floor_mul(t, input, 2 + i, s) for i, s in enumerate(factors)]
-        return _emit(t, res, input, mode, bool(align_corners), bool(antialias), sizes=sizes, scales=[None] * n)
+        return _emit(t, res, input, mode, bool(align_corners), bool(antialias), sizes=sizes, scales=[None] * n,
+                     size_factors=factors)
     return _emit(t, res, input, mode, bool(align_corners), bool(antialias), sizes=None, scales=factors)
 
 
@@ -160,10 +161,11 @@ if hasattr(_nn, "_upsample_lanczos2d_aa"):
 
 # ---------------------------------------------------------------------------- the emitter
 def _emit(t, res, input, mode: str, align_corners: bool, antialias: bool, *, sizes: Optional[list],
-          scales: list):
+          scales: list, size_factors: Optional[list] = None):
     """The IR for one resize of ``input``'s spatial axes. ``sizes`` (ints/SymInts) or, when None,
     the ``scales`` (one float per axis) give the output; with sizes, ``scales`` may still hold the
-    factors torch maps coordinates with (its low-level kernels take both)."""
+    factors torch maps coordinates with (its low-level kernels take both). ``size_factors``: the
+    sizes are floor(in * factor) (recompute_scale_factor), which nearest's check can enumerate."""
     n = input.dim() - 2
     x = t.value(input)
     dims = list(x.type.shape[2:])
@@ -198,7 +200,8 @@ def _emit(t, res, input, mode: str, align_corners: bool, antialias: bool, *, siz
             raise UnsupportedOpError(f"{t.where()}: a resize to sizes {out} with coordinate scales {scales} "
                                      "has no Resize form")
     if mode.startswith("nearest"):
-        gathered = _check_nearest(t, mode, dims, out, scales if use_scales else [None] * n, attrs, static)
+        gathered = _check_nearest(t, mode, dims, out, scales if use_scales else [None] * n, attrs, static,
+                                  None if use_scales else size_factors)
         if gathered is not None:
             return _gather(t, x, gathered)
     if use_scales:
@@ -274,7 +277,8 @@ def _kiln_nearest(attrs: dict, size: int, out: int, scale: Optional[float]) -> O
     return axis_taps(0, size, out, s, attrs).index[:, 0]
 
 
-def _check_nearest(t, mode: str, dims: list, out: list, scales: list, attrs: dict, static: bool):
+def _check_nearest(t, mode: str, dims: list, out: list, scales: list, attrs: dict, static: bool,
+                   size_factors: Optional[list] = None):
     """None when Resize's nearest tables are torch's; for static axes that differ, every axis's
     torch table (for a Gather); UnsupportedOpError for a symbolic axis that differs."""
     tables, differ = [], False
@@ -286,6 +290,8 @@ def _check_nearest(t, mode: str, dims: list, out: list, scales: list, attrs: dic
             differ |= got is None or not np.array_equal(got, want)
             continue
         if s is None:
+            if size_factors is not None:  # sizes floor(in * factor): enumerable
+                _check_symbolic_sizes(t, mode, attrs, size_factors[i])
             continue  # sizes given as symbolic values: nothing to enumerate
         s32 = np.float32(s)
         if float(s32) < s:
@@ -306,6 +312,17 @@ def _check_nearest(t, mode: str, dims: list, out: list, scales: list, attrs: dic
                                  "float32 index rule differs from Resize's on a static axis while another axis "
                                  "is symbolic; trace with static sizes or give size=")
     return tables if differ else None
+
+
+def _check_symbolic_sizes(t, mode: str, attrs: dict, factor: float) -> None:
+    for size in range(1, NEAREST_CHECK_SIZES + 1):
+        o = math.floor(size * factor)
+        if o >= 1 and not np.array_equal(axis_taps(0, size, o, o / size, attrs).index[:, 0],
+                                         _torch_nearest(mode, size, o, None)):
+            raise UnsupportedOpError(
+                f"{t.where()}: F.interpolate(mode='{mode}', scale_factor={factor}, recompute_scale_factor=True) on "
+                f"a symbolic size: torch's float32 index rule differs from Resize's at input size {size}; trace with "
+                "static sizes")
 
 
 def _gather(t, x, tables: list):
