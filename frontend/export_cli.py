@@ -157,7 +157,8 @@ def _load_model(target: str):
     return obj
 
 
-def _trace_step(model, inputs: dict, dynamic: dict, progress: _Progress, script: bool = False):
+def _trace_step(model, inputs: dict, dynamic: dict, progress: _Progress, script: bool = False,
+                guards: bool = True):
     """Trace, or script with ``script`` (no check, no optimize: they are steps of their own);
     TraceWarnings go to stderr."""
     import warnings
@@ -173,21 +174,21 @@ def _trace_step(model, inputs: dict, dynamic: dict, progress: _Progress, script:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", TraceWarning)
         with progress.step(label), _user_code(label):
-            graph = compile_model(model, inputs, dynamic=dynamic, check=False, optimize=False)
+            graph = compile_model(model, inputs, dynamic=dynamic, check=False, optimize=False, guards=guards)
     warned = [w for w in caught if issubclass(w.category, TraceWarning)]
     for w in warned:
         print(f"warning: {w.message}", file=sys.stderr)
     return graph, len(warned)
 
 
-def _check_step(graph, model, inputs: dict, progress: _Progress) -> str:
+def _check_step(graph, model, inputs: dict, ranges: dict, progress: _Progress) -> str:
     from kiln.frontend.trace import check_trace
 
     names = [v.name for v in graph.inputs]
     dims = [{i: d for i, d in enumerate(v.type.shape) if isinstance(d, str)} for v in graph.inputs]
     with progress.step("checking"), _user_code("checking"):
         check_trace(graph, model, names, [inputs[n] for n in names], dims, rtol=1e-4, atol=1e-5,
-                    trials=_CHECK_TRIALS)
+                    trials=_CHECK_TRIALS, ranges=ranges)
     others = ", at other sizes" if any(dims) else ""
     return f"passed (the example inputs and {_CHECK_TRIALS} fresh random ones{others})"
 
@@ -210,8 +211,9 @@ def cmd_export(args: argparse.Namespace) -> int:
             model = _load_model(args.model)
     gen = torch.Generator().manual_seed(0)
     inputs = {name: _example_input(shape, dt, rng, gen) for name, shape, dt, rng in specs}
-    graph, warned = _trace_step(model, inputs, dynamic, progress, script=args.script)
-    check = "skipped (--no-check)" if args.no_check else _check_step(graph, model, inputs, progress)
+    graph, warned = _trace_step(model, inputs, dynamic, progress, script=args.script, guards=not args.no_guards)
+    ranges = {name: rng for name, _, _, rng in specs if rng is not None}
+    check = "skipped (--no-check)" if args.no_check else _check_step(graph, model, inputs, ranges, progress)
     nodes_traced = len(graph.nodes)
     if not args.no_optimize:
         from kiln.ir.passes import optimize
@@ -292,6 +294,14 @@ def _print_export_summary(path, nodes_traced: int, check: str, warned: int, prog
     print(f"  check       {check}")
     if warned:
         print(f"  warnings    {warned} TraceWarning(s), printed above: the trace may be specific to the example inputs")
+    guards = s.get("guards", [])
+    if guards:
+        print(f"  guards      {len(guards)}: the file refuses inputs that change a value the model read while "
+              "traced (kiln inspect lists them)")
+        for g in guards[:5]:
+            print(f"              {g['location'] or '?'}: {g['what']} must be {g['expected']}")
+        if len(guards) > 5:
+            print(f"              ... {len(guards) - 5} more")
 
 
 def add_export_args(p: argparse.ArgumentParser) -> None:
@@ -307,13 +317,19 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", action="append", required=True, metavar="NAME:SHAPE[:DTYPE[:LOW:HIGH]]",
                    help="an example input, by forward() argument name: shape as sizes joined by 'x', dtype "
                         f"(default float32; one of {', '.join(_EXPORT_DTYPES)}); random data: normal floats, ints "
-                        "in [0, 100) unless LOW:HIGH is given (e.g. 'ids:1x16:int64:0:1000'). Repeat per input")
+                        "in [0, 100) unless LOW:HIGH is given (e.g. 'ids:1x16:int64:0:1000'; the check then draws from "
+                        "[LOW, HIGH) too, instead of the range the model accepts). Repeat per input")
     p.add_argument("--dynamic-batch", action="store_true", help="make dim 0 of every input the symbol 'batch'")
     p.add_argument("--dynamic", action="append", default=[], metavar="NAME:DIM:SYMBOL",
                    help="make dim DIM of input NAME symbolic (e.g. 'ids:1:seq'); repeatable")
     p.add_argument("--no-check", action="store_true",
                    help="skip comparing the graph with the model on fresh random inputs")
     p.add_argument("--no-optimize", action="store_true", help="save the graph as traced, without the pass pipeline")
+    p.add_argument("--no-guards", action="store_true",
+                   help="leave no kiln.Guard where the model reads a Python value from tensor data (bool(t), "
+                        "t.item(), a symbolic size compared in Python): the file then answers as the trace did "
+                        "for every input, which is wrong for inputs that would change that value. Without it, "
+                        "the file refuses such inputs with an error naming the line")
     p.add_argument("--script", action="store_true",
                    help="compile with kiln.script instead of kiln.trace: forward's source (and that of the user "
                         "submodules and helpers it calls) is rewritten so that if/for/while on tensor data become "

@@ -74,7 +74,7 @@ _NO_GRAD = {"no_grad", "inference_mode"}
 # ============================================================================ public API
 def script(module_or_function: Any, example_inputs: Any = None, *, dynamic=None, dynamic_batch: bool = False,
            check: bool = True, optimize: bool = True, name: Optional[str] = None, rtol: float = 1e-4,
-           atol: float = 1e-5):
+           atol: float = 1e-5, guards: bool = True, ranges=None):
     """Script ``module_or_function`` into a kiln Graph, keeping control flow on tensor data.
 
     The source of ``forward`` (or of the function) is rewritten so ``if``/``while``/``for`` call
@@ -83,7 +83,9 @@ def script(module_or_function: Any, example_inputs: Any = None, *, dynamic=None,
     modules run as they are: their Python holds no data-dependent control flow). With ``check``,
     the graph is compared with the *original* model on the examples and on fresh inputs (a
     data-dependent branch is fine: the eager model runs its real Python). ``optimize`` runs the
-    pass pipeline.
+    pass pipeline. ``guards``, ``ranges``, ``rtol`` and ``atol`` are kiln.trace's: in scripted code,
+    ``bool(t)``, ``int(t)``, ``float(t)`` and ``t.item()`` inside an ``if``/``while`` condition (or a
+    ``range`` bound) stay tensor conditions; elsewhere such reads are guarded as in a trace.
 
     Without ``example_inputs`` nothing is compiled: ``module_or_function`` is *marked* for the
     hybrid mode and returned (see :func:`mark`), so ``@kiln.script`` decorates a module class or
@@ -103,14 +105,14 @@ def script(module_or_function: Any, example_inputs: Any = None, *, dynamic=None,
 
     scripted = scripted_model(module_or_function, ops=script_ops)
     graph = trace_mod.trace(scripted, example_inputs, dynamic=dynamic, dynamic_batch=dynamic_batch, check=False,
-                            optimize=False, name=name)
+                            optimize=False, name=name, guards=guards)
     if check:
         import torch
         if isinstance(module_or_function, torch.nn.Module):
             module_or_function.eval()  # the trace ran in eval mode; compare with the same
         names, tensors = trace_mod._bind_inputs(module_or_function, example_inputs)
         dims = trace_mod._dynamic_dims(names, tensors, dynamic, dynamic_batch)
-        trace_mod.check_trace(graph, module_or_function, names, tensors, dims, rtol=rtol, atol=atol)
+        trace_mod.check_trace(graph, module_or_function, names, tensors, dims, rtol=rtol, atol=atol, ranges=ranges)
     if optimize:
         run_optimize(graph)
         verify(graph)
@@ -299,9 +301,21 @@ def _namespace(ops: Any) -> types.SimpleNamespace:
     missing = [p for p in _PRIMITIVES if not hasattr(ops, p)]
     if missing:
         raise ScriptError(f"the control-flow primitives {missing} are missing from {ops!r}")
-    # The primitives' module may define how not/and/or treat its traced values; these are the fallbacks.
+    # The primitives' module may define how not/and/or and the reads of conditions treat its traced
+    # values; these are the fallbacks (plain Python).
     return types.SimpleNamespace(**{p: getattr(ops, p) for p in _PRIMITIVES}, not_=getattr(ops, "kiln_not", _not),
-                                 and_=getattr(ops, "kiln_and", _and), or_=getattr(ops, "kiln_or", _or))
+                                 and_=getattr(ops, "kiln_and", _and), or_=getattr(ops, "kiln_or", _or),
+                                 bool_=getattr(ops, "kiln_bool", _convert), int_=getattr(ops, "kiln_int", _convert),
+                                 float_=getattr(ops, "kiln_float", _convert),
+                                 item_=getattr(ops, "kiln_item", _item))
+
+
+def _convert(conv: Callable, x: Any) -> Any:
+    return conv(x)
+
+
+def _item(x: Any) -> Any:
+    return x.item()
 
 
 # ============================================================================ source and errors
@@ -823,7 +837,10 @@ class _Converter:
         return _Exprs(self).visit(node)
 
     def cond(self, test: ast.expr) -> ast.expr:
-        """A condition: and/or/not and chained comparisons become tensor-aware helpers."""
+        """A condition: and/or/not and chained comparisons become tensor-aware helpers, and so do
+        the reads that make it up (``bool(e)``, ``int(e)``, ``float(e)``, ``e.item()``: see
+        :meth:`reads`)."""
+        test = self.reads(test)
         if isinstance(test, ast.BoolOp):
             helper = "and_" if isinstance(test.op, ast.And) else "or_"
             acc = self.cond(test.values[-1])
@@ -838,6 +855,30 @@ class _Converter:
             parts = [copy.deepcopy(p) if i else p for i, p in enumerate(parts)]
             return self.cond(_located(ast.BoolOp(op=ast.And(), values=parts), test))
         return self.expr(test)
+
+    def reads(self, e: ast.expr) -> ast.expr:
+        """``bool(x)``/``int(x)``/``float(x)``/``x.item()`` where they are the condition, or an operand
+        of its comparisons, arithmetic and and/or/not, become calls of the namespace's
+        ``bool_``/``int_``/``float_``/``item_``: a traced tensor then stays a tensor (the statement
+        becomes an If/Loop), anything else gets the builtin. Arguments of other calls and
+        subscripts are left as written: there the Python value is what the callee expects."""
+        if isinstance(e, ast.Call) and not e.keywords and len(e.args) == 1 and not isinstance(e.args[0], ast.Starred) \
+                and isinstance(e.func, ast.Name) and e.func.id in ("bool", "int", "float"):
+            inner = self.cond(e.args[0]) if e.func.id == "bool" else self.reads(e.args[0])
+            return _located(_ns_call(f"{e.func.id}_", _name(e.func.id), inner), e)
+        if isinstance(e, ast.Call) and not e.args and not e.keywords and isinstance(e.func, ast.Attribute) \
+                and e.func.attr == "item":
+            return _located(_ns_call("item_", self.reads(e.func.value)), e)
+        if isinstance(e, ast.Compare):
+            e.left = self.reads(e.left)
+            e.comparators = [self.reads(c) for c in e.comparators]
+        elif isinstance(e, ast.BoolOp):
+            e.values = [self.reads(v) for v in e.values]
+        elif isinstance(e, ast.UnaryOp):
+            e.operand = self.reads(e.operand)
+        elif isinstance(e, ast.BinOp):
+            e.left, e.right = self.reads(e.left), self.reads(e.right)
+        return e
 
     def _inits(self, names: Iterable[str], definite: set, maybe: set, like: ast.AST) -> list[ast.stmt]:
         """Bind names that may be unbound to UNDEFINED, so they can be passed to closures."""
@@ -918,7 +959,8 @@ class _Converter:
                             + [_located(ast.Return(value=_tuple(state)), s)], s)
         rng = self._range_args(s.iter, definite, maybe)
         if rng is not None:
-            call = _ns_call("kiln_for_range", *[self.expr(a) for a in rng], _name(body_name), _tuple(state))
+            call = _ns_call("kiln_for_range", *[self.expr(self.reads(a)) for a in rng], _name(body_name),
+                            _tuple(state))
         else:
             call = _ns_call("kiln_for_iter", self.expr(s.iter), _name(body_name), _tuple(state))
         return self._inits(state, definite, maybe, s) + [body_fn, self._bind(state, _located(call, s), s)]

@@ -55,7 +55,7 @@ from kiln.ir.graph import Graph, Value
 from kiln.ir.types import TensorType
 
 __all__ = ["UNDEFINED", "TracedInt", "kiln_if", "kiln_while", "kiln_for_range", "kiln_for_iter", "kiln_assert",
-           "kiln_not", "kiln_and", "kiln_or", "ScriptError"]
+           "kiln_not", "kiln_and", "kiln_or", "kiln_bool", "kiln_int", "kiln_float", "kiln_item", "ScriptError"]
 
 
 # ---------------------------------------------------------------------------- the undefined sentinel
@@ -177,6 +177,42 @@ def kiln_or(a: Any, b_fn: Callable[[], Any]) -> Any:
     if not isinstance(b, torch.Tensor):
         return True if b else _as_bool_tensor(a)
     return torch.logical_or(_as_bool_tensor(a), _as_bool_tensor(b))
+
+
+# ---------------------------------------------------------------------------- reads in conditions
+# kiln.script rewrites ``bool(e)``, ``int(e)``, ``float(e)`` and ``e.item()`` where they make up an
+# if/while/assert condition or a range bound (``while bool(n > 1)``, ``if x.sum().item() > 0``,
+# ``for _ in range(int(n))``) into these: on a traced tensor they give the equivalent 0-d tensor,
+# so the statement becomes an If/Loop instead of a guarded Python value; on anything else they
+# are the builtins (``conv`` is the name the code called, in case it is not the builtin).
+def _traced_scalar(x: Any) -> bool:
+    t = active_tracer()
+    return isinstance(x, torch.Tensor) and _is_traced(t, x) and x.numel() == 1
+
+
+def kiln_bool(conv: Callable, x: Any) -> Any:
+    if conv is bool and _traced_scalar(x):
+        return _as_bool_tensor(x.reshape(()))
+    return conv(x)
+
+
+def kiln_int(conv: Callable, x: Any) -> Any:
+    if conv is int and _traced_scalar(x):
+        x = x.reshape(())
+        return x.trunc().to(torch.int64) if x.dtype.is_floating_point else x.to(torch.int64)
+    return conv(x)
+
+
+def kiln_float(conv: Callable, x: Any) -> Any:
+    if conv is float and _traced_scalar(x):
+        return x.reshape(()).to(torch.float64)
+    return conv(x)
+
+
+def kiln_item(x: Any) -> Any:
+    if _traced_scalar(x):
+        return x.reshape(())
+    return x.item()
 
 
 def _as_bool_tensor(x: torch.Tensor) -> torch.Tensor:

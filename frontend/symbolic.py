@@ -6,15 +6,17 @@ value) that also carries the IR value computing it (``Gather(Shape(x), 0)``). Ar
 other ints records IR ops, so ``x.view(x.size(0), -1)`` or ``x.shape[1] // heads`` stay
 symbolic in the exported graph. Static dims stay plain ints.
 
-Comparisons (``<``, ``<=``, ``>``, ``>=``, ``==``, ``!=``) give plain bools, as for any int --
-except when written in code that ``kiln.script`` rewrote. There ``if x.size(1) > 4:`` or
-``while ids.size(1) < max_len:`` is control flow on a size only known at run time, so the
-comparison returns a traced 0-d bool tensor (as :class:`~kiln.frontend.script_ops.TracedInt`'s
-do) and the rewritten statement becomes an ``If``/``Loop``. The test is deliberately narrow: the
-calling frame runs rewritten code (its globals hold kiln.script's namespace) *and* is executing
-a comparison operator. So a traced (not scripted) model keeps plain-int behaviour and no
-TraceWarning, and so do comparisons made for the model by builtins (``max(n, 8)``, ``n in
-(1, 2)``), by torch, or by the tracer's own mappings.
+Comparisons (``<``, ``<=``, ``>``, ``>=``, ``==``, ``!=``) give plain bools, as for any int, and
+the answer is baked into the trace: so, unless guards are off, each comparison the model (or
+torch's Python code it calls, or a builtin such as ``max(n, 8)``) makes leaves a ``kiln.Guard``
+that recomputes it from the graph's sizes and refuses an input that answers otherwise
+(``Tracer.compared_size``). Comparisons in kiln's own mappings are kiln's business, not the
+model's, and give no guard. The exception is code that ``kiln.script`` rewrote. There ``if
+x.size(1) > 4:`` or ``while ids.size(1) < max_len:`` is control flow on a size only known at run
+time, so the comparison returns a traced 0-d bool tensor (as
+:class:`~kiln.frontend.script_ops.TracedInt`'s do) and the rewritten statement becomes an
+``If``/``Loop``. The test is deliberately narrow: the calling frame runs rewritten code (its
+globals hold kiln.script's namespace) *and* is executing a comparison operator.
 """
 from __future__ import annotations
 
@@ -90,14 +92,19 @@ def _in_scripted_comparison(frame: Any) -> bool:
 
 def _compare(name: str) -> Callable:
     def method(self: SymInt, other: Any) -> Any:
-        if _in_scripted_comparison(sys._getframe(1)):
+        caller = sys._getframe(1)
+        if _in_scripted_comparison(caller):
             # Import here: script_ops imports the tracer, which imports this module.
             from kiln.frontend.script_ops import TracedInt
             return getattr(TracedInt, f"__{name}__")(self, other)
-        return getattr(int, f"__{name}__")(self, other)
+        result = getattr(int, f"__{name}__")(self, other)
+        if result is not NotImplemented and isinstance(other, (int, float)) and not isinstance(other, bool):
+            self.tracer.compared_size(self, other, name, result, caller)  # the answer is baked: guard it
+        return result
 
     method.__name__ = f"__{name}__"
     return method
+
 
 
 for _name in ("lt", "le", "gt", "ge", "eq", "ne"):

@@ -24,13 +24,25 @@ _TRAIN_SENSITIVE = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchn
 
 def trace(model: Union[torch.nn.Module, Callable], example_inputs: Any, *, dynamic: Optional[Dynamic] = None,
           dynamic_batch: bool = False, check: bool = True, optimize: bool = True, name: Optional[str] = None,
-          rtol: float = 1e-4, atol: float = 1e-5) -> Graph:
+          rtol: float = 1e-4, atol: float = 1e-5, guards: bool = True, ranges: Optional[Ranges] = None) -> Graph:
     """Trace ``model`` on ``example_inputs`` (a tensor, a tuple of tensors, or a dict by argument name).
 
     ``dynamic`` names symbolic dims per input (``{"x": {0: "batch"}}``); ``dynamic_batch=True``
-    makes dim 0 of every input the symbol ``batch``. With ``check``, the graph is compared with
-    the model on the example inputs and on fresh random ones (at other batch sizes when the batch
-    is dynamic), and a mismatch raises TraceCheckError. ``optimize`` runs the pass pipeline.
+    makes dim 0 of every input the symbol ``batch``.
+
+    Where the model reads a Python value from tensor data (``bool(t)``, ``t.item()``, a symbolic
+    size compared in Python, ...), the trace keeps the example's value, warns (TraceWarning) and,
+    with ``guards``, leaves a ``kiln.Guard`` that makes the graph refuse inputs giving another value
+    instead of answering wrong. While tracing, ``torch.jit.is_tracing()`` answers True, as under
+    torch.jit.trace, so libraries take their trace-friendly paths (transformers keeps an attention
+    mask it would otherwise drop when it holds no padding).
+
+    With ``check``, the graph is compared with the model on the example inputs and on fresh ones
+    drawn from the range the model accepts (ids up to the size of the table they index, 0/1 masks
+    with both values, other batch sizes when the batch is dynamic; ``ranges`` gives an input's
+    ``(low, high)`` instead); a mismatch, or a guard refusing such an input, raises
+    TraceCheckError. Float outputs match when ``max|graph - model| <= atol + rtol * max|model|``.
+    ``optimize`` runs the pass pipeline.
     """
     module = model if isinstance(model, torch.nn.Module) else None
     names, tensors = _bind_inputs(model, example_inputs)
@@ -41,13 +53,13 @@ def trace(model: Union[torch.nn.Module, Callable], example_inputs: Any, *, dynam
                           "(dropout off, BatchNorm running statistics)", TraceWarning, stacklevel=3)
         module.eval()
     graph = Graph(name or (type(model).__name__ if module is not None else getattr(model, "__name__", "main")))
-    tracer = Tracer(graph, _param_names(module), _module_names(module))
+    tracer = Tracer(graph, _param_names(module), _module_names(module), guards=guards)
     outputs = _record(model, module, tracer, names, tensors, dims)
     _set_outputs(graph, tracer, outputs)
     infer_shapes(graph)
     verify(graph)
     if check:
-        check_trace(graph, model, names, tensors, dims, rtol=rtol, atol=atol)
+        check_trace(graph, model, names, tensors, dims, rtol=rtol, atol=atol, ranges=ranges)
     if optimize:
         run_optimize(graph)
         verify(graph)
@@ -118,6 +130,10 @@ def _tracing_context(tracer: Tracer):
     post = torch.nn.modules.module.register_module_forward_hook(tracer.pop_module)
     fastpath = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)  # the fused fast path is one opaque op
+    is_tracing = torch.jit.is_tracing
+    # Libraries test torch.jit.is_tracing() to avoid data-dependent shortcuts (transformers drops an
+    # all-ones attention mask, torchvision skips checks); kiln records a trace, so it answers True.
+    torch.jit.is_tracing = _is_tracing
     try:
         with torch.no_grad():
             yield
@@ -125,6 +141,13 @@ def _tracing_context(tracer: Tracer):
         pre.remove()
         post.remove()
         torch.backends.mha.set_fastpath_enabled(fastpath)
+        torch.jit.is_tracing = is_tracing
+
+
+def _is_tracing() -> bool:
+    """``torch.jit.is_tracing`` while kiln records: True for the code being traced."""
+    from kiln.frontend.tracer import active_tracer
+    return active_tracer() is not None
 
 
 def _record(model: Callable, module, tracer: Tracer, names: list[str], tensors: list[torch.Tensor],
@@ -165,26 +188,72 @@ def _set_outputs(graph: Graph, tracer: Tracer, out: Any) -> None:
 
 
 # ---------------------------------------------------------------------------- checking
+Ranges = Mapping[str, tuple]
+
+
 def check_trace(graph: Graph, model: Callable, names: list[str], examples: list[torch.Tensor],
-                dims: list[dict[int, str]], *, rtol: float, atol: float, trials: int = 3) -> None:
-    """Compare the graph with the model on the examples and on fresh inputs; TraceCheckError if they differ."""
-    for label, inputs in _trial_inputs(examples, dims, trials):
-        want, got = _run_both(graph, model, names, inputs, label)
-        if want is None:
-            continue  # both refused the input with a failed assert: they agree
+                dims: list[dict[int, str]], *, rtol: float, atol: float, trials: int = 3,
+                ranges: Optional[Ranges] = None) -> None:
+    """Compare the graph with the model on the examples and on fresh inputs; TraceCheckError if
+    they differ or if the graph refuses an input the model takes (a kiln.Guard failed).
+
+    Fresh inputs are drawn from the range the model accepts, not around the example, so a
+    trace that only holds for the example's values shows (see :func:`input_domains`). Each float
+    output is compared with a scale-aware bound, ``max|graph - model| <= atol + rtol * max|model|``:
+    float32 summation order moves a large output by far more than ``rtol`` of its small
+    elements, while a wrong constant or axis moves it by a sizeable share of its largest.
+    """
+    domains = input_domains(graph, names, examples, ranges or {})
+    for label, inputs, fallback in _trial_inputs(examples, dims, trials, domains):
+        outcome = _run_both(graph, model, names, inputs, label, fallback)
+        if outcome is None:
+            continue  # both refused the input (the model's assert, the graph's Assert/Guard): they agree
+        want, got, label = outcome
         for out_value, w, g in zip(graph.outputs, want, got):
-            if w.shape != g.shape or not np.allclose(g.astype(np.float64), w.astype(np.float64), rtol=rtol,
-                                                     atol=atol, equal_nan=True):
-                detail = (f"shape {g.shape} vs {w.shape}" if w.shape != g.shape else
-                          f"max abs difference {np.max(np.abs(g.astype(np.float64) - w.astype(np.float64))):.3g}")
+            problem = mismatch(np.asarray(g), w, rtol=rtol, atol=atol)
+            if problem:
                 raise TraceCheckError(f"the traced graph disagrees with the model on {label}: output "
-                                      f"'{out_value.name}' differs ({detail}); the trace is specific to the "
+                                      f"'{out_value.name}' differs ({problem}); the trace is specific to the "
                                       "example inputs (see the TraceWarnings) or a mapping is wrong")
 
 
-def _run_both(graph: Graph, model: Callable, names: list[str], inputs: list, label: str) -> tuple:
-    """(model outputs, graph outputs) on ``inputs``, or (None, None) when the model fails an
-    ``assert`` and the graph's Assert fails too (a scripted check doing its job)."""
+def mismatch(got: np.ndarray, want: np.ndarray, *, rtol: float, atol: float) -> str:
+    """Why ``got`` does not match the reference ``want`` ('' when it does): shapes, exact values
+    for ints and bools, NaN/inf placement, then ``max|got - want| <= atol + rtol * max|want|``
+    over the finite elements (tolerances widened to the format's precision for half types)."""
+    if got.shape != want.shape:
+        return f"shape {got.shape} vs {want.shape}"
+    if want.dtype.kind not in "fc":
+        bad = int(np.count_nonzero(got != want))
+        return f"{bad} of {want.size} elements differ" if bad else ""
+    a, b = got.astype(np.float64), want.astype(np.float64)
+    if not np.array_equal(np.isnan(a), np.isnan(b)):
+        return "NaN in different places"
+    inf = np.isinf(a) | np.isinf(b)
+    if np.any(a[inf] != b[inf]):
+        return "infinities in different places"
+    finite = ~(np.isnan(a) | inf)
+    if not finite.any():
+        return ""
+    rtol, atol = max(rtol, _HALF_RTOL.get(want.dtype.name, 0.0)), max(atol, _HALF_RTOL.get(want.dtype.name, 0.0))
+    scale = float(np.max(np.abs(b[finite])))
+    err = float(np.max(np.abs(a[finite] - b[finite])))
+    bound = atol + rtol * scale
+    if err <= bound:
+        return ""
+    return f"max abs difference {err:.3g} > {bound:.3g} = atol {atol:g} + rtol {rtol:g} * max|reference| {scale:.3g}"
+
+
+_HALF_RTOL = {"float16": 1e-2, "bfloat16": 4e-2}
+
+
+def _run_both(graph: Graph, model: Callable, names: list[str], inputs: list, label: str,
+              fallback: Optional[list]) -> Optional[tuple]:
+    """(model outputs, graph outputs, label) on ``inputs``; None when both refuse them (the model
+    fails an ``assert``, the graph an Assert or a Guard). Inputs the model itself cannot take (it
+    raises otherwise: an index out of its range) are replaced by ``fallback``, drawn around the
+    example, once."""
+    from kiln.checks import GuardFailed
     from kiln.ir.ops.assertion import AssertionFailed
 
     try:
@@ -193,37 +262,153 @@ def _run_both(graph: Graph, model: Callable, names: list[str], inputs: list, lab
     except AssertionError as eager_error:
         try:
             evaluate(graph, {n: to_numpy(t) for n, t in zip(names, inputs)})
-        except AssertionFailed:
-            return None, None
+        except (AssertionFailed, GuardFailed):
+            return None
         raise TraceCheckError(f"the model fails an assert on {label} ({eager_error}) but the graph does not: "
                               "the check is missing from the graph") from eager_error
-    return want, evaluate(graph, {n: to_numpy(t) for n, t in zip(names, inputs)})
+    except Exception:  # noqa: BLE001 - the draw is outside what the model takes
+        if fallback is None:
+            raise
+        return _run_both(graph, model, names, fallback, f"{label} (drawn around the example: the model "
+                                                         "raised on the wider draw)", None)
+    try:
+        got = evaluate(graph, {n: to_numpy(t) for n, t in zip(names, inputs)})
+    except GuardFailed as e:
+        raise TraceCheckError(f"the traced graph refuses {label}, which the model takes: {e}") from None
+    return want, got, label
 
 
-def _trial_inputs(examples: list[torch.Tensor], dims: list[dict[int, str]], trials: int):
-    yield "the example inputs", examples
+# ---------------------------------------------------------------------------- what the check draws
+class Domain:
+    """Where the check draws one input's values from.
+
+    ``kind``: 'float' (normal values; the negated example on one trial), 'binary' (0/1 with both
+    present: the example held only 0s and 1s, a mask or a flag), 'index' (ints in [0, high): they
+    index an Embedding/Gather of that size), 'range' (a user's LOW:HIGH), 'scalar' (a 0-d int: a
+    different value each trial), 'int' (wider than the example's [min, max]), 'bool'.
+    """
+
+    def __init__(self, kind: str, low: float = 0, high: float = 0):
+        self.kind, self.low, self.high = kind, low, high
+
+    def __repr__(self) -> str:
+        return f"Domain({self.kind}, {self.low}, {self.high})"
+
+
+def input_domains(graph: Graph, names: list[str], examples: list[torch.Tensor], ranges: Ranges) -> list[Domain]:
+    bounds = index_bounds(graph)
+    return [_domain(n, t, bounds.get(n), ranges.get(n)) for n, t in zip(names, examples)]
+
+
+def _domain(name: str, t: torch.Tensor, bound: Optional[int], user: Optional[tuple]) -> Domain:
+    if user is not None:
+        return Domain("range", float(user[0]), float(user[1]))
+    if t.dtype is torch.bool:
+        return Domain("bool")
+    if bound is not None and bound > 2 and not t.dtype.is_floating_point:
+        return Domain("index", 0, bound)
+    if t.numel() and bool(((t == 0) | (t == 1)).all()):
+        return Domain("binary")  # masks and flags: all ones (or zeros) as the example says nothing
+    if t.dtype.is_floating_point:
+        return Domain("float")
+    lo, hi = (int(t.min()), int(t.max())) if t.numel() else (0, 1)
+    if t.dim() == 0:
+        return Domain("scalar", lo, hi)
+    span = hi - lo + 1
+    return Domain("int", min(lo, 0) if lo >= 0 else lo - span, hi + span + 1)
+
+
+# Ops that pass index values through unchanged (an input reaching a Gather through them still
+# holds the gathered positions).
+_INDEX_PASS = frozenset({"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Transpose", "Expand",
+                         "Slice", "Concat", "Tile"})
+
+
+def index_bounds(graph: Graph) -> dict[str, int]:
+    """Input name -> exclusive upper bound of its values, for integer inputs that reach the
+    indices of a Gather (an Embedding) whose indexed dim is static: the model takes nothing
+    above it, and ids up to the table's size are what it will see."""
+    origin: dict = {v: v.name for v in graph.inputs}
+    bounds: dict[str, int] = {}
+    for g in graph.all_graphs():
+        for node in g.nodes:
+            if node.domain == "" and node.op in _INDEX_PASS and node.inputs and node.inputs[0] in origin:
+                origin[node.outputs[0]] = origin[node.inputs[0]]
+            if node.domain == "" and node.op == "Gather" and len(node.inputs) > 1 and node.inputs[1] in origin:
+                data = node.inputs[0].type.shape if node.inputs[0].type is not None else None
+                axis = node.attr("axis")
+                if data is not None and len(data) > axis % max(len(data), 1) and isinstance(data[axis], int):
+                    name = origin[node.inputs[1]]
+                    bounds[name] = min(bounds.get(name, data[axis]), data[axis])
+    return bounds
+
+
+def _trial_inputs(examples: list[torch.Tensor], dims: list[dict[int, str]], trials: int,
+                  domains: Optional[list[Domain]] = None):
+    """(label, inputs, fallback inputs drawn around the example or None) per trial."""
+    yield "the example inputs", examples, None
+    domains = domains or [Domain("float") if t.dtype.is_floating_point else Domain("int", int(t.min()) if
+                          t.numel() else 0, int(t.max()) + 1 if t.numel() else 2) for t in examples]
     gen = torch.Generator().manual_seed(0)
     batch = next((t.shape[0] for t, d in zip(examples, dims) if 0 in d), None)
     sizes = {}
     for k in range(trials):
-        inputs = []
-        for t, d in zip(examples, dims):
+        inputs, fallback = [], []
+        for t, d, dom in zip(examples, dims, domains):
             shape = list(t.shape)
             for i, sym in d.items():
                 base = shape[i]
                 sizes.setdefault((sym, k), base + 1 + k if k % 2 == 0 else max(1, base - 1) if base > 1 else base + 2)
                 shape[i] = sizes[(sym, k)]
-            inputs.append(_fresh_like(t, shape, gen, negate=(k == 1)))
+            x = _draw(t, shape, dom, k, gen)
+            inputs.append(x)
+            fallback.append(_draw_near(t, shape, gen) if dom.kind in ("int", "scalar", "index") else x)
         label = f"fresh random inputs #{k + 1}" + (f" (batch {inputs[0].shape[0]})" if batch is not None else "")
-        yield label, inputs
+        yield label, inputs, fallback
 
 
-def _fresh_like(t: torch.Tensor, shape: list[int], gen: torch.Generator, negate: bool) -> torch.Tensor:
-    if t.dtype.is_floating_point:
-        if negate and list(t.shape) == shape:
-            return -t  # flips the sign of sums and means: the classic data-dependent branch
+def _draw(t: torch.Tensor, shape: list[int], dom: Domain, k: int, gen: torch.Generator) -> torch.Tensor:
+    if t.dtype.is_floating_point and k == 1 and list(t.shape) == shape and dom.kind in ("float", "binary"):
+        return -t  # flips the sign of sums and means: the classic data-dependent branch
+    if dom.kind == "float":
         return torch.randn(shape, generator=gen).to(t.dtype)
-    if t.dtype is torch.bool:
-        return torch.rand(shape, generator=gen) > 0.5
+    if dom.kind == "bool":
+        return _both_present(torch.rand(shape, generator=gen) > 0.5, gen)
+    if dom.kind == "binary" and not (t.dtype.is_floating_point and k >= 2):
+        return _binary(shape, k, gen).to(t.dtype)
+    if dom.kind == "binary":
+        return torch.randn(shape, generator=gen).to(t.dtype)  # a float 0/1 example: normal values too
+    if dom.kind == "range":
+        if t.dtype.is_floating_point:
+            return (torch.rand(shape, generator=gen, dtype=torch.float64) * (dom.high - dom.low) + dom.low).to(t.dtype)
+        return torch.randint(int(dom.low), max(int(dom.high), int(dom.low) + 1), shape, generator=gen).to(t.dtype)
+    if dom.kind == "scalar":
+        v = int(t)
+        picks = [2 * abs(v) + 1, 1 if v != 1 else 0, v + 1, abs(v) // 2]
+        return torch.full(shape, picks[k % len(picks)], dtype=t.dtype)
+    return torch.randint(int(dom.low), max(int(dom.high), int(dom.low) + 1), shape, generator=gen).to(t.dtype)
+
+
+def _draw_near(t: torch.Tensor, shape: list[int], gen: torch.Generator) -> torch.Tensor:
+    """Ints in the example's own [min, max] (what the check drew before it knew better)."""
     low, high = (int(t.min()), int(t.max()) + 1) if t.numel() else (0, 2)
     return torch.randint(low, max(high, low + 1), shape, generator=gen).to(t.dtype)
+
+
+def _binary(shape: list[int], k: int, gen: torch.Generator) -> torch.Tensor:
+    """0/1 with both values present: on even trials at random, on odd ones as padding masks
+    are (each row ones, then zeros after a random length of at least one)."""
+    if k % 2 == 1 and len(shape) >= 1 and shape[-1] > 1:
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        lengths = torch.randint(1, shape[-1], (rows, 1), generator=gen)
+        mask = (torch.arange(shape[-1])[None, :] < lengths).to(torch.int64)
+        return mask.reshape(shape)
+    return _both_present((torch.rand(shape, generator=gen) > 0.5).to(torch.int64), gen)
+
+
+def _both_present(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    flat = x.reshape(-1)
+    if flat.numel() >= 2 and bool((flat == flat[0]).all()):
+        i = int(torch.randint(0, flat.numel(), (1,), generator=gen))
+        flat[i] = 1 - flat[i] if flat.dtype is not torch.bool else ~flat[i]
+    return x

@@ -9,12 +9,16 @@ Each intercepted call is looked up in the mapping table (frontend/torch_ops.py):
   the recorder active, so its inner operations are recorded one by one;
 - not mapped, returns no tensor (``x.dim()``, ``x.dtype``): passed through;
 - not mapped otherwise: UnsupportedOpError naming the torch op, module path and source line.
-Reading Python values out of tensor data (``bool(t)``, ``t.item()``, ...) bakes the example's
-value into the graph: it is recorded and reported as a TraceWarning with the source line.
+Reading Python values out of tensor data (``bool(t)``, ``t.item()``, ``t.tolist()``, a symbolic
+size compared in Python, ...) bakes the example's value into the graph. Each such read is
+reported as a TraceWarning with the source line and, unless guards are off, leaves a
+``kiln.Guard`` in the graph (kiln/ir/ops/guard.py): the graph recomputes the value on every run
+and refuses an input that gives another one, instead of answering wrong.
 """
 from __future__ import annotations
 
 import contextlib
+import linecache
 import os
 import sys
 import warnings
@@ -24,6 +28,7 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
+from kiln import checks
 from kiln.errors import KilnError, TraceWarning, UnsupportedOpError
 from kiln.frontend.symbolic import SymInt
 from kiln.ir.dtypes import DType
@@ -84,9 +89,12 @@ class Tracer(TorchFunctionMode):
     subgraph may read.
     """
 
-    def __init__(self, graph: Graph, param_names: dict[int, str], module_names: dict[int, str]):
+    def __init__(self, graph: Graph, param_names: dict[int, str], module_names: dict[int, str], *,
+                 guards: bool = True):
         super().__init__()
         self.graph = graph
+        self.guards = guards  # leave a kiln.Guard where the model reads a Python value from tensor data
+        self._guarded: set = set()  # (value, read, expected bytes): one guard per distinct read
         self.current = graph
         self.param_names = param_names
         self.module_names = module_names
@@ -174,7 +182,7 @@ class Tracer(TorchFunctionMode):
             return res
         if func in DATA_DEPENDENT:
             out = func(*args, **kwargs)
-            self.data_dependent(func, args)
+            self.data_dependent(func, args, kwargs, out)
             return out
         if _is_python_function(func):
             with self:
@@ -287,15 +295,134 @@ class Tracer(TorchFunctionMode):
             raise KilnError(f"{self.where()}: kiln's mapping of '{op_name(func)}' gives {got}, "
                             f"torch gives {want} (a bug in the mapping table, kiln/frontend/torch_ops/)")
 
-    def data_dependent(self, func: Callable, args: Sequence) -> None:
+    def data_dependent(self, func: Callable, args: Sequence, kwargs: dict, out: Any) -> None:
+        """The model read ``out`` (a Python value) from tensor data through ``func``: warn and,
+        when the tensor depends on the inputs, guard the read (see :meth:`guard`)."""
         t = args[0] if args and isinstance(args[0], torch.Tensor) else None
         v = self.values.get(id(t)) if t is not None else None
-        if v is None or v not in self.dependent:
-            return  # a constant: reading it does not tie the trace to the inputs
-        msg = (f"{self.where()}: '{op_name(func)}' reads a Python value from tensor data; the trace "
-               "records this example's value and may be wrong for other inputs")
+        others = [self.values.get(id(a)) for a in args[1:3] if isinstance(a, torch.Tensor)]
+        if not any(x is not None and x in self.dependent for x in [v, *others]):
+            return  # constants: reading them does not tie the trace to the inputs
+        read = _READS.get(func)
+        if func is torch.Tensor.__len__:
+            if not self._guard_len(t, out):
+                return  # a static dim 0: nothing read from the inputs
+        elif func in (torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose):
+            self._guard_comparison(func, args, kwargs, out)
+        elif func is torch.Tensor.__contains__:
+            hit = self.emit("Equal", v, self.value(args[1], v.type.dtype))
+            found = self.emit("ReduceMax", self.emit("Cast", hit, to=DType.INT32.value), keepdims=0)
+            self.guard(found, "bool", np.array(bool(out)), "'element in tensor'")
+        elif read == "value":
+            self.guard(v, read, to_numpy(t), _READ_NAMES[func])
+        elif read == "item":
+            self.guard(v, read, np.asarray(out, dtype=kiln_dtype(t.dtype).numpy), _READ_NAMES[func])
+        elif read is not None:
+            self.guard(v, read, np.asarray(out), _READ_NAMES[func])
+        self._warn_read(f"'{op_name(func)}' reads a Python value from tensor data")
+
+    def _warn_read(self, what: str) -> None:
+        tail = ("a kiln.Guard in the graph refuses inputs that give another value" if self.guards else
+                "guards are off, so the graph may answer wrong for inputs that give another value")
+        msg = f"{self.where()}: {what}; the trace records this example's value and {tail}"
         self.warnings.append(msg)
-        warnings.warn(msg, TraceWarning, stacklevel=2)
+        frame = self._user_frame()
+        if frame is None:
+            warnings.warn(msg, TraceWarning, stacklevel=3)
+        else:  # attributed to the model's line, so warning filters and the printed location are the user's
+            warnings.warn_explicit(msg, TraceWarning, frame.f_code.co_filename, frame.f_lineno,
+                                   module=frame.f_globals.get("__name__"), registry=frame.f_globals.setdefault(
+                                       "__warningregistry__", {}))
+
+    def guard(self, v: Value, read: str, expected: np.ndarray, what: str) -> None:
+        """Emit a ``kiln.Guard`` checking that ``read`` of ``v`` equals ``expected`` on every run,
+        once per distinct (value, read, expected) in the graph being recorded."""
+        if not self.guards or v not in self.dependent:
+            return
+        expected = np.asarray(expected)
+        if read in ("bool", "int", "float"):
+            expected = expected.astype({"bool": np.bool_, "int": np.int64, "float": np.float64}[read])
+        key = (v, read, expected.dtype.str, expected.shape, expected.tobytes())
+        if key in self._guarded:
+            return
+        self._guarded.add(key)
+        frame = self._user_frame()
+        code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() if frame is not None else ""
+        scope = self.scope_name()
+        location = self.source_line() + (f" in {scope}" if scope else "")
+        rtol = checks.FLOAT_RTOL if expected.dtype.kind in "fc" else 0.0
+        self.emit("Guard", v, outputs=0, domain="kiln", expected=expected, read=read, rtol=rtol, what=what,
+                  location=location, code=code[:200])
+
+    def _guard_len(self, t: torch.Tensor, out: int) -> bool:
+        """``len(t)`` is dim 0: a guard only when that dim is symbolic in the graph (returns whether)."""
+        v = self.values.get(id(t))
+        if v is None or v.type.shape is None or not v.type.shape or isinstance(v.type.shape[0], int):
+            return False
+        size = self.emit("Shape", v, start=0, end=1)
+        self.dependent.add(size)
+        self.guard(size, "value", np.array([out], np.int64), "len(tensor)")
+        return True
+
+    def _guard_comparison(self, func: Callable, args: Sequence, kwargs: dict, out: bool) -> None:
+        """``torch.equal(a, b)`` / ``torch.allclose(a, b, ...)``, recomputed in the graph."""
+        a, b = args[0], args[1]
+        if tuple(a.shape) != tuple(b.shape) and func in (torch.equal, torch.Tensor.equal):
+            return  # a size mismatch answers False whatever the data
+        va, vb = self.value(a, DType.FLOAT64), self.value(b, DType.FLOAT64)
+        if func in (torch.equal, torch.Tensor.equal):
+            ok = self.emit("Equal", va, vb)
+        else:
+            bound = {**dict(zip(("input", "other", "rtol", "atol", "equal_nan"), args)), **kwargs}
+            tol = self.emit("Add", self.scalar(float(bound.get("atol", 1e-8)), DType.FLOAT64),
+                            self.emit("Mul", self.scalar(float(bound.get("rtol", 1e-5)), DType.FLOAT64),
+                                      self.emit("Abs", vb)))
+            ok = self.emit("LessOrEqual", self.emit("Abs", self.emit("Sub", va, vb)), tol)
+            if bound.get("equal_nan", False):
+                ok = self.emit("Or", ok, self.emit("And", self.emit("IsNaN", va), self.emit("IsNaN", vb)))
+        every = self.emit("ReduceMin", self.emit("Cast", ok, to=DType.INT32.value), keepdims=0)
+        self.guard(every, "bool", np.array(bool(out)), f"'{op_name(func)}'")
+
+    def compared_size(self, a: Any, b: Any, op: str, result: bool, caller: Any) -> None:
+        """A symbolic size compared in Python (``if x.size(1) > 8``, ``max(n, 8)``), by the model or
+        by torch's Python code it calls: the example's answer is baked in, so guard it (called by
+        SymInt's comparisons). Comparisons in kiln's own mappings, and those torch makes while
+        running an op (the recorder is off then), are not the model's reads."""
+        if not self.guards or active_tracer() is not self or not torch._C._is_torch_function_mode_enabled():
+            return
+        path = caller.f_code.co_filename if caller is not None else ""
+        if path.startswith(_FRONTEND_DIR) or path == _KILN_INIT:
+            return
+        x = a.value if hasattr(a, "value") else self.int_value(a)
+        if isinstance(b, float):
+            x, y = self.emit("Cast", x, to=DType.FLOAT64.value), self.scalar(b, DType.FLOAT64)
+        else:
+            y = b.value if hasattr(b, "value") else self.int_value(b)
+        onnx_op, negate = _SIZE_COMPARE[op]
+        c = self.emit(onnx_op, x, y)
+        if negate:
+            c = self.emit("Not", c)
+        self.dependent.add(c)
+        what = f"a symbolic size compared with '{_COMPARE_SYMBOLS[op]}'"
+        if path.startswith(_TORCH_DIR):
+            # torch's own Python (shape checks in F.multi_head_attention_forward, ...): guarded,
+            # listed by `kiln inspect`, but not worth a warning to the user about their model.
+            what += f" in torch's {'/'.join(path.replace(os.sep, '/').split('/')[-2:])}:{caller.f_lineno}"
+            self.guard(c, "bool", np.array(result), what)
+            return
+        self.guard(c, "bool", np.array(result), what)
+        self._warn_read(what)
+
+    @staticmethod
+    def _user_frame():
+        """The innermost frame of the model's own code (not torch's, not kiln's), or None."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if not path.startswith((_TORCH_DIR, _FRONTEND_DIR)) and path != _KILN_INIT and "<frozen" not in path:
+                return frame
+            frame = frame.f_back
+        return None
 
     # ------------------------------------------------------------------ where we are
     def scope_name(self) -> str:
@@ -323,6 +450,20 @@ class Tracer(TorchFunctionMode):
     def pop_module(self, module: torch.nn.Module, *_: Any) -> None:
         if self.scope:
             self.scope.pop()
+
+
+# How each data-dependent read reads: see kiln.checks.READS.
+_READS = {torch.Tensor.__bool__: "bool", torch.is_nonzero: "bool", torch.Tensor.is_nonzero: "bool",
+          torch.Tensor.__int__: "int", torch.Tensor.__index__: "int", torch.Tensor.__float__: "float",
+          torch.Tensor.item: "item", torch.Tensor.tolist: "value", torch.Tensor.numpy: "value",
+          torch.Tensor.__array__: "value"}
+_READ_NAMES = {torch.Tensor.__bool__: "bool(tensor)", torch.Tensor.__int__: "int(tensor)",
+               torch.Tensor.__index__: "a tensor used as an index", torch.Tensor.__float__: "float(tensor)",
+               torch.Tensor.item: "tensor.item()", torch.Tensor.tolist: "tensor.tolist()",
+               torch.Tensor.numpy: "tensor.numpy()", torch.Tensor.__array__: "a tensor as a numpy array"}
+_SIZE_COMPARE = {"lt": ("Less", False), "le": ("LessOrEqual", False), "gt": ("Greater", False),
+                 "ge": ("GreaterOrEqual", False), "eq": ("Equal", False), "ne": ("Equal", True)}
+_COMPARE_SYMBOLS = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
 
 
 def _flatten(x: Any) -> list:

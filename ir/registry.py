@@ -100,6 +100,9 @@ class OpSchema:
     foldable: bool = True
     propagate: Optional[PropagateFn] = None
     doc: str = ""
+    # A run can observe the op other than through its outputs (a check that fails the run):
+    # dead-code elimination keeps it, folding and CSE leave it alone.
+    side_effect: bool = False
 
     @property
     def qualified_name(self) -> str:
@@ -153,15 +156,15 @@ def _as_param(p: "In | str") -> In:
 
 def op(name: str, *, inputs: Sequence["In | str"], outputs: Sequence["In | str"] = ("Y",),
        attrs: Sequence[Attr] = (), infer: InferFn, domain: str = ONNX_DOMAIN, since_version: int = 1,
-       foldable: bool = True, propagate: Optional[PropagateFn] = None) -> Callable:
+       foldable: bool = True, propagate: Optional[PropagateFn] = None, side_effect: bool = False) -> Callable:
     """Decorator registering the decorated reference implementation as op ``name``."""
 
     def deco(fn: Callable) -> Callable:
         schema = OpSchema(
             name=name, domain=domain, since_version=since_version,
             inputs=tuple(_as_param(p) for p in inputs), outputs=tuple(_as_param(p) for p in outputs),
-            attrs={a.name: a for a in attrs}, infer=infer, reference=fn, foldable=foldable,
-            propagate=propagate, doc=(fn.__doc__ or "").strip())
+            attrs={a.name: a for a in attrs}, infer=infer, reference=fn, foldable=foldable and not side_effect,
+            propagate=propagate, doc=(fn.__doc__ or "").strip(), side_effect=side_effect)
         register(schema)
         return fn
 

@@ -18,6 +18,9 @@ kernels of runtime/kernels/cuda. What differs, and why:
   constants, with a small static output): those run on the host with the CPU kernels, so a
   Reshape's computed target shape never costs a device round trip (and never blocks a CUDA-graph
   capture). Small constants stay host arrays; device kernels get them uploaded once at load.
+- **Guards.** A ``kiln.Guard`` on a device value is a small kernel writing a record; the run's
+  records are read once, with the outputs, and the first failed guard raises before anything is
+  returned (runtime/kernels/cuda/guard.py). Captured graphs hold the guard kernels too.
 - **Fallbacks.** A node with no native CUDA kernel runs its CPU kernel on host copies of its
   inputs and uploads the results. Each such node is counted in ``fallback_ops``, so "every op
   runs" holds and what is native is visible.
@@ -110,6 +113,9 @@ class CudaProgram:
         self._host_nodes: list = []      # nodes run on the host by design (shape arithmetic)
         self._kernels: list = []         # (node, kernel) of every instruction, for fallback counts
         builder = PlanBuilder(self._choose)
+        # A slot no value uses: each run's kiln.Guard records go there (see _guard_kernel).
+        self._guard_slot = len(builder.template)
+        builder.template.append(None)
         self.plan: Plan = builder.build(graph, inplace=False)
         self._template = self._upload_constants(builder)
         self.inputs = [TensorSpec(v.name, v.type) for v in graph.inputs]
@@ -136,6 +142,10 @@ class CudaProgram:
             self._kernels.append((node, k))
             return k
         attrs = node.schema.fill_attrs(node.attrs)
+        if node.domain == "kiln" and node.op == "Guard":
+            k = _guard_kernel(attrs, self._guard_slot)
+            self._kernels.append((node, k))
+            return k
         if self._on_host(node):
             for v in node.outputs:
                 self._host.add(v)
@@ -289,6 +299,13 @@ class CudaProgram:
         return [g if isinstance(g, cp.ndarray) else c for g, c in zip(ordered, checked)]
 
     def _run_eager(self, arrays: list) -> list:
+        outs, guards = self._execute(arrays)
+        if guards:
+            _raise_failed_guard([g for g, _ in guards], cp.stack([r for _, r in guards]).get())
+        return outs
+
+    def _execute(self, arrays: list) -> tuple:
+        """(outputs, [(DeviceGuard, record)] of the guards that ran on the device), unchecked."""
         slots = list(self._template)
         for s, a in zip(self.plan.input_slots, arrays):
             slots[s] = a
@@ -298,7 +315,7 @@ class CudaProgram:
             raise
         except Exception as e:  # noqa: BLE001 - re-raised naming the node
             raise _execution_error(self.plan, slots, e) from e
-        return [slots[s] for s in self.plan.output_slots]
+        return [slots[s] for s in self.plan.output_slots], slots[self._guard_slot] or []
 
     def _run_graph(self, arrays: list) -> Optional[list]:
         sig = tuple((a.shape, a.dtype.str) for a in arrays)
@@ -315,7 +332,7 @@ class CudaProgram:
                     self._graphs.popitem(last=False)
             else:
                 self._graphs.move_to_end(sig)
-            graph, stream, in_bufs, outs, _keep = entry
+            graph, stream, in_bufs, outs, (guards, records), _keep = entry
             caller = cp.cuda.get_current_stream()
             # The inputs are copied in on the graph's stream after the caller's pending work.
             stream.wait_event(caller.record())
@@ -326,9 +343,14 @@ class CudaProgram:
                     else:
                         buf.set(np.ascontiguousarray(a), stream=stream)
                 graph.launch(stream)
+                # The guard records too are rewritten by the next replay: copied before the lock goes.
+                records = records.copy() if records is not None else None
             caller.wait_event(stream.record())
             # The graph's buffers are rewritten by the next replay: the caller gets copies.
-            return [o.copy() if isinstance(o, cp.ndarray) else o for o in outs]
+            result = [o.copy() if isinstance(o, cp.ndarray) else o for o in outs]
+        if records is not None:
+            _raise_failed_guard(guards, records.get())
+        return result
 
     def _capture(self, arrays: list, sig: tuple):
         pool = cp.cuda.MemoryPool()
@@ -343,11 +365,16 @@ class CudaProgram:
                         buf.set(np.ascontiguousarray(a), stream=stream)
                 # Warm-up: compiles kernels, fills caches and the private pool with the blocks
                 # the captured run will take (so nothing is cudaMalloc'd during the capture).
-                self._run_eager(in_bufs)
+                # Its guards are not read: the replay that follows checks them.
+                _, warm = self._execute(in_bufs)
+                if warm:
+                    cp.stack([r for _, r in warm])
                 stream.synchronize()
                 stream.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
                 try:
-                    outs = self._run_eager(in_bufs)
+                    outs, guards = self._execute(in_bufs)
+                    # One array of every guard's record, stacked inside the graph: one read per replay.
+                    records = cp.stack([r for _, r in guards]) if guards else None
                 finally:
                     graph = stream.end_capture()
             stream.synchronize()
@@ -356,7 +383,7 @@ class CudaProgram:
             return None
         # The library workspaces the graph points at live as long as the graph.
         from kiln.runtime.kernels.cuda import cudnn
-        return graph, stream, in_bufs, outs, (pool, cudnn.pinned(stream))
+        return graph, stream, in_bufs, outs, ([g for g, _ in guards], records), (pool, cudnn.pinned(stream))
 
     def captured_graphs(self) -> int:
         return len(self._graphs)
@@ -377,6 +404,29 @@ def _is_fallback(k) -> bool:
             return True
         k = getattr(k, "inner", None)
     return False
+
+
+def _guard_kernel(attrs: dict, guard_slot: int):
+    """A kiln.Guard: a host input is checked at once; a device input gets a record the program
+    reads after the run (runtime/kernels/cuda/guard.py), kept in the run's guard slot."""
+    from kiln.runtime.kernels.cuda.guard import DeviceGuard
+    check = DeviceGuard(attrs)
+
+    def run_guard(slots: list, x) -> tuple:
+        record = check.launch(x)
+        if record is not None:
+            if slots[guard_slot] is None:
+                slots[guard_slot] = []
+            slots[guard_slot].append((check, record))
+        return ()
+    run_guard.with_slots = True
+    return run_guard
+
+
+def _raise_failed_guard(guards: list, records: np.ndarray) -> None:
+    """Raise the first failed guard of a run (in graph order) from its fetched records."""
+    for g, row in zip(guards, records):
+        g.raise_if_failed(row)
 
 
 def _host_kernel(k):

@@ -78,7 +78,18 @@ def summarize(graph: Graph, header: Header, path: PathLike, file_size: int, veri
         "parameters": params,
         "parameter_bytes": param_bytes,
         "parameter_bytes_by_dtype": by_dtype,
+        "guards": [guard_entry(n) for n in graph.walk() if n.domain == "kiln" and n.op == "Guard"],
     }
+
+
+def guard_entry(node) -> dict:
+    """A kiln.Guard as JSON-ready values: where the traced model read tensor data, how, and
+    the value the graph requires there (kiln/ir/ops/guard.py)."""
+    from kiln.checks import describe
+
+    a = node.schema.fill_attrs(node.attrs)
+    return {"location": a["location"], "code": a["code"], "what": a["what"], "read": a["read"],
+            "expected": describe(np.asarray(a["expected"])), "input": node.inputs[0].name}
 
 
 def _header_fields(h: Header) -> dict:
@@ -150,7 +161,20 @@ def format_summary(s: dict) -> str:
     lines += _table_lines(f"ops ({len(s['ops'])} kinds, {s['nodes']} nodes)", {k: str(v) for k, v in s["ops"].items()})
     lines.append(f"parameters: {s['parameters']:,} elements, {_size(s['parameter_bytes'])}")
     lines += [f"  {name:<10} {_size(n)}" for name, n in s["parameter_bytes_by_dtype"].items()]
+    lines += guard_lines(s.get("guards", []))
     return "\n".join(lines)
+
+
+def guard_lines(guards: list[dict]) -> list[str]:
+    """The guards as text: one line each, the source line, then the code read there."""
+    if not guards:
+        return ["guards: none"]
+    lines = [f"guards ({len(guards)}: the graph refuses inputs that change these values read while tracing):"]
+    for g in guards:
+        lines.append(f"  {g['location'] or '?'}: {g['what']} must be {g['expected']}")
+        if g["code"]:
+            lines.append(f"      {g['code']}")
+    return lines
 
 
 def _header_lines(s: dict) -> list[str]:

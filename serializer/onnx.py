@@ -603,6 +603,17 @@ def _drop_assert(em: Emitter, node: Node) -> None:
                  node.describe(), message, f" at {where}" if where else "")
 
 
+@register_expansion("kiln", "Guard")
+def _drop_guard(em: Emitter, node: Node) -> None:
+    """A kiln.Guard (kiln/ir/ops/guard.py) is dropped like an Assert, for the same reason: ONNX
+    cannot fail a run. The exported model answers as the trace did, for every input, including
+    those the .kiln file would refuse; the warning names each dropped guard and its line."""
+    where = node.attrs.get("location") or "an unknown line"
+    _log.warning("ONNX export: dropping the guard %s (%s at %s): ONNX cannot fail a run, so the exported "
+                 "model answers as the trace did even for inputs the .kiln file refuses",
+                 node.describe(), node.attrs.get("what", "a value"), where)
+
+
 from kiln.serializer import onnx_resize  # noqa: E402  (Resize-18/19 and the opset it needs)
 
 onnx_resize.register_export()

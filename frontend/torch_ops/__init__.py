@@ -36,11 +36,14 @@ def maps(*funcs: Callable, value: bool = False) -> Callable[[Handler], Handler]:
     return deco
 
 
-# Reading these from a tensor that depends on the inputs bakes the example's value into the trace.
+# Reading these from a tensor that depends on the inputs bakes the example's value into the trace:
+# the tracer guards each read (Tracer.data_dependent). ``Tensor.__iter__`` is not here: it is
+# Python (``iter(self.unbind(0))``), traced through like any Python function, and unbind refuses
+# a symbolic dim rather than fix the number of rows.
 DATA_DEPENDENT = {
     torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__float__,
     torch.Tensor.__index__, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__array__,
-    torch.Tensor.__iter__, torch.Tensor.__len__,
+    torch.Tensor.__len__, torch.Tensor.__contains__,
     # Comparisons that answer with a Python bool.
     torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose, torch.is_nonzero,
     torch.Tensor.is_nonzero,

@@ -5,4 +5,5 @@ from kiln.ir.ops import (  # noqa: F401
 from kiln.ir.ops import fused  # noqa: F401,E402  (kiln.FusedElementwise: the fusion pass's op)
 from kiln.ir.ops import quant  # noqa: F401,E402  (DequantizeLinear: int8 weights of packed mobile files)
 from kiln.ir.ops import assertion  # noqa: F401,E402  (kiln.Assert: run-time checks from scripted `assert`)
+from kiln.ir.ops import guard  # noqa: F401,E402  (kiln.Guard: what a trace leaves where the model read tensor data)
 from kiln.ir.ops import resize  # noqa: F401,E402  (Resize: ONNX Resize-19, issue 15)

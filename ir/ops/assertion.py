@@ -7,7 +7,7 @@ Assert node makes the graph check it every run, where the model's author put it.
 Why no outputs (rather than an identity that threads a value through): nothing has to be
 rewired to keep the check, and no later op waits on it. It is the IR's one op with a side effect,
 which the passes know: dead-code elimination keeps it (and any If/Loop whose body holds one;
-``kiln.ir.passes.dce.SIDE_EFFECT_OPS``), and it is registered not foldable, so constant folding
+it is registered with ``side_effect=True``), and such ops are not foldable, so constant folding
 and CSE leave it alone; the fusion pass only groups default-domain elementwise ops. The runtime
 runs a plan's nodes in graph order, so the check happens where it was traced, after what
 computes its condition; other nodes of the run may have run before it, and a failure stops the
@@ -46,7 +46,7 @@ def _infer_assert(ctx: InferContext) -> list:
 
 @op(ASSERT_OP, domain=KILN_DOMAIN, inputs=[In("cond", BOOL)], outputs=[],
     attrs=[Attr("message", AttrKind.STRING, ""), Attr("location", AttrKind.STRING, "")],
-    infer=_infer_assert, foldable=False)
+    infer=_infer_assert, side_effect=True)
 def assert_(cond: np.ndarray, *, message: str = "", location: str = "") -> tuple:
     """Fail the run unless every element of ``cond`` is true; no outputs."""
     if not np.all(cond):

@@ -4,7 +4,11 @@ Two nodes are the same computation when they have the same op, domain and attrib
 (defaults filled; tensors compared by dtype, shape and bytes; floats bit for bit) and read
 the same values; for two-input commutative ops the order of the inputs does not matter.
 The later node is replaced by the earlier one. Nodes with subgraphs and ops that are not
-pure functions of their inputs (not foldable: random ops) are left alone. A node inside an
+pure functions of their inputs (not foldable: random ops) are left alone, except run-time
+checks (ops with a side effect and no outputs: ``kiln.Guard``, ``kiln.Assert``): a check of the
+same values with the same condition as an earlier one is removed, whatever line it came from
+(the descriptive attributes ``location``/``code``/``what`` do not count), since it fails exactly
+when the first one does, which fails the run first. A node inside an
 If/Loop body may be merged into an equal node of an enclosing graph defined before it.
 Identical small initializers (same dtype, shape and bytes) are merged the same way.
 """
@@ -45,7 +49,7 @@ def _cse_graph(graph: Graph, ed: Editor, nodes_seen: dict, consts_seen: dict, ma
         first = nodes_seen.get(key)
         if first is None:
             nodes_seen[key] = node
-        elif ed.replace_node(node, first.outputs):
+        elif ed.replace_node(node, first.outputs):  # a repeated check has no outputs: just removed
             changed = True
     return changed
 
@@ -65,9 +69,17 @@ def _merge_initializers(graph: Graph, ed: Editor, seen: dict, max_bytes: int) ->
     return changed
 
 
+# Attributes of run-time checks that describe where they came from, not what they check.
+_DESCRIPTIVE = frozenset({"location", "code", "what"})
+
+
 def node_key(node: Node) -> Optional[Hashable]:
     """What identifies the node's computation, or None if it must not be merged."""
     schema = node.schema
+    if schema.side_effect and not node.outputs and not schema.has_subgraphs:
+        attrs = schema.fill_attrs(node.attrs)
+        checked = tuple(sorted((k, _attr_key(a)) for k, a in attrs.items() if k not in _DESCRIPTIVE))
+        return "check", node.domain, node.op, checked, node.inputs
     if schema.has_subgraphs or not schema.foldable or not node.outputs:
         return None
     inputs: tuple = node.inputs

@@ -2,8 +2,8 @@
 
 A node is dead when none of its outputs is read or is a graph output; an If/Loop whose
 outputs are unused goes with its whole body (ops are pure, so nothing else can observe it).
-The exception is an op with a side effect (``SIDE_EFFECT_OPS``: ``kiln.Assert``, a run-time
-check with no outputs): it is always live, and so is an If/Loop whose body holds one.
+The exception is an op with a side effect (registered with ``side_effect=True``: ``kiln.Assert``
+and ``kiln.Guard``, run-time checks with no outputs): it is always live, and so is an If/Loop whose body holds one.
 Inside the bodies of live If/Loop nodes dead nodes go too, then every initializer nobody
 reads. The main graph's inputs are the model's signature and stay unless ``prune_inputs``.
 
@@ -20,8 +20,6 @@ from __future__ import annotations
 from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.passes._rewrite import graph_outputs
 
-# (domain, op) of the ops a run can observe other than through their outputs: never dead.
-SIDE_EFFECT_OPS = frozenset({("kiln", "Assert")})
 
 
 def dce(graph: Graph, *, prune_inputs: bool = False) -> bool:
@@ -41,10 +39,10 @@ def dce(graph: Graph, *, prune_inputs: bool = False) -> bool:
 
 
 def has_side_effect(node: Node) -> bool:
-    """Whether ``node`` is, or has in a body (at any depth), an op of SIDE_EFFECT_OPS."""
-    if (node.domain, node.op) in SIDE_EFFECT_OPS:
+    """Whether ``node`` is, or has in a body (at any depth), an op registered with a side effect."""
+    if node.schema.side_effect:
         return True
-    return any((n.domain, n.op) in SIDE_EFFECT_OPS for sg in node.subgraphs() for n in sg.walk())
+    return any(n.schema.side_effect for sg in node.subgraphs() for n in sg.walk())
 
 
 def _is_dead(node: Node, live: set) -> bool:

@@ -150,7 +150,23 @@ def remove_noop_cast(node: Node, ed: Editor) -> bool:
     return forward(node, x, ed)
 
 
+def decide_constant_check(node: Node, ed: Editor) -> bool:
+    """A run-time check (kiln.Guard, kiln.Assert) of a constant is decided now: it passes on every
+    run (the trace computed that constant and the check held then), so it goes. One that fails
+    stays: every run of the graph will report it."""
+    c = _const(node.inputs[0])
+    if c is None:
+        return False
+    try:
+        node.schema.reference(c, **node.schema.fill_attrs(node.attrs))
+    except Exception:  # noqa: BLE001 - the check fails: leave it to fail every run
+        return False
+    ed.remove_node(node)
+    return True
+
+
 RULES: tuple = (
+    Rule("decide_constant_check", frozenset({"kiln.Guard", "kiln.Assert"}), decide_constant_check),
     Rule("remove_identity", frozenset({"Identity"}), remove_identity),
     Rule("remove_inference_dropout", frozenset({"Dropout"}), remove_inference_dropout),
     Rule("remove_neutral_element", frozenset(_NEUTRAL), remove_neutral_element),
@@ -168,8 +184,8 @@ _MAX_SWEEPS = 100
 
 
 def simplify(graph: Graph, rules: Iterable[Rule] = RULES) -> bool:
-    """Apply ``rules`` (ONNX-domain ops) everywhere until none applies; returns whether the
-    graph changed."""
+    """Apply ``rules`` everywhere until none applies (a rule names ONNX ops by name, others by
+    ``domain.op``); returns whether the graph changed."""
     by_op: dict[str, list[Rule]] = {}
     for rule in rules:
         for op in rule.ops:
@@ -187,8 +203,6 @@ def _sweep(graph: Graph, ed: Editor, by_op: dict) -> bool:
     changed = False
     for g in list(graph.all_graphs()):
         for node in list(g.nodes):
-            if node.domain != "":
-                continue
             # A rule may remove the node it matched: stop at the first that applies.
-            changed |= any(rule.rewrite(node, ed) for rule in by_op.get(node.op, ()))
+            changed |= any(rule.rewrite(node, ed) for rule in by_op.get(node.qualified_op, ()))
     return changed

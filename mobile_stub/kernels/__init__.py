@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 
-FAMILIES = ("conv", "pool", "activation", "elementwise", "linalg", "norm", "shape", "resize")
+FAMILIES = ("conv", "pool", "activation", "elementwise", "linalg", "norm", "shape", "checks", "resize")
 
 
 def load(families=FAMILIES) -> tuple[dict, dict, dict]:

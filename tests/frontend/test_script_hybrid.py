@@ -123,10 +123,16 @@ def test_plain_trace_of_an_unmarked_head_is_wrong_for_the_other_path():
     plain = nn.Sequential(model.backbone, PlainHead(model.head)).eval()
     with pytest.warns(kiln.TraceWarning):
         graph = kiln.trace(plain, confident, check=False)
-    assert "If" not in ops(graph)
+    assert "If" not in ops(graph) and "kiln.Guard" in ops(graph)
+    # The graph refuses the other path (a kiln.Guard on the head's condition) ...
+    with pytest.raises(kiln.ExecutionError, match=r"kiln.Guard failed at .*test_script_hybrid.py:\d+"):
+        run(graph, unsure.numpy())
+    # ... and answers wrong there with the guards off.
+    with pytest.warns(kiln.TraceWarning):
+        unguarded = kiln.trace(plain, confident, check=False, guards=False)
     with torch.no_grad():
         want = plain(unsure).numpy()
-    assert not np.allclose(run(graph, unsure.numpy())[0], want, atol=1e-3)
+    assert not np.allclose(run(unguarded, unsure.numpy())[0], want, atol=1e-3)
 
 
 def test_hybrid_model_exports_to_onnx_and_matches_onnxruntime(tmp_path):

@@ -214,10 +214,15 @@ def test_scripted_while_on_a_growing_size_runs_to_the_bound_from_any_length():
         assert got.shape[1] == max(length, 8)
 
 
-def test_traced_model_keeps_plain_int_size_comparisons():
-    # kiln.trace (not script): the size comparison stays a Python bool, without a TraceWarning;
-    # the graph is specialized to the example's branch, as before.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", kiln.TraceWarning)
+def test_traced_model_guards_plain_int_size_comparisons():
+    # kiln.trace (not script): the size comparison stays a Python bool and the graph is
+    # specialized to the example's branch, with a TraceWarning and a guard that refuses sizes
+    # taking the other branch.
+    with pytest.warns(kiln.TraceWarning, match="a symbolic size compared with '>'"):
         graph = kiln.trace(SizeIf(), (torch.randn(2, 6),), dynamic={"x": {1: "seq"}}, check=False)
-    assert "If" not in {n.op for n in graph.walk()} and "Mul" in {n.op for n in graph.walk()}
+    ops = {n.op for n in graph.walk()}
+    assert "If" not in ops and "Mul" in ops and "Guard" in ops
+    x = torch.randn(2, 7)
+    np.testing.assert_allclose(evaluate(graph, [x.numpy()])[0], SizeIf()(x).numpy(), rtol=1e-6)
+    with pytest.raises(kiln.ExecutionError, match="kiln.Guard failed"):
+        evaluate(graph, [torch.randn(2, 2).numpy()])
