@@ -85,13 +85,30 @@ def worker(threads: int, repeat: int, profile: bool) -> dict:
         row = {"batch": batch, "errors": errors, **timed}
         print(_console(threads, row), file=sys.stderr, flush=True)
         rows.append(row)
-    result = {"threads": threads, "rows": rows, "versions": {
+    result = {"threads": threads, "rows": rows, "gemm_ms": _bare_gemms(), "versions": {
         "numpy": np.__version__, "torch": torch.__version__, "onnxruntime": ort.__version__,
         "kiln": kiln.__version__}}
     if profile:
         result["profile"] = {b: _body_profile(program, np.random.default_rng(b).standard_normal(
             (T, b, INPUT)).astype(np.float32), repeat) for b in BATCHES}
     return result
+
+
+def _bare_gemms() -> float:
+    """Wall ms of numpy alone doing the batch-16 run's per-step product 100 times ([16, 256] x
+    [256, 1024]): how this thread setting's BLAS treats a loop of small GEMMs."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    h = rng.standard_normal((16, HIDDEN)).astype(np.float32)
+    w = rng.standard_normal((HIDDEN, 4 * HIDDEN)).astype(np.float32)
+    best = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(T * LAYERS):
+            h @ w
+        best.append(time.perf_counter() - t)
+    return statistics.median(best) * 1e3
 
 
 def _rel_err(got, want) -> float:
@@ -219,6 +236,11 @@ def report(results: list, load_start: str, repeat: int) -> str:
     two = next((r for r in results if r["threads"] == 2), None)
     if two is not None:
         parts += ["", "2 threads each (bench/runtime_bench.py's setting), wall time:", "", table(two, "wall")]
+    parts += ["", "numpy alone, the batch-16 run's per-step product 100 times ([16, 256] x [256, 1024], wall): "
+              + ", ".join(f"{r['gemm_ms']:.1f} ms with {r['threads']} BLAS thread{'s' if r['threads'] > 1 else ''}"
+                          for r in results)
+              + ". kiln's loop makes one such call per layer and step; where a second BLAS thread has to be "
+                "woken for each (and more so on a loaded machine), that hand-off, not the arithmetic, is the cost."]
     if "profile" in one:
         parts += ["", profile_text({int(b): p for b, p in one["profile"].items()})]
     return "\n".join(parts) + "\n"

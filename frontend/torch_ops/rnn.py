@@ -15,13 +15,14 @@ A sequence op becomes, per layer (see docs/NOTES.md, "Recurrent layers"):
 3. the scan split back into directions (the backward one reversed in time) and concatenated on
    the feature axis, which is the next layer's input.
 
-Weights are prepared (transposed, stacked, biases summed) by ops on the parameters in the
-enclosing graph, which constant folding turns into single initializers. Gate order is torch's:
-LSTM (i, f, g, o), GRU (r, z, n).
+Weights are prepared (stacked, biases summed, LSTM's sigmoid rows halved: see _lstm_gates) by
+ops on the parameters in the enclosing graph, which constant folding turns into single
+initializers; their transposes stay views at run time. Gate order is torch's: LSTM (i, f, g, o),
+GRU (r, z, n). A cell is the same step math without the loop.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -173,7 +174,7 @@ def _split_gru(t, x: Value) -> tuple[Value, Value]:
 
 
 # ---------------------------------------------------------------------------- cells
-def _cell(t, res, kind: str, input, h, c, w_ih, w_hh, b_ih, b_hh) -> tuple[Value, Optional[Value]]:
+def _cell(t, kind: str, input, h, c, w_ih, w_hh, b_ih, b_hh) -> tuple[Value, Optional[Value]]:
     dt = kiln_dtype(input.dtype)
     params = [w_ih, w_hh, b_ih, b_hh]
     w = _Weights(t, kind, params, b_ih is not None and b_hh is not None, False, dt)
@@ -184,22 +185,22 @@ def _cell(t, res, kind: str, input, h, c, w_ih, w_hh, b_ih, b_hh) -> tuple[Value
 
 @maps(torch.lstm_cell)
 def lstm_cell(t, res, input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
-    return _cell(t, res, "lstm", input, hx[0], hx[1], w_ih, w_hh, b_ih, b_hh)
+    return _cell(t, "lstm", input, hx[0], hx[1], w_ih, w_hh, b_ih, b_hh)
 
 
 @maps(torch.gru_cell)
 def gru_cell(t, res, input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
-    return _cell(t, res, "gru", input, hx, None, w_ih, w_hh, b_ih, b_hh)[0]
+    return _cell(t, "gru", input, hx, None, w_ih, w_hh, b_ih, b_hh)[0]
 
 
 @maps(torch.rnn_tanh_cell)
 def rnn_tanh_cell(t, res, input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
-    return _cell(t, res, "rnn_tanh", input, hx, None, w_ih, w_hh, b_ih, b_hh)[0]
+    return _cell(t, "rnn_tanh", input, hx, None, w_ih, w_hh, b_ih, b_hh)[0]
 
 
 @maps(torch.rnn_relu_cell)
 def rnn_relu_cell(t, res, input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
-    return _cell(t, res, "rnn_relu", input, hx, None, w_ih, w_hh, b_ih, b_hh)[0]
+    return _cell(t, "rnn_relu", input, hx, None, w_ih, w_hh, b_ih, b_hh)[0]
 
 
 # ---------------------------------------------------------------------------- sequences
