@@ -65,7 +65,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kiln.checks import GuardFailed
 from kiln.errors import InputError, KilnError
+from kiln.ir.ops.assertion import AssertionFailed
 from kiln.runtime.program import check_inputs
 from kiln.server import protocol
 from kiln.server.errors import QueueFull, RequestTimeout, WorkerError
@@ -84,6 +86,11 @@ RETRY_AFTER_S = 1
 _JSON_TYPES = ("", "application/json", "application/octet-stream")
 
 ExecutorFactory = Callable[[ModelEntry], Any]
+
+
+# Run-time checks a model carries (kiln/ir/ops/guard.py, kiln/ir/ops/assertion.py) that an input failed:
+# answered 400, like any input the model does not accept, with the check's message (line and values).
+_REFUSALS = (GuardFailed, AssertionFailed)
 
 
 class ApiError(Exception):
@@ -512,6 +519,8 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
         raise ApiError(504, str(e) or f"request timed out after {timeout_ms:g} ms", outcome="timeout") from None
     except InputError as e:  # also BatchTooLarge
         raise ApiError(400, str(e)) from None
+    except _REFUSALS as e:  # a kiln.Guard or a scripted assert: the model does not take this input
+        raise ApiError(400, f"the model refuses this input: {e}") from None
     except WorkerError as e:
         raise ApiError(500, str(e), outcome="backend") from None
     except KilnError as e:  # ExecutionError: a kernel failed on this request

@@ -527,3 +527,34 @@ def test_onnxruntime_backend_serves_the_same_results(program, workers):
         want = program.run({"x": x})
         for name in ("logits", "probs"):
             np.testing.assert_allclose(got[name].astype(np.float32), want[name], rtol=1e-5, atol=1e-6)
+
+
+def guarded_model(path: Path) -> Path:
+    """y = x * 2 on float32[batch, 3], with a kiln.Guard (as a trace leaves one) requiring every
+    element of x to be positive: the model refuses other inputs."""
+    g = Graph("guarded")
+    x = g.add_input("x", "float32", ("batch", 3))
+    low = g.op("ReduceMin", x, keepdims=0)
+    ok = g.op("Greater", low, g.add_constant(np.array(0, np.float32)))
+    g.add_node("Guard", [ok], {"expected": np.array(True), "read": "bool", "what": "bool(tensor)",
+                               "location": "model.py:12", "code": "if x.min() > 0:"}, domain="kiln", num_outputs=0)
+    g.outputs = [g.op("Mul", x, g.add_constant(np.array(2, np.float32)), name="y")]
+    kiln.save(g, path)
+    return path
+
+
+def test_refused_input_is_400_naming_the_guard_and_batch_mates_are_served(tmp_path):
+    app = create_app([entry(guarded_model(tmp_path / "g.kiln"), "guarded", max_batch_size=8, max_queue_delay_ms=50)])
+    good, bad = np.ones((1, 3), np.float32), -np.ones((1, 3), np.float32)
+
+    async def body(client):
+        alone = await client.post("/v2/models/guarded/infer", json=infer_body(bad))
+        together = await asyncio.gather(*(client.post("/v2/models/guarded/infer", json=infer_body(a))
+                                          for a in (good, bad, good)))
+        return alone, together
+
+    alone, together = run_async(app, body)
+    assert alone.status_code == 400
+    assert re.search(r"refuses this input: kiln.Guard failed at model.py:12 `if x.min\(\) > 0:`", alone.json()["error"])
+    assert [r.status_code for r in together] == [200, 400, 200]
+    np.testing.assert_array_equal(outputs_of(together[0])["y"], 2 * good)
