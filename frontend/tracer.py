@@ -94,7 +94,7 @@ class Tracer(TorchFunctionMode):
         super().__init__()
         self.graph = graph
         self.guards = guards  # leave a kiln.Guard where the model reads a Python value from tensor data
-        self._guarded: set = set()  # (value, read, expected bytes): one guard per distinct read
+        self._guarded: set = set()  # (value, read, expected value): one guard per distinct read
         self.current = graph
         self.param_names = param_names
         self.module_names = module_names
@@ -310,7 +310,8 @@ class Tracer(TorchFunctionMode):
         elif func in (torch.equal, torch.Tensor.equal, torch.allclose, torch.Tensor.allclose):
             self._guard_comparison(func, args, kwargs, out)
         elif func is torch.Tensor.__contains__:
-            hit = self.emit("Equal", v, self.value(args[1], v.type.dtype))
+            tv = self.value(t)  # the element may be what depends on the inputs
+            hit = self.emit("Equal", tv, self.value(args[1], tv.type.dtype))
             found = self.emit("ReduceMax", self.emit("Cast", hit, to=DType.INT32.value), keepdims=0)
             self.guard(found, "bool", np.array(bool(out)), "'element in tensor'")
         elif read == "value":
@@ -404,14 +405,14 @@ class Tracer(TorchFunctionMode):
             c = self.emit("Not", c)
         self.dependent.add(c)
         what = f"a symbolic size compared with '{_COMPARE_SYMBOLS[op]}'"
-        if path.startswith(_TORCH_DIR):
-            # torch's own Python (shape checks in F.multi_head_attention_forward, ...): guarded,
-            # listed by `kiln inspect`, but not worth a warning to the user about their model.
+        in_torch = path.startswith(_TORCH_DIR)
+        if in_torch:
             what += f" in torch's {'/'.join(path.replace(os.sep, '/').split('/')[-2:])}:{caller.f_lineno}"
-            self.guard(c, "bool", np.array(result), what)
-            return
         self.guard(c, "bool", np.array(result), what)
-        self._warn_read(what)
+        if not in_torch:
+            # torch's own Python (shape checks in F.multi_head_attention_forward, ...) is guarded and
+            # listed by `kiln inspect`, but is not worth a warning about the user's model.
+            self._warn_read(what)
 
     @staticmethod
     def _user_frame():
