@@ -93,9 +93,27 @@ def compile_axis(taps: AxisTaps, dtype: np.dtype) -> _Axis:
                          if weight is None or weight[j, t] != 0)
         phases.append(_Phase(j, k, count, tap_list))
     rest = np.concatenate([np.arange(0, first), np.arange(end, taps.out_size)]).astype(np.intp)
+    if len(rest) <= MAX_EDGE_ROWS:
+        # A few edge outputs (clamped taps) as one-output phases of sliced views: cheaper per block
+        # than a gather and a fancy-indexed store.
+        phases += [_Phase(int(j), 1, 1, _merged(taps.index[j], None if weight is None else weight[j])) for j in rest]
+        rest = rest[:0]
     return _Axis(taps.axis, taps.out_size, tuple(phases), rest if len(rest) else None,
                  taps.index[rest].astype(np.intp) if len(rest) else None,
                  None if weight is None or not len(rest) else weight[rest])
+
+
+MAX_EDGE_ROWS = 8
+
+
+def _merged(index: np.ndarray, weight: Optional[np.ndarray]) -> tuple:
+    """One output's taps with repeated input indices summed (clamping repeats the edge)."""
+    if weight is None:
+        return ((int(index[0]), 1, None),)
+    total: dict = {}
+    for i, w in zip(index.tolist(), weight.tolist()):
+        total[i] = total.get(i, 0.0) + w
+    return tuple((i, 1, weight.dtype.type(w).item()) for i, w in total.items() if w != 0)
 
 
 def _view(ndim: int, axis: int, start: int, step: int, count: int) -> tuple:
@@ -110,7 +128,7 @@ def _phase(x: np.ndarray, y: np.ndarray, ax: _Axis, ph: _Phase) -> None:
     if not srcs:
         dst[...] = 0
         return
-    if srcs[0][1] is None or (len(srcs) == 1 and srcs[0][1] == 1):
+    if srcs[0][1] is None or (len(srcs) == 1 and abs(srcs[0][1] - 1) <= _WEIGHT_TOL):
         np.copyto(dst, srcs[0][0])
         return
     # numpy's arithmetic loops are slow into an output strided along its innermost axis (about
