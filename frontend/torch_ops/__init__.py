@@ -14,6 +14,8 @@ the model should see instead of ``res`` (``x.size(0)`` -> a SymInt when the dim 
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Callable
 
 import torch
@@ -22,15 +24,36 @@ Handler = Callable[..., object]
 
 TABLE: dict[Callable, tuple[Handler, bool]] = {}
 
+# torch's argument parser also takes NumPy's names for these parameters (``torch.cat(xs, axis=1)``,
+# ``x.sum(axis=0, keepdims=True)``, ``torch.add(x1=a, x2=b)``); handlers use torch's own names.
+NUMPY_NAMES = {"axis": "dim", "keepdims": "keepdim", "x": "input", "a": "input", "x1": "input", "x2": "other"}
+
+
+def _numpy_names(handler: Handler) -> Handler:
+    """``handler``, or a wrapper renaming NumPy-style keywords to the torch names it takes."""
+    params = inspect.signature(handler).parameters
+    renames = {a: n for a, n in NUMPY_NAMES.items() if n in params and a not in params}
+    if not renames:
+        return handler
+
+    @functools.wraps(handler)
+    def renamed(*args, **kwargs):
+        for alias in renames.keys() & kwargs.keys():
+            kwargs[renames[alias]] = kwargs.pop(alias)
+        return handler(*args, **kwargs)
+
+    return renamed
+
 
 def maps(*funcs: Callable, value: bool = False) -> Callable[[Handler], Handler]:
     """Register the decorated handler for every torch callable in ``funcs``."""
 
     def deco(handler: Handler) -> Handler:
+        entry = _numpy_names(handler)
         for f in funcs:
             if f in TABLE:
                 raise ValueError(f"{f} is mapped twice ({TABLE[f][0].__name__} and {handler.__name__})")
-            TABLE[f] = (handler, value)
+            TABLE[f] = (entry, value)
         return handler
 
     return deco

@@ -57,8 +57,10 @@ def _binary(op: str, *funcs):
 
 
 _binary("Add", torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.add_, torch.Tensor.__iadd__)
-_binary("Sub", torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.sub_, torch.Tensor.__isub__)
-_binary("Mul", torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.mul_, torch.Tensor.__imul__)
+_binary("Sub", torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.sub_, torch.Tensor.__isub__,
+        torch.subtract, torch.Tensor.subtract, torch.Tensor.subtract_)
+_binary("Mul", torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.mul_, torch.Tensor.__imul__,
+        torch.multiply, torch.Tensor.multiply, torch.Tensor.multiply_)
 
 
 @maps(torch.Tensor.__radd__)

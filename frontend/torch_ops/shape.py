@@ -1,6 +1,6 @@
 """Shape and view mappings: flatten/unflatten, permute/transpose, squeeze/unsqueeze, expand,
-repeat/tile, movedim, narrow, view_as, numel. (view/reshape/size/shape live in core.py;
-cat/stack/split/chunk/unbind in concat.py.)
+repeat/tile/repeat_interleave, movedim, narrow, view_as, numel. (view/reshape/size/shape live in
+core.py; cat/stack/split/chunk/unbind in concat.py.)
 
 Dims that are symbolic in the graph stay symbolic: sizes come from ``dims_of`` (ints where the
 IR dim is static, SymInts computing the dim otherwise), and reshapes keep leading dims with
@@ -245,6 +245,36 @@ def repeat(t, res, input, *sizes):
 def tile(t, res, input, *dims):
     reps = sizes_arg(dims)
     return tile_value(t, input, [1] * (input.dim() - len(reps)) + reps)
+
+
+@maps(torch.repeat_interleave, torch.Tensor.repeat_interleave)
+def repeat_interleave(t, res, input, repeats=None, dim=None, *, output_size=None):
+    """Each element (or slice along ``dim``) repeated: by an int (or SymInt) as Unsqueeze +
+    Expand + Reshape; by a tensor of counts as a Gather of the indices they make, which needs
+    the counts to be constants (counts computed from the inputs give a data-dependent size)."""
+    if repeats is None:  # torch.repeat_interleave(counts): the indices 0, 0, 1, 2, 2, ...
+        repeats, input, dim = input, torch.arange(input.numel()), 0
+    x = t.value(input)
+    if dim is None:
+        x = t.emit("Reshape", x, t.shape_value([-1]))
+        d, dims = 0, [product(dims_of(t, input))]
+    else:
+        d, dims = norm_dim(dim, input.dim()), dims_of(t, input)
+    if isinstance(repeats, torch.Tensor) and repeats.numel() == 1 and t.value(repeats) not in t.dependent:
+        repeats = int(repeats.reshape(()))
+    if not isinstance(repeats, torch.Tensor):
+        ones = [1] * len(dims)
+        x = t.emit("Unsqueeze", x, axes_value(t, [d + 1]))
+        x = t.emit("Expand", x, t.shape_value(ones[:d + 1] + [repeats] + ones[d + 1:]))
+        return t.emit("Reshape", x, t.shape_value([0] * d + [-1] + dims[d + 1:]))
+    if t.value(repeats) in t.dependent:
+        raise UnsupportedOpError(f"{t.where()}: 'repeat_interleave' by counts computed from the inputs gives a "
+                                 "size that depends on their values")
+    if not isinstance(dims[d], int):
+        raise UnsupportedOpError(f"{t.where()}: 'repeat_interleave' by a tensor of counts along dim {d}, which is "
+                                 "symbolic (one count per element)")
+    index = np.repeat(np.arange(dims[d], dtype=np.int64), repeats.detach().cpu().numpy().astype(np.int64))
+    return t.emit("Gather", x, t.constant(index, "indices"), axis=d)
 
 
 # ---------------------------------------------------------------------------- narrow, *_as, numel

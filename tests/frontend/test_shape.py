@@ -106,6 +106,30 @@ def test_expand_repeat(fn):
     dyn(fn)
 
 
+@pytest.mark.parametrize("fn", [
+    lambda x: x.repeat_interleave(2, dim=1), lambda x: torch.repeat_interleave(x, 3, dim=-1),
+    lambda x: torch.repeat_interleave(x, 2, 0), lambda x: x.repeat_interleave(x.size(0), dim=2),
+    lambda x: torch.repeat_interleave(x, 2), lambda x: x.repeat_interleave(torch.tensor([1, 0, 2]), dim=1),
+    lambda x: x.repeat_interleave(torch.tensor(2), dim=2),
+    lambda x: x + torch.repeat_interleave(torch.tensor([0, 2, 1, 1]))[None, None, :],
+])
+def test_repeat_interleave(fn):
+    dyn(fn)
+
+
+def test_repeat_interleave_by_counts_from_the_inputs_is_refused():
+    with pytest.raises(UnsupportedOpError, match="depends on their values"):
+        kiln.trace(lambda x, n: x.repeat_interleave(n, dim=0), (torch.randn(3, 2), torch.tensor([1, 2, 1])))
+
+
+def test_numpy_keyword_names():
+    """torch also takes NumPy's keyword names (axis, keepdims); torch.cat(xs, axis=1) is in transformers'
+    Funnel, torch.multiply in ConvBERT."""
+    dyn(lambda x: torch.cat([x, x], axis=1))
+    dyn(lambda x: x.sum(axis=2, keepdims=True) + torch.mean(x, axis=1, keepdims=True))
+    dyn(lambda x: torch.multiply(x, 2.0) - torch.subtract(x, x.flip(1)))
+
+
 def test_expand_minus_one_reads_no_shape():
     g = dyn(lambda x: x[:, :1].expand(-1, 5, -1))
     assert "Shape" not in op_types(g) and g.outputs[0].type.shape == ("batch", 5, 4)
