@@ -184,3 +184,16 @@ def _scaled(x):
     if torch.overrides.has_torch_function_unary(x):
         return torch.overrides.handle_torch_function(_scaled, (x,), x)
     return x * _SCALE
+
+
+def test_torchvision_vision_transformer(route):
+    """torchvision's VisionTransformer (vit_b_16's class, small here): torch._assert on the image
+    size, then nn.TransformerEncoder layers of nn.MultiheadAttention. On torch 2.11, without the
+    redispatch hook, vit_b_16 failed at torch._assert (issue 15, case 6)."""
+    tv = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = tv.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32,
+                                        mlp_dim=64, num_classes=10).eval()
+    g = check_traced(model, (torch.randn(2, 3, 32, 32),), dynamic_batch=True,
+                     other_inputs=[(torch.randn(1, 3, 32, 32),)], rtol=1e-5, atol=1e-5)
+    assert "Softmax" in op_types(g)
