@@ -78,7 +78,7 @@ def test_paths_direct_2d_and_per_axis():
     assert cuda_resize.LAUNCHES["axis"] == before["axis"] + 3  # trilinear: one pass per axis
     before = dict(cuda_resize.LAUNCHES)
     _run(RNG.standard_normal((1, 2, 64, 64)), scales=np.array([1, 1, 0.125, 0.125], np.float32), mode="cubic",
-         antialias=1)  # 34 x 34 taps: too many for one pass
+         antialias=1)  # 32 x 32 taps: too many for one pass
     assert cuda_resize.LAUNCHES["axis"] == before["axis"] + 2
     before = dict(cuda_resize.LAUNCHES)
     _run(RNG.standard_normal((4, 3, 5)), scales=np.array([0.5, 1, 3], np.float32), mode="linear")

@@ -257,4 +257,5 @@ def resize(node, attrs) -> Callable[..., Any]:
             prog = compile_plan(resize_plan(x.shape, roi, scales, sizes, attrs), x.shape, x.dtype)
             programs[key] = prog
         return run_program(prog, x, ev)
+    run.fresh = True  # every result is a new array (runtime/plan.py: later ops may write into it)
     return run
