@@ -28,6 +28,7 @@ refused by name.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import numpy as np
@@ -176,10 +177,35 @@ def translate(importer, kg, n, inputs: list, domain: str, label: str) -> tuple:
                 "nearest and nearest_mode floor or round_prefer_floor)")
         attrs["coordinate_transformation_mode"] = "half_pixel"
         attrs["nearest_mode"] = shifted[rule]
+    if scales is not None and attrs.get("coordinate_transformation_mode") in _OUTPUT_WIDTH_MODES:
+        _warn_fractional_width(x, scales, attrs, label, what)
     out = [x, roi, scales, sizes]
     while out[-1] is None:
         out.pop()
     return out, attrs
+
+
+# Coordinate modes whose formula reads the output length: ONNX (its reference and its node tests)
+# takes the fractional scale * length there, onnxruntime and torch the rounded output size.
+_OUTPUT_WIDTH_MODES = ("align_corners", "pytorch_half_pixel", "tf_crop_and_resize")
+
+
+def _warn_fractional_width(x, scales, attrs: dict, label: str, what: str) -> None:
+    """Warn where kiln's (ONNX's) answer may differ from onnxruntime's: a length-reading mode with
+    scales that do not give a whole output length (or input sizes not known here)."""
+    dims = None if x.type is None or x.type.shape is None else x.type.shape
+    s = None if scales.const is None else np.asarray(scales.const, np.float32).reshape(-1)
+    axes = attrs.get("axes")
+    if dims is not None and s is not None:
+        picked = [dims[a] for a in axes] if axes is not None else list(dims)
+        if len(picked) == len(s) and all(isinstance(d, int) and float(v) * d == int(float(v) * d)
+                                         for d, v in zip(picked, s)):
+            return
+    warnings.warn(f"{label} ({what}): coordinate_transformation_mode '{attrs['coordinate_transformation_mode']}' "
+                  "with scales that may not give a whole output length: kiln follows ONNX (its reference and "
+                  "node tests use the fractional length scale * size), onnxruntime and torch the rounded output "
+                  "size, so answers can differ; a model exported with sizes instead of scales has one meaning",
+                  UserWarning, stacklevel=4)
 
 
 # --------------------------------------------------------------------------- export

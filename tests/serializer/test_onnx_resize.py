@@ -196,3 +196,15 @@ def test_half_pixel_symmetric_exports_at_19_and_refuses_18():
 
 def ort_run_named(proto, feeds):
     return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+def test_length_reading_modes_with_fractional_scales_warn():
+    # ONNX's node tests read align_corners' length as scale * size (2.4 here), onnxruntime as the
+    # rounded output size (2): kiln follows ONNX and says so at import.
+    node = helper.make_node("Resize", ["X", "", "S"], ["Y"], mode="linear", coordinate_transformation_mode="align_corners")
+    with pytest.warns(UserWarning, match="fractional length"):
+        import_onnx(model([node], 19, [f32("S", [1, 1, 0.6, 0.6])]))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        import_onnx(model([node], 19, [f32("S", [1, 1, 0.5, 2])]))  # whole lengths: one meaning
