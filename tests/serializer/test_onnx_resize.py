@@ -208,3 +208,31 @@ def test_length_reading_modes_with_fractional_scales_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         import_onnx(model([node], 19, [f32("S", [1, 1, 0.5, 2])]))  # whole lengths: one meaning
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("opset", [11, 13, 17])
+def test_torch_onnx_exports_import_and_match_torch(opset):
+    # torch.onnx's TorchScript exporter at dynamic sizes: Resize with computed scales/sizes inputs.
+    torch = pytest.importorskip("torch")
+    import io
+    F = torch.nn.functional
+
+    class M(torch.nn.Module):
+        def forward(self, x, s):
+            return (F.interpolate(x, scale_factor=2, mode="nearest"),
+                    F.interpolate(x, size=s.shape[2:], mode="bilinear", align_corners=False),
+                    F.interpolate(x, size=s.shape[2:], mode="bicubic", align_corners=True))
+
+    buf = io.BytesIO()
+    torch.onnx.export(M(), (torch.randn(1, 3, 8, 10), torch.randn(1, 1, 13, 7)), buf, opset_version=opset,
+                      dynamo=False, input_names=["x", "s"],
+                      dynamic_axes={"x": {0: "b", 2: "h", 3: "w"}, "s": {2: "H", 3: "W"}})
+    prog = kiln.load(import_onnx(buf.getvalue()))
+    for xs, ss in [((1, 3, 8, 10), (1, 1, 13, 7)), ((2, 3, 5, 6), (1, 1, 9, 11))]:
+        x, s = torch.randn(*xs), torch.randn(*ss)
+        with torch.no_grad():
+            want = [t.numpy() for t in M()(x, s)]
+        got = prog.run([x.numpy(), s.numpy()], as_list=True)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
