@@ -107,3 +107,12 @@ def test_segmentation_model_checks_packs_and_runs(tmp_path):
     assert "Resize:float32" in stub.manifest
     x = RNG.standard_normal((1, 3, 32, 48)).astype(np.float32)
     np.testing.assert_allclose(stub.run(x)[0], kiln.load(path).run([x], as_list=True)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_bundle_ships_the_resize_family(tmp_path):
+    from kiln.mobile_stub.bundle import bundle
+    g = _graph({"mode": "cubic"}, (1, 3, 8, 8), scales=np.array([1, 1, 2, 1.5], np.float32))
+    path = str(tmp_path / "m.kiln")
+    kiln.save(pack(g), path)
+    report = bundle(path, str(tmp_path / "m.pyz"))  # also loads the .pyz once in a child process
+    assert "resize" in report.kernels
