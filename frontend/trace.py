@@ -19,7 +19,8 @@ from kiln.ir.verifier import verify
 Dynamic = Mapping[str, Mapping[int, str]]
 # Modules that behave differently in training mode (a model left in training mode gets a warning).
 _TRAIN_SENSITIVE = (torch.nn.modules.dropout._DropoutNd, torch.nn.modules.batchnorm._BatchNorm,
-                    torch.nn.modules.instancenorm._InstanceNorm, torch.nn.MultiheadAttention)
+                    torch.nn.modules.instancenorm._InstanceNorm, torch.nn.MultiheadAttention,
+                    torch.nn.RNNBase)  # dropout between layers
 
 
 def trace(model: Union[torch.nn.Module, Callable], example_inputs: Any, *, dynamic: Optional[Dynamic] = None,

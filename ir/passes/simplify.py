@@ -150,6 +150,24 @@ def remove_noop_cast(node: Node, ed: Editor) -> bool:
     return forward(node, x, ed)
 
 
+# Comparisons of a value with itself: their answer, for integer and bool values (a float NaN is
+# not equal to itself).
+_SELF_COMPARE = {"Equal": True, "LessOrEqual": True, "GreaterOrEqual": True, "Less": False, "Greater": False}
+
+
+def compare_with_itself(node: Node, ed: Editor) -> bool:
+    """``Equal(v, v)`` and its kin on an integer or bool ``v`` of static shape -> a constant. A
+    trace leaves such comparisons where Python compared a symbolic size with itself (torch's
+    RNN checks its hidden state's batch against the input's), and the guard on it then goes too."""
+    a, b = node.inputs[0], node.inputs[1]
+    t = node.outputs[0].type
+    if a is not b or a.dtype is None or a.dtype.numpy.kind not in "iub" or t is None or t.shape is None or \
+            not all(isinstance(d, int) for d in t.shape):
+        return False
+    value = node.graph.add_constant(np.full(tuple(t.shape), _SELF_COMPARE[node.op]), "compared")
+    return forward(node, value, ed)
+
+
 def decide_constant_check(node: Node, ed: Editor) -> bool:
     """A run-time check (kiln.Guard, kiln.Assert) of a constant is decided now: it passes on every
     run (the trace computed that constant and the check held then), so it goes. One that fails
@@ -167,6 +185,7 @@ def decide_constant_check(node: Node, ed: Editor) -> bool:
 
 RULES: tuple = (
     Rule("decide_constant_check", frozenset({"kiln.Guard", "kiln.Assert"}), decide_constant_check),
+    Rule("compare_with_itself", frozenset(_SELF_COMPARE), compare_with_itself),
     Rule("remove_identity", frozenset({"Identity"}), remove_identity),
     Rule("remove_inference_dropout", frozenset({"Dropout"}), remove_inference_dropout),
     Rule("remove_neutral_element", frozenset(_NEUTRAL), remove_neutral_element),

@@ -425,3 +425,22 @@ def test_torch_jit_is_tracing_answers_true_while_kiln_traces():
 
     _trace(fn, (torch.ones(2),))
     assert seen == [True] and not torch.jit.is_tracing()
+
+
+def test_sizes_compared_with_the_same_symbol_need_no_guard():
+    # torch's RNN checks the zeros it makes for hx against the input's batch: the same symbol.
+    lstm = nn.LSTM(4, 8, batch_first=True).eval()
+    graph = _trace(lstm, (torch.randn(2, 5, 4),), dynamic={"input": {0: "b", 1: "t"}})
+    assert not _guards(graph)
+
+
+def test_a_comparison_of_a_value_with_itself_is_decided():
+    from kiln.ir import Graph
+    g = Graph("self")
+    x = g.add_input("x", "float32", ["n"])
+    n = g.op("Squeeze", g.op("Shape", x), g.add_constant(np.array([0], np.int64)))
+    same = g.op("Equal", n, n)
+    g.add_node("Guard", [same], {"expected": np.array(True), "read": "bool"}, domain="kiln", num_outputs=0)
+    g.outputs = [g.op("Relu", x)]
+    optimize(g)
+    assert not _guards(g) and "Equal" not in {m.op for m in g.walk()}
