@@ -40,7 +40,7 @@ docs/NOTES.md.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -50,7 +50,6 @@ from kiln.errors import UnsupportedOpError
 from kiln.frontend.symbolic import SymInt
 from kiln.frontend.torch_ops import maps
 from kiln.frontend.torch_ops.core import dim_of
-from kiln.frontend.tracer import kiln_dtype
 from kiln.ir.dtypes import DType
 from kiln.ir.ops.resize import axis_taps
 
