@@ -2,7 +2,8 @@
 
 The graph is SSA, so a write is recorded as a new value of x that x is then bound to: Where
 for a bool mask, ScatterND for ints, slices and one 1-D int tensor (the indexed axes are
-moved to the front, so ScatterND writes whole slabs of the others). In eager torch the write
+moved to the front, so ScatterND writes whole slabs of the others), and ScatterND for several
+index tensors that broadcast together (stacked as its index tuples). In eager torch the write
 is also seen through every tensor sharing x's memory (views of x, x's base); the graph cannot
 follow that, so those tensors are marked stale and using one later raises UnsupportedOpError.
 """
@@ -138,6 +139,59 @@ def assign_indexed(t, x: torch.Tensor, entries: list[Entry], value: Any, accumul
     return out
 
 
+def assign_advanced(t, x: torch.Tensor, entries: list[Entry], value: Any, accumulate: bool = False):
+    """``x[i, j] = v`` with several index tensors (or one of 2+ dims) that broadcast together, ints
+    among them and every other axis a full slice: one ScatterND whose index tuples are the
+    broadcast index tensors (and ints) stacked on a last axis, over x with the indexed axes moved
+    to the front (transformers' wav2vec2 writes ``mask[(torch.arange(b), lengths - 1)] = 1``).
+
+    The value is laid out as torch's selection: ints drop their axis, and the broadcast index
+    dims stand where the index tensors are when those are adjacent, else first."""
+    if any(not (e.kind == "slice" and is_full(e.obj)) for e in entries if e.kind not in ("tensor", "int")):
+        raise UnsupportedOpError(f"{t.where()}: writing through several tensor indices combined with a partial "
+                                 "slice is not supported; slice first, or index every such axis with a tensor")
+    indexed = [e for e in entries if e.kind in ("tensor", "int")]
+    axes = [e.axis for e in indexed]
+    idx = []
+    for e in indexed:
+        size = dim_of(t, x, e.axis)
+        if e.kind == "tensor":
+            idx.append(index_value(t, e.obj, size))
+        else:
+            idx.append(t.int_value(e.obj if isinstance(e.obj, SymInt) or e.obj >= 0 else size + e.obj))
+    rank = max(e.obj.dim() for e in indexed if e.kind == "tensor")
+    common = idx[0]
+    for v in idx[1:]:
+        common = t.emit("Add", common, v)  # only for its broadcast shape
+    shape = t.emit("Shape", common)
+    last = axes_value(t, [rank])
+    grid = t.emit("Concat", *[t.emit("Unsqueeze", t.emit("Expand", v, shape), last) for v in idx], axis=rank)
+    xv = t.value(x)
+    k = len(axes)
+    perm = axes + [i for i in range(x.dim()) if i not in axes]
+    moved = perm != list(range(x.dim()))
+    if moved:
+        xv = t.emit("Transpose", xv, perm=perm)
+    # Where torch's selection has the broadcast dims: after the full slices before the first index
+    # tensor when the index tensors are adjacent (ints dropped first), else in front.
+    kept = [e for e in entries if e.kind != "int"]
+    tpos = [i for i, e in enumerate(kept) if e.kind == "tensor"]
+    lead = tpos[0] if tpos == list(range(tpos[0], tpos[0] + len(tpos))) else 0
+    pieces = ([t.emit("Shape", xv, start=k, end=k + lead)] if lead else []) + [shape]
+    if k + lead < x.dim():
+        pieces.append(t.emit("Shape", xv, start=k + lead))
+    selection = t.emit("Concat", *pieces, axis=0) if len(pieces) > 1 else shape
+    total = rank + x.dim() - k
+    updates = t.emit("Expand", fit_value(t, x, value, total), selection)
+    if lead:
+        updates = t.emit("Transpose", updates, perm=list(range(lead, lead + rank)) + list(range(lead))
+                         + list(range(lead + rank, total)))
+    out = t.emit("ScatterND", xv, grid, updates, reduction="add" if accumulate else "none")
+    if moved:
+        out = t.emit("Transpose", out, perm=[perm.index(i) for i in range(x.dim())])
+    return out
+
+
 # ---------------------------------------------------------------------------- the mappings
 def assign(t, x: torch.Tensor, index: Any, value: Any, accumulate: bool = False):
     items = index if isinstance(index, tuple) else (index,)
@@ -148,8 +202,7 @@ def assign(t, x: torch.Tensor, index: Any, value: Any, accumulate: bool = False)
     if any(e.kind == "none" for e in entries):
         raise UnsupportedOpError(f"{t.where()}: writing through an index with None is not supported")
     if len(tensors) > 1 or (tensors and tensors[0].dim() != 1):
-        raise UnsupportedOpError(f"{t.where()}: writing through several or multi-dimensional tensor indices "
-                                 "is not supported; kiln supports one 1-D index tensor")
+        return assign_advanced(t, x, entries, value, accumulate)
     return assign_indexed(t, x, entries, value, accumulate)
 
 

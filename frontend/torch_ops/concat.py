@@ -106,7 +106,17 @@ def tensor_split(t, res, input, indices_or_sections=None, dim=0, *, indices=None
     if isinstance(indices_or_sections, torch.Tensor):
         raise UnsupportedOpError(f"{t.where()}: 'tensor_split' by a tensor of indices is not supported; "
                                  "pass a Python int or list")
-    return split_like_result(t, "tensor_split", res, input, norm_dim(dim, input.dim()))
+    d = norm_dim(dim, input.dim())
+    if isinstance(indices_or_sections, (list, tuple)) and not is_static(t, input, d):
+        # Split points on a symbolic dim: pieces x[:i0], x[i0:i1], ..., x[ik:] (Python slice rules,
+        # negative points included), which do not depend on the dim's size.
+        from kiln.frontend.torch_ops.indexing import END
+
+        bounds = [0, *indices_or_sections, END]
+        v, axis = t.value(input), axes_value(t, [d])
+        return tuple(t.emit("Slice", v, t.shape_value([a]), t.shape_value([b]), axis)
+                     for a, b in zip(bounds, bounds[1:]))
+    return split_like_result(t, "tensor_split", res, input, d)
 
 
 def _directional(name: str, dim_for_rank, *funcs):

@@ -1,5 +1,5 @@
 """Convolution and pooling layers (conv*, conv_transpose*, max/avg pools and their adaptive forms),
-F.pad and pixel shuffles (resizing: resize.py).
+F.pad, pixel shuffles and F.unfold (resizing: resize.py).
 
 Normalizations and embeddings live in norm.py; attention in attention.py. torch's conv/pool
 also take unbatched [C, *spatial] inputs: those gain a batch dim of 1 for the IR op and lose it.
@@ -335,3 +335,25 @@ def pixel_unshuffle(t, res, input, downscale_factor):
     perm = list(range(k)) + [k, k + 2, k + 4, k + 1, k + 3]
     moved = t.emit("Transpose", split, perm=perm)
     return t.emit("Reshape", moved, t.shape_value(lead + [c * (r * r), h // r, w // r]))
+
+
+# ---------------------------------------------------------------------------- unfold (im2col)
+@maps(torch._C._nn.im2col)
+def im2col(t, res, input, kernel_size, dilation, padding, stride):
+    """F.unfold / nn.Unfold: every kernel tap of every channel as a row. A grouped Conv with one
+    group per channel and a one-hot filter per tap computes exactly that, in torch's row order
+    (channel, then tap row, then tap column), with torch's padding, stride and dilation."""
+    kh, kw = ntuple(kernel_size, 2)
+    c = input.shape[-3]
+    shape = t.value(input).type.shape
+    if shape is None or not isinstance(shape[-3], int):
+        raise UnsupportedOpError(f"{t.where()}: F.unfold of a tensor whose channel dim is symbolic is not supported")
+    dt = kiln_dtype(res.dtype)
+    taps = np.eye(kh * kw, dtype=dt.numpy).reshape(kh * kw, 1, kh, kw)
+    weight = t.constant(np.ascontiguousarray(np.tile(taps, (c, 1, 1, 1))), "unfold_taps")
+    x, added = batched(t, input, 2, dt)
+    pads = ntuple(padding, 2)
+    y = t.emit("Conv", x, weight, kernel_shape=[kh, kw], strides=ntuple(stride, 2), dilations=ntuple(dilation, 2),
+               pads=pads + pads, group=int(c))
+    y = t.emit("Reshape", y, t.shape_value([0, c * kh * kw, -1]))
+    return unbatched(t, y, added)

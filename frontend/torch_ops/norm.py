@@ -1,4 +1,5 @@
-"""Normalization layers (batch, layer, group, instance, RMS norm, F.normalize) and embeddings.
+"""Normalization layers (batch, layer, group, instance, RMS norm, F.normalize, weight norm) and
+embeddings.
 
 Traces are inference: batch norm uses its running statistics. Missing affine weights/biases
 become ones/zeros constants of the normalized shape (static in every torch layer).
@@ -163,6 +164,16 @@ def normalize(t, res, input, p=2.0, dim=1, eps=1e-12, out=None):
     x = t.value(input)
     denom = t.emit("Max", _norm(t, x, float(p), dim), t.scalar(float(eps), x.type.dtype))
     return t.emit("Div", x, denom)
+
+
+@maps(torch._weight_norm)
+def weight_norm(t, res, v, g, dim=0):
+    """nn.utils.weight_norm / parametrizations.weight_norm: v * g / ||v||, the norm over every dim
+    but ``dim`` (over all of v when dim is -1), as torch's norm_except_dim."""
+    x = t.value(v)
+    axes = list(range(v.dim())) if dim == -1 else [i for i in range(v.dim()) if i != dim % v.dim()]
+    norm = t.emit("ReduceL2", x, _axes(t, axes), keepdims=1) if axes else t.emit("Abs", x)
+    return t.emit("Mul", x, t.emit("Div", t.value(g), norm))
 
 
 # ---------------------------------------------------------------------------- embeddings

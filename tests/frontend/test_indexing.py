@@ -163,8 +163,28 @@ def test_writing_the_base_makes_views_stale():
         kiln.trace(f, X, check=False)
 
 
+def test_setitem_through_several_index_tensors():
+    """transformers' wav2vec2: mask[(torch.arange(b), lengths - 1)] = 1, with lengths from the inputs."""
+    def f(x, lengths):
+        mask = torch.zeros(x.size(0), x.size(2), dtype=x.dtype)
+        mask[(torch.arange(x.size(0)), lengths - 1)] = 1
+        y = x.clone()
+        y[:, torch.tensor([[0], [2]]), torch.tensor([1, 3])] = -5.0  # broadcast 2x1 with 2: four places each
+        y[:, torch.tensor([1, 2]), torch.tensor([3, -1])] += 1.0  # accumulated, a negative index
+        z = x.clone()
+        z[torch.arange(x.size(0)), 1] = x[:, 0] * 2  # an int beside a tensor, a tensor value on the leading axes
+        z[1, :, torch.tensor([0, 3])] = x[0, :, 1:3] - 1  # torch drops the int first: the (3, 2) selection
+        z[:, torch.tensor([[2], [0]]), :] = x[:, 1:3, None, :] * 3  # one 2-D index tensor, in the middle
+        w = x.clone().index_put((torch.tensor([0, 0]), torch.tensor([1, 1])), torch.tensor(1.0), accumulate=True)
+        return mask.flip(-1).cumsum(-1).flip(-1) * x[:, 0], y, z, w
+
+    check_traced(f, (X, torch.tensor([4, 1])), dynamic_batch=True,
+                 other_inputs=[(torch.randn(3, 3, 4), torch.tensor([2, 3, 1])), (torch.randn(2, 3, 4), torch.tensor([1, 1]))])
+
+
 @pytest.mark.parametrize("fn, match", [
-    (_write(torch.tensor([[0, 1]]), 1.0), "several or multi-dimensional tensor indices"),
+    (_write((torch.tensor([0, 1]), slice(1, 3), torch.tensor([1, 2])), 1.0), "combined with a partial slice"),
+
     (_write((None, 0), 1.0), "index with None"),
     (_write(X > 0, torch.ones(int((X > 0).sum()))), "one row per True element"),
 ])

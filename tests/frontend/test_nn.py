@@ -168,3 +168,14 @@ def test_pixel_shuffle_and_unshuffle():
     check_traced(lambda x: F.pixel_shuffle(x, 3), (_r(18, 2, 2),))
     check_traced(lambda x: F.pixel_unshuffle(x, 2), (_r(2, 3, 2, 4, 6),),
                  dynamic={"x": {0: "batch", 3: "h"}}, other_inputs=[(_r(1, 3, 2, 6, 6),)])
+
+
+# ---------------------------------------------------------------------------- unfold (im2col)
+@pytest.mark.parametrize("kwargs", [
+    {"kernel_size": 3}, {"kernel_size": (9, 1), "padding": (4, 0)}, {"kernel_size": 2, "stride": 2},
+    {"kernel_size": (2, 3), "dilation": (2, 1), "padding": 1, "stride": (1, 2)},
+])
+def test_unfold(kwargs):
+    """F.unfold / nn.Unfold (torch._C._nn.im2col): transformers' ConvBERT unfolds with a (9, 1) kernel."""
+    _check_batches(nn.Unfold(**kwargs), (3, 7, 6))
+    check_traced(lambda x: F.unfold(x, **kwargs), (_r(3, 7, 6),))  # unbatched [C, H, W]

@@ -148,3 +148,18 @@ def test_embedding_max_norm_is_unsupported():
     emb = nn.Embedding(10, 4, max_norm=1.0).eval()
     with pytest.raises(UnsupportedOpError, match="max_norm"):
         kiln.trace(emb, torch.randint(0, 10, (2, 3)), check=False)
+
+
+@pytest.mark.parametrize("dim", [0, 2, -1])
+def test_weight_norm(dim):
+    """torch._weight_norm, as nn.utils.parametrizations.weight_norm computes the weight (transformers'
+    wav2vec2 / HuBERT positional conv: dim=2)."""
+    conv = nn.Conv1d(4, 6, 5, padding=2, groups=2)
+    with torch.no_grad():
+        conv.weight.mul_(3.0)
+    m = nn.utils.parametrizations.weight_norm(conv, dim=None if dim == -1 else dim)
+    with torch.no_grad():
+        m.parametrizations.weight.original0.uniform_(0.5, 2.0)  # g away from ||v||: the division shows
+    _check_batches(m, (4, 9))
+    g = {0: torch.rand(6, 1, 1), 2: torch.rand(1, 1, 5), -1: torch.rand(())}[dim] + 0.5
+    check_traced(lambda v, g: torch._weight_norm(v, g, dim), (_r(6, 2, 5), g))

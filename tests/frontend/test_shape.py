@@ -191,7 +191,9 @@ def test_split_family(fn):
     dyn(fn)
 
 
-@pytest.mark.parametrize("fn", [lambda x: x.chunk(2, 0), lambda x: x.split([x.size(0) // 2, x.size(0) // 2])])
+@pytest.mark.parametrize("fn", [lambda x: x.chunk(2, 0), lambda x: x.split([x.size(0) // 2, x.size(0) // 2]),
+                                lambda x: torch.tensor_split(x, indices=(1,), dim=0),
+                                lambda x: x.tensor_split([1, -1, x.size(0)], 0)])
 def test_split_a_symbolic_dim(fn):
     others = [(torch.randn(6, 3),), (torch.randn(2, 3),)]
     check_traced(fn, (torch.randn(4, 3),), dynamic_batch=True, other_inputs=others)
