@@ -186,6 +186,8 @@ class Worker:
         self.record["params"] = sum(p.numel() for p in self.model.parameters())
         self.sets = ["example", "batch", *(["pad"] if case.has_mask else []), "latency"]
         self.inputs = {s: case.inputs(s) for s in self.sets}
+        self.dynamic = dict(case.dynamic)
+        self._name_single_input()
         self.names = list(self.inputs["example"])
         self._phase("torch eager")
         with torch.no_grad():
@@ -213,6 +215,19 @@ class Worker:
         self.save(self.record)
         return self.record
 
+    def _name_single_input(self) -> None:
+        """A one-input model gets its input under its forward's own parameter name (torchvision's
+        LRASPP calls it ``input``, the others ``x``)."""
+        import inspect
+
+        (name,) = self.inputs["example"] if len(self.inputs["example"]) == 1 else (None,)
+        params = list(inspect.signature(self.model.forward).parameters)
+        if name is None or name in params or not params:
+            return
+        new = params[0]
+        self.inputs = {s: {new: v[name]} for s, v in self.inputs.items()}
+        self.dynamic = {new if k == name else k: d for k, d in self.dynamic.items()}
+
     def _sets_result(self, run: Callable[[str], list]) -> dict:
         """Run on every input set and compare with torch: ok, WRONG (first set that differs) or
         refused (it raised)."""
@@ -239,7 +254,7 @@ class Worker:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", kiln.TraceWarning)
             try:
-                self.graph = kiln.trace(self.model, self.inputs["example"], dynamic=self.case.dynamic)
+                self.graph = kiln.trace(self.model, self.inputs["example"], dynamic=self.dynamic)
                 res: dict = {"status": "ok", "nodes": len(self.graph.nodes)}
             except Exception as e:  # noqa: BLE001
                 res = {"status": "refused", "error": err_text(e, 600), "error_class": type(e).__name__,
@@ -262,7 +277,7 @@ class Worker:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                graph = kiln.trace(self.model, self.inputs["example"], dynamic=self.case.dynamic, check=False)
+                graph = kiln.trace(self.model, self.inputs["example"], dynamic=self.dynamic, check=False)
             prog = kiln.load(graph)
             diffs = {s: compare(prog.run({n: to_numpy(v) for n, v in self.inputs[s].items()}, as_list=True),
                                 self.want[s]) for s in self.sets}
@@ -346,7 +361,7 @@ class Worker:
 
         def export(path: Path) -> None:
             torch.onnx.export(self._wrapper(), self._example_args(), str(path), dynamo=False,
-                              input_names=self.names, dynamic_axes={n: dict(d) for n, d in self.case.dynamic.items()})
+                              input_names=self.names, dynamic_axes={n: dict(d) for n, d in self.dynamic.items()})
         self._peer("onnx_ts", export)
 
     def col_onnx_dynamo(self) -> None:
@@ -354,7 +369,7 @@ class Worker:
         from torch.export import Dim
 
         def export(path: Path) -> None:
-            shapes = {n: {d: Dim.DYNAMIC for d in self.case.dynamic.get(n, {})} for n in self.names}
+            shapes = {n: {d: Dim.DYNAMIC for d in self.dynamic.get(n, {})} for n in self.names}
             prog = torch.onnx.export(self._wrapper(), self._example_args(), dynamo=True, dynamic_shapes=shapes)
             prog.save(str(path))
         self._peer("onnx_dynamo", export)
@@ -568,7 +583,9 @@ class Job:
         return rec
 
 
-def run_suite(cases: list, args) -> list[dict]:
+def run_suite(cases: list, args, partial: Optional[Path] = None) -> list[dict]:
+    """Run every case in its own subprocess, ``args.jobs`` at once; each finished row is also
+    appended to ``partial`` (if given), so a long run can be read while it goes."""
     logdir = Path(args.logs)
     logdir.mkdir(parents=True, exist_ok=True)
     pending = list(cases)
@@ -584,6 +601,9 @@ def run_suite(cases: list, args) -> list[dict]:
                 running.remove(job)
                 rec = job.result(args)
                 done.append(rec)
+                if partial is not None:
+                    with open(partial, "a") as f:
+                        f.write(json.dumps(rec, sort_keys=True) + "\n")
                 print(f"[{len(done)}/{n}] {progress_line(rec)}", flush=True)
     return done
 
@@ -977,7 +997,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"{len(cases)} models, columns {', '.join(args.column_list)}, --jobs {args.jobs}, logs in {args.logs}",
           flush=True)
     t0 = time.time()
-    rows = run_suite(cases, args)
+    partial = Path(tempfile.gettempdir()) / "kiln-suite-partial.jsonl"
+    partial.unlink(missing_ok=True)
+    print(f"rows are appended to {partial} as they finish", flush=True)
+    rows = run_suite(cases, args, partial)
     wall = time.time() - t0
     print(f"wall time {wall / 60:.1f} min")
     if out is not None:
