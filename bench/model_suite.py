@@ -647,6 +647,10 @@ def machine_line(wall: Optional[float], jobs: int) -> str:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                 text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.splitlines()
+        if dirty:
+            commit += f" + {len(dirty)} uncommitted files"
     except OSError:
         commit = "?"
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -664,7 +668,31 @@ BLOCKERS = (  # (pattern in the cause, what it waits for): the other engineers' 
     (re.compile(r"upsample|interpolate|grid_sampler|Resize", re.I), "Resize (another engineer)"),
     (re.compile(r"lstm|gru|rnn_tanh|rnn_relu|_VF\.|torch\.rnn", re.I), "recurrent layers (another engineer)"),
     (re.compile(r"redispatch hook|torch \d+\.\d+ lacks", re.I), "torch versions: tracer _redispatch (another engineer)"),
-    (re.compile(r"TraceCheckError|TraceWarning|data-dependent|guard", re.I), "guards / trace check (another engineer)"),
+    (re.compile(r"TraceCheckError|TraceWarning|data-dependent|Guard", re.I), "guards / trace check (another engineer)"),
+)
+
+# Causes found by reading the failures (bench/COVERAGE.md explains each): (pattern in the error,
+# the cause in words, what it waits for). Checked before the generic grouping.
+KNOWN_CAUSES = (
+    (re.compile(r"has no attribute 'get_seq_length'"),
+     "kiln.trace binds a dict of example inputs by position (frontend/trace.py `_record`: `model(*tensors)`): "
+     "attention_mask lands in the parameter before it (past_key_values)",
+     "trace.py: dict inputs bound by position (another engineer's file)"),
+    (re.compile(r"shares memory with one (filled|written) in place"),
+     "an in-place write through a view (torchvision Swin-V2: `qkv_bias[n:2n].zero_()` on a clone)",
+     "tracer.py: writes through views"),
+    (re.compile(r"ceil\(\): argument 'input'"),
+     "`torch.jit.is_tracing()` answers True under kiln.trace, so transformers takes its jit-only branch and calls "
+     "`torch.ceil` on a Python float (MobileViT)",
+     "guards / trace check (another engineer)"),
+    (re.compile(r"'unbind' of dim \d+, which is symbolic"),
+     "symbolic shape inference loses static dims: a Reshape to sizes computed from a lost batch symbol comes out "
+     "all-unknown, so a later unbind of its static dim 0 (size 3) is refused (timm Hiera)",
+     "kiln IR shape inference"),
+    (re.compile(r"memory: over .* during kiln_trace"),
+     "kiln's trace check runs the reference evaluator (ir/evaluator.py keeps every intermediate) at several batch "
+     "sizes: over the memory cap on 16x224x224 video transformers",
+     "guards / trace check (another engineer)"),
 )
 
 
@@ -672,6 +700,9 @@ def kiln_cause(res: dict) -> tuple[str, str]:
     """(root cause, what it is blocked on) of one kiln refusal."""
     err = res.get("error", "")
     cls = err.split(":", 1)[0]
+    for pat, cause, owner in KNOWN_CAUSES:
+        if pat.search(err):
+            return cause, owner
     m = _UNSUPPORTED.search(err)
     if m:
         cause = f"unsupported op `{m.group(1)}`"
@@ -680,7 +711,8 @@ def kiln_cause(res: dict) -> tuple[str, str]:
     elif cls == "TraceCheckError":
         diag = res.get("diagnosis", "")
         kind = ("false alarm (float32 tolerance)" if diag.startswith("false alarm") else
-                "the graph really differs" if diag.startswith("real") else "undiagnosed")
+                "the graph really differs (a value baked without a guard)" if diag.startswith("real") else
+                "undiagnosed")
         cause = f"TraceCheckError: {kind}"
     else:
         msg = err.split(":", 1)[1].strip() if ":" in err else err
@@ -693,7 +725,9 @@ def kiln_cause(res: dict) -> tuple[str, str]:
             return cause, owner
     if m:
         return cause, "missing mapping in kiln/frontend/torch_ops/"
-    return cause, "kiln"
+    if res.get("where", "").startswith("frontend/torch_ops/"):
+        return cause, f"a mapping in kiln/frontend/torch_ops/ ({res['where']})"
+    return cause, "kiln" + (f" ({res['where']})" if res.get("where") else "")
 
 
 def kiln_outcome(rec: dict) -> tuple[str, Optional[dict]]:
@@ -800,6 +834,12 @@ def write_coverage(rows: list[dict], path: Path, wall: Optional[float], jobs: in
     L.append("Goals (issue 15):")
     L.append(f"- kiln traces and matches more models than any peer column: kiln {e2e['ok']}, best peer "
              f"{COLUMN_TITLES[best]} {peers[best]}: " + ("met" if e2e["ok"] > peers[best] else "**not met**"))
+    kiln_ok = {r["model"] for r in rows if kiln_outcome(r)[0] == "ok"}
+    for col in COLUMN_GROUPS["peers"]:
+        only = sorted(r["model"] for r in rows if r["columns"].get(col, {}).get("status") == "ok"
+                      and r["model"] not in kiln_ok)
+        if only:
+            L.append(f"  - {COLUMN_TITLES[col]} handles {len(only)} that kiln does not: {', '.join(only)}")
     L.append(f"- 0 silent wrong answers from kiln: {len(kiln_wrong)}" + (" (" + ", ".join(kiln_wrong) + ")" if
                                                                           kiln_wrong else "") +
              (": met" if not kiln_wrong else ": **not met**"))
@@ -809,7 +849,9 @@ def write_coverage(rows: list[dict], path: Path, wall: Optional[float], jobs: in
     for r in rows:
         for col in COLUMN_GROUPS["kiln"]:
             res = r["columns"].get(col)
-            if res is None or res["status"] != "refused" or res.get("skipped"):
+            if res is None or res.get("skipped") or res["status"] not in ("refused", "stopped"):
+                continue
+            if res["status"] == "stopped" and res.get("error", "").startswith("not reached"):
                 continue
             cause, owner = kiln_cause(res)
             slot = causes.setdefault(cause, {"owner": owner, "models": [], "example": res.get("error", ""),
@@ -849,8 +891,15 @@ def write_coverage(rows: list[dict], path: Path, wall: Optional[float], jobs: in
     warned = [(r["model"], r["columns"]["kiln_trace"]) for r in rows
               if r["columns"].get("kiln_trace", {}).get("trace_warnings")]
     if warned:
-        L.append("kiln traces that gave TraceWarnings (data-dependent reads baked into the graph): " +
-                 "; ".join(f"{m} ({c['trace_warnings']}: {c['first_warning'][:140]})" for m, c in warned) + ".")
+        by_line: dict[str, list] = {}
+        for m, c in warned:
+            src = re.search(r"\(([^()]*:\d+)\)", c["first_warning"])
+            kind = c["first_warning"].split("): ", 1)[-1].split(";")[0]
+            by_line.setdefault(f"{src.group(1) if src else '?'}: {kind}", []).append(m)
+        L.append(f"{len(warned)} kiln traces gave TraceWarnings (a value read from the inputs' data or sizes in "
+                 "Python, baked into the trace and checked at run time by a kiln.Guard); by the first warning's "
+                 "line: " + "; ".join(f"`{k}` ({len(v)}: {', '.join(v[:6])}{', …' if len(v) > 6 else ''})"
+                                      for k, v in sorted(by_line.items(), key=lambda kv: -len(kv[1]))) + ".")
         L.append("")
     # -- peers' wrong answers
     L.append("## Peers' silent wrong answers")
