@@ -257,9 +257,8 @@ class Dev:
 
 # ---------------------------------------------------------------------------- helpers
 def _graph_pool(entry):
-    """The private memory pool of a CudaProgram graph entry (its last field, or the first item of it)."""
-    keep = entry[4]
-    return keep[0] if isinstance(keep, tuple) else keep
+    """The private memory pool of a CudaProgram graph entry (the first item it keeps alive)."""
+    return entry._keep[0]
 
 
 def rel_err(got: np.ndarray, want: np.ndarray) -> dict:

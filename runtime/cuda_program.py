@@ -271,7 +271,7 @@ class CudaProgram:
             outs = self._run_graph(arrays)
         if outs is None:
             outs = self._run_eager([a if isinstance(a, cp.ndarray) else cp.asarray(a) for a in arrays])
-        outs = [self._output(o) for o in outs]
+            outs = [self._output(o) for o in outs]
         return outs if as_list else dict(zip((o.name for o in self.outputs), outs))
 
     __call__ = run
@@ -299,25 +299,29 @@ class CudaProgram:
         return [g if isinstance(g, cp.ndarray) else c for g, c in zip(ordered, checked)]
 
     def _run_eager(self, arrays: list) -> list:
-        outs, guards = self._execute(arrays)
-        if guards:
-            _raise_failed_guard([g for g, _ in guards], cp.stack([r for _, r in guards]).get())
+        outs, records = self._execute(arrays)
+        records.raise_first_failure()
         return outs
 
-    def _execute(self, arrays: list) -> tuple:
-        """(outputs, [(DeviceGuard, record)] of the guards that ran on the device), unchecked."""
+    def _execute(self, arrays: list, records: Optional["_GuardRecords"] = None) -> tuple:
+        """(outputs, the run's _GuardRecords), unchecked. ``records`` where the guards write
+        (the default: fresh device records, for an eager run)."""
         slots = list(self._template)
         for s, a in zip(self.plan.input_slots, arrays):
             slots[s] = a
+        records = records or _GuardRecords(mapped=False)
+        slots[self._guard_slot] = records
         try:
             execute(self.plan, slots)
         except KilnError:
             raise
         except Exception as e:  # noqa: BLE001 - re-raised naming the node
             raise _execution_error(self.plan, slots, e) from e
-        return [slots[s] for s in self.plan.output_slots], slots[self._guard_slot] or []
+        return [slots[s] for s in self.plan.output_slots], records
 
     def _run_graph(self, arrays: list) -> Optional[list]:
+        """The outputs (as ``run`` returns them) of a replay of the signature's graph, captured
+        first if need be; None where this signature cannot be captured."""
         sig = tuple((a.shape, a.dtype.str) for a in arrays)
         if sig in self.graph_failures:
             return None
@@ -332,24 +336,45 @@ class CudaProgram:
                     self._graphs.popitem(last=False)
             else:
                 self._graphs.move_to_end(sig)
-            graph, stream, in_bufs, outs, (guards, records), _keep = entry
             caller = cp.cuda.get_current_stream()
+            stream, records = entry.stream, entry.records
             # The inputs are copied in on the graph's stream after the caller's pending work.
             stream.wait_event(caller.record())
             with stream:
-                for buf, a in zip(in_bufs, arrays):
+                for buf, a in zip(entry.in_bufs, arrays):
                     if isinstance(a, cp.ndarray):
                         cp.copyto(buf, a)
                     else:
                         buf.set(np.ascontiguousarray(a), stream=stream)
-                graph.launch(stream)
-                # The guard records too are rewritten by the next replay: copied before the lock goes.
-                records = records.copy() if records is not None else None
-            caller.wait_event(stream.record())
-            # The graph's buffers are rewritten by the next replay: the caller gets copies.
-            result = [o.copy() if isinstance(o, cp.ndarray) else o for o in outs]
-        if records is not None:
-            _raise_failed_guard(guards, records.get())
+                entry.graph.launch(stream)
+                if self.output == "numpy":
+                    # Outputs go to page-locked host buffers on the graph's stream: one wait for
+                    # the whole run (a second wait cost 40-90 us on an H100 machine).
+                    host = entry.host_outputs()
+                    for o, h in zip(entry.outs, host):
+                        if h is not None:
+                            cp.cuda.runtime.memcpyAsync(h.ctypes.data, o.data.ptr, o.nbytes,
+                                                        cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+            failure = None
+            if self.output == "numpy":
+                _wait(stream.record())
+                if records.entries:
+                    failure = records.first_failure()
+                # The buffers are rewritten by the next replay: the caller gets copies.
+                result = [h.copy() if h is not None else (o.get() if isinstance(o, cp.ndarray) else np.array(o))
+                          for o, h in zip(entry.outs, host)]
+            else:
+                caller.wait_event(stream.record())
+                result = [o.copy() if isinstance(o, cp.ndarray) else cp.asarray(o) for o in entry.outs]
+                if records.entries:
+                    # The guards wrote their records straight into page-locked host memory, which
+                    # the next replay rewrites: read them once this replay is done, before the
+                    # lock goes. (A caller wanting the outputs on the device must wait here: a
+                    # guard decides whether there are outputs at all.)
+                    _wait(caller.record())
+                    failure = records.first_failure()
+        if failure is not None:
+            failure()
         return result
 
     def _capture(self, arrays: list, sig: tuple):
@@ -366,15 +391,12 @@ class CudaProgram:
                 # Warm-up: compiles kernels, fills caches and the private pool with the blocks
                 # the captured run will take (so nothing is cudaMalloc'd during the capture).
                 # Its guards are not read: the replay that follows checks them.
-                _, warm = self._execute(in_bufs)
-                if warm:
-                    cp.stack([r for _, r in warm])
+                self._execute(in_bufs)
                 stream.synchronize()
+                records = _GuardRecords(mapped=True)
                 stream.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
                 try:
-                    outs, guards = self._execute(in_bufs)
-                    # One array of every guard's record, stacked inside the graph: one read per replay.
-                    records = cp.stack([r for _, r in guards]) if guards else None
+                    outs, _ = self._execute(in_bufs, records)
                 finally:
                     graph = stream.end_capture()
             stream.synchronize()
@@ -383,7 +405,7 @@ class CudaProgram:
             return None
         # The library workspaces the graph points at live as long as the graph.
         from kiln.runtime.kernels.cuda import cudnn
-        return graph, stream, in_bufs, outs, ([g for g, _ in guards], records), (pool, cudnn.pinned(stream))
+        return _Captured(graph, stream, in_bufs, outs, records, (pool, cudnn.pinned(stream)))
 
     def captured_graphs(self) -> int:
         return len(self._graphs)
@@ -407,26 +429,85 @@ def _is_fallback(k) -> bool:
 
 
 def _guard_kernel(attrs: dict, guard_slot: int):
-    """A kiln.Guard: a host input is checked at once; a device input gets a record the program
-    reads after the run (runtime/kernels/cuda/guard.py), kept in the run's guard slot."""
+    """A kiln.Guard: a host input is checked at once; a device input is checked by a kernel that
+    writes a record where the run's _GuardRecords (in the guard slot) says."""
     from kiln.runtime.kernels.cuda.guard import DeviceGuard
     check = DeviceGuard(attrs)
 
     def run_guard(slots: list, x) -> tuple:
-        record = check.launch(x)
-        if record is not None:
-            if slots[guard_slot] is None:
-                slots[guard_slot] = []
-            slots[guard_slot].append((check, record))
+        check.launch(x, slots[guard_slot])
         return ()
     run_guard.with_slots = True
     return run_guard
 
 
-def _raise_failed_guard(guards: list, records: np.ndarray) -> None:
-    """Raise the first failed guard of a run (in graph order) from its fetched records."""
-    for g, row in zip(guards, records):
-        g.raise_if_failed(row)
+def _wait(event) -> None:
+    """Wait for ``event`` (the end of a replay) by polling it, as torch's default sync does."""
+    while not event.done:
+        pass
+
+
+class _Captured:
+    """One signature's CUDA graph and what it reads and writes (see ``CudaProgram._capture``)."""
+
+    def __init__(self, graph, stream, in_bufs: list, outs: list, records: "_GuardRecords", keep: tuple):
+        self.graph, self.stream, self.in_bufs, self.outs, self.records = graph, stream, in_bufs, outs, records
+        self._keep = keep  # library workspaces and the private pool the graph points into
+        self._host: Optional[list] = None
+
+    def host_outputs(self) -> list:
+        """Page-locked host arrays, one per contiguous device output (None for the others)."""
+        if self._host is None:
+            self._host = []
+            for o in self.outs:
+                if isinstance(o, cp.ndarray) and o.flags.c_contiguous and o.nbytes:
+                    mem = cp.cuda.alloc_pinned_memory(o.nbytes)
+                    self._host.append(np.frombuffer(mem, o.dtype, o.size).reshape(o.shape))
+                else:
+                    self._host.append(None)
+        return self._host
+
+
+class _GuardRecords:
+    """Where one run's device guards write their records (runtime/kernels/cuda/guard.py).
+
+    Eager runs: device arrays, stacked and read once after the run. Captured graphs
+    (``mapped``): page-locked host memory the guard kernels write directly (the device reaches
+    it at the same address, unified addressing), so a replay needs no copy node and no copy
+    call: only the wait for the replay, then a read."""
+
+    def __init__(self, mapped: bool):
+        self.mapped = mapped
+        self.entries: list = []  # (DeviceGuard, device view of the record, host view or None)
+
+    def new(self, check) -> "cp.ndarray":
+        if not self.mapped:
+            dev = cp.empty(3, np.float64)
+            self.entries.append((check, dev, None))
+            return dev
+        mem = cp.cuda.alloc_pinned_memory(3 * 8)
+        host = np.frombuffer(mem, np.float64, 3)
+        ptr = cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(host.ctypes.data, 3 * 8, mem, cp.cuda.Device().id), 0)
+        dev = cp.ndarray((3,), np.float64, ptr)
+        self.entries.append((check, dev, host))
+        return dev
+
+    def _rows(self) -> list:
+        if self.mapped:
+            return [h.copy() for _, _, h in self.entries]
+        return list(cp.stack([d for _, d, _ in self.entries]).get()) if self.entries else []
+
+    def first_failure(self):
+        """A function raising the first failed guard (graph order), or None; reads the records."""
+        for (check, _, _), row in zip(self.entries, self._rows()):
+            if row[0] != 0:
+                return lambda check=check, row=row: check.raise_if_failed(row)
+        return None
+
+    def raise_first_failure(self) -> None:
+        failure = self.first_failure()
+        if failure is not None:
+            failure()
 
 
 def _host_kernel(k):

@@ -4,11 +4,11 @@ A guard's input usually lives on the device (``bool(mask.all())``, a scalar comp
 model). Copying it to the host at the guard would stall the stream there and, worse, could not
 be captured into a CUDA graph. So a guard is one small kernel that compares the value with the
 expected one on the device and writes a record ``[mismatches, first mismatching index, value
-there]`` (float64) into a buffer of its own; the program (runtime/cuda_program.py) stacks the
-run's records and reads them with the outputs, once per run, and raises the first failed guard
-(:class:`kiln.checks.GuardFailed`, the message every backend gives) before any output is
-returned. Inside a captured graph the kernel is a node like any other: every replay rewrites the
-record, which is read after the replay.
+there]`` (float64); the program (runtime/cuda_program.py) reads the run's records once, after
+the outputs, and raises the first failed guard (:class:`kiln.checks.GuardFailed`, the message
+every backend gives) before any output is returned. In an eager run the records are device
+arrays; inside a captured graph the kernel writes its record straight into page-locked host
+memory, so a replay costs the kernel and a read, no copy.
 
 A guard whose input is a host value (shape arithmetic stays on the host: a symbolic size
 compared in Python) is checked at once on the host, at no cost to the device.
@@ -88,26 +88,26 @@ class DeviceGuard:
                      "code": attrs.get("code", "")}
         self._expected_dev = None
 
-    def launch(self, x):
+    def launch(self, x, records) -> None:
+        """Check ``x``: at once on the host, or by a kernel writing a record ``records.new(self)``
+        gives (runtime/cuda_program.py reads them after the run)."""
         import cupy as cp
 
         if isinstance(x, np.ndarray) or np.isscalar(x):
             checks.check(np.asarray(x), expected=self.expected, read=self.read, rtol=self.rtol, **self.text)
-            return None
+            return
         if self.read == "value" and tuple(x.shape) != self.expected.shape:
             self._fail_shape(x)
         if self.read != "value" and x.size != 1:
             self._fail_shape(x)
         if x.dtype not in _CTYPE:
             checks.check(x.get(), expected=self.expected, read=self.read, rtol=self.rtol, **self.text)
-            return None
+            return
         if self._expected_dev is None:
             self._expected_dev = cp.asarray(self.expected.astype(np.float64).reshape(-1))
         x = cp.ascontiguousarray(x)
-        record = cp.empty(3, np.float64)
         _kernel(x.dtype)((1,), (256,), (x, self._expected_dev, np.int64(x.size), np.int32(_MODES[self.read]),
-                                        np.float64(self.rtol), record))
-        return record
+                                        np.float64(self.rtol), records.new(self)))
 
     def _fail_shape(self, x) -> None:
         raise checks.GuardFailed(checks.message(expected=self.expected, now=None, x=np.empty(x.shape),
@@ -116,9 +116,10 @@ class DeviceGuard:
     def raise_if_failed(self, record: np.ndarray) -> None:
         if record[0] == 0:
             return
-        index, value = int(record[1]), record[2]
+        index, value = int(record[1]), float(record[2])
         if self.read == "value":
-            now = f"{value!r} at flat index {index} (where the trace saw {self.expected.reshape(-1)[index]!r})"
+            was = self.expected.reshape(-1)[index].item()
+            now = f"{type(was)(value)!r} at flat index {index} (where the trace saw {was!r})"
         else:
             now = repr(checks.read_value(np.array(value, self.expected.dtype if self.read == "item" else
                                                   np.float64), self.read).item())

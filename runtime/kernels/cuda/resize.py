@@ -185,6 +185,9 @@ class _Tables:
                               cp.asarray(t.index.astype(np.int32)), cp.asarray(t.weight.astype(acc)),
                               None if outside is None else cp.asarray(outside.astype(np.uint8))))
         self.none = cp.zeros(1, np.uint8)
+        # The direct kernel reads both axes' masks whenever either axis extrapolates: an axis
+        # without one gets zeros of its length (a 1-element stand-in was read out of bounds).
+        self.masks = [cp.zeros(a[2], np.uint8) if a[6] is None else a[6] for a in self.axes] if direct else []
 
 
 def _direct(plan, rank: int) -> bool:
@@ -236,8 +239,7 @@ def _resize_kernel(attrs: dict, dt: np.dtype, constant: bool):
             extrapolate = outh is not None or outw is not None
             LAUNCHES["2d"] += 1
             k2d(*_grid(y.size), (x, y, np.int64(y.size), np.int32(h), np.int32(w), np.int32(oh), np.int32(ow),
-                                 np.int32(th), np.int32(tw), ih, wh, iw, ww,
-                                 t.none if outh is None else outh, t.none if outw is None else outw,
+                                 np.int32(th), np.int32(tw), ih, wh, iw, ww, t.masks[0], t.masks[1],
                                  np.int32(extrapolate), fill))
             return y
         cur = x

@@ -17,7 +17,7 @@ import cupy as cp
 import numpy as np
 
 from kiln.ir.types import normalize_axis
-from kiln.runtime.kernels.cuda import const_input, host, in_dtype, kernel
+from kiln.runtime.kernels.cuda import const_input, host, in_dtype, kernel, reduce_all
 
 # op -> the input positions its reference reads as host parameters.
 _REFERENCE_OPS = {
@@ -67,7 +67,28 @@ def _on_device(out) -> bool:
 
 
 for _op, _host in _REFERENCE_OPS.items():
-    kernel(_op, host=_host)(device_reference)
+    if _op != "ReduceSum":
+        kernel(_op, host=_host)(device_reference)
+
+
+@kernel("ReduceSum", host=(1,))
+def reduce_sum(node, attrs):
+    """A sum over every element in two kernels of our own (reduce_all.py), else the reference."""
+    dt = in_dtype(node)
+    general = device_reference(node, attrs)
+    if not reduce_all.supported("sum", dt):
+        return general
+    from kiln.ir.ops.reduce import _reference_axes
+    keep, noop = attrs["keepdims"], attrs["noop_with_empty_axes"]
+
+    def run(x, axes=None):
+        ax = _reference_axes(x, host(axes), noop)
+        if ax is not None and len(ax) == x.ndim and isinstance(x, cp.ndarray) and x.size:
+            return reduce_all.reduce_all("sum", x, bool(keep))
+        return general(x, axes)
+    run.fallback = False
+    run.inner = general
+    return run
 
 
 @kernel("Shape")
@@ -138,6 +159,7 @@ def _reduce_extreme(largest: bool):
         if dt is None:
             return None
         keep, noop = attrs["keepdims"], attrs["noop_with_empty_axes"]
+        whole = reduce_all.supported("max", dt)  # every element at once: reduce_all.py's kernels
         from kiln.ir.ops.reduce import _reference_axes
 
         def run(x, axes=None):
@@ -149,6 +171,8 @@ def _reduce_extreme(largest: bool):
                     (-np.inf if largest else np.inf)
                 shape = tuple(1 if i in ax else d for i, d in enumerate(x.shape))
                 y = cp.full(shape, fill, dt)
+            elif len(ax) == x.ndim and whole:
+                return reduce_all.reduce_all("max" if largest else "min", x, bool(keep))
             else:
                 y = x.max(axis=ax, keepdims=True) if largest else x.min(axis=ax, keepdims=True)
             return y if keep else cp.squeeze(y, axis=ax)
