@@ -82,8 +82,8 @@ def message(*, expected: np.ndarray, now: Optional[np.ndarray], x: Optional[np.n
     where = location or "an unknown line"
     src = f" `{code}`" if code else ""
     now_text = now_text or describe(now, x)
-    return (f"kiln.Guard failed at {where}{src}: the model read {what} from tensor data while it was traced, "
-            f"which gave {describe(expected)}; this input gives {now_text}. The exported graph holds "
+    return (f"kiln.Guard failed at {where}{src}: {what} gave {describe(expected)} while the model was traced; "
+            f"this input gives {now_text}. The exported graph holds "
             "only for inputs that give the same value there. Export with example inputs that represent what "
             "the model will see, mark the code around that line with @kiln.script so its if/while stays "
             "control flow, or give the input a value range for the export check "

@@ -95,6 +95,7 @@ class Tracer(TorchFunctionMode):
         self.graph = graph
         self.guards = guards  # leave a kiln.Guard where the model reads a Python value from tensor data
         self._guarded: set = set()  # (value, read, expected value): one guard per distinct read
+        self._warned: set = set()  # (source line, what): one TraceWarning per line and kind of read
         self.current = graph
         self.param_names = param_names
         self.module_names = module_names
@@ -323,11 +324,17 @@ class Tracer(TorchFunctionMode):
         self._warn_read(f"'{op_name(func)}' reads a Python value from tensor data")
 
     def _warn_read(self, what: str) -> None:
+        """One TraceWarning per source line and kind of read (a layer repeated 12 times reads at
+        the same line 12 times: one warning says it)."""
         tail = ("a kiln.Guard in the graph refuses inputs that give another value" if self.guards else
                 "guards are off, so the graph may answer wrong for inputs that give another value")
+        frame = self._user_frame()
+        key = (self.source_line(), what)
+        if key in self._warned:
+            return
+        self._warned.add(key)
         msg = f"{self.where()}: {what}; the trace records this example's value and {tail}"
         self.warnings.append(msg)
-        frame = self._user_frame()
         if frame is None:
             warnings.warn(msg, TraceWarning, stacklevel=3)
         else:  # attributed to the model's line, so warning filters and the printed location are the user's

@@ -124,7 +124,7 @@ def test_each_read_is_guarded_and_refuses_other_values(name):
     with pytest.raises(kiln.ExecutionError, match=rf"kiln.Guard failed at .*test_guards.py:\d+ .*{re.escape(what)}") as err:
         _run(graph, *[x.numpy() for x in other])
     assert isinstance(err.value, GuardFailed)
-    assert "while it was traced, which gave" in str(err.value) and "this input gives" in str(err.value)
+    assert "while the model was traced" in str(err.value) and "this input gives" in str(err.value)
 
 
 def test_guard_message_gives_values_and_advice():
@@ -133,7 +133,7 @@ def test_guard_message_gives_values_and_advice():
         _run(graph, np.array([1, 9, 2]))
     msg = str(err.value)
     assert "`return ids * ids.max().item()`" in msg
-    assert "which gave 4; this input gives 9" in msg
+    assert "gave 4 while the model was traced; this input gives 9" in msg
     for advice in ("representative", "@kiln.script", "--input NAME:SHAPE:DTYPE:LOW:HIGH"):
         assert advice in msg or advice.replace("representative", "represent") in msg
 
@@ -173,7 +173,7 @@ def test_symbolic_size_compared_in_python_is_guarded():
     with pytest.warns(kiln.TraceWarning, match="a symbolic size compared with '>'"):
         graph = kiln.trace(fn, (torch.randn(4, 3),), dynamic_batch=True, check=False)
     np.testing.assert_allclose(_run(graph, np.ones((5, 3), np.float32))[0], 2 * np.ones((5, 3)))
-    with pytest.raises(GuardFailed, match=r"symbolic size compared with '>'.*which gave True; this input gives False"):
+    with pytest.raises(GuardFailed, match=r"symbolic size compared with '>' gave True while the model was traced; this input gives False"):
         _run(graph, np.ones((2, 3), np.float32))
 
 
@@ -279,7 +279,7 @@ def test_mobile_stub_runs_guards(tmp_path):
     pack_file(src, dst)
     stub = load_stub(str(dst))
     np.testing.assert_allclose(stub.run(np.array([2.0, -1.0, 1.0], np.float32))[0], [8.0, 0.0, 4.0])
-    with pytest.raises(kiln.ExecutionError, match="kiln.Guard failed at .*test_guards.py.*gave 4.0; this input gives 6.0"):
+    with pytest.raises(kiln.ExecutionError, match="kiln.Guard failed at .*test_guards.py.*gave 4.0 while the model was traced; this input gives 6.0"):
         stub.run(np.array([3.0, 1.0, 1.0], np.float32))
 
 
@@ -444,3 +444,30 @@ def test_a_comparison_of_a_value_with_itself_is_decided():
     g.outputs = [g.op("Relu", x)]
     optimize(g)
     assert not _guards(g) and "Equal" not in {m.op for m in g.walk()}
+
+
+def test_size_guard_the_check_flips_goes_when_the_traced_path_serves_that_size():
+    def expand_rows(x, pos):  # transformers' masking_utils: expand position ids unless batch == 1
+        if x.size(0) != pos.size(0):
+            pos = pos.expand(x.size(0), -1)
+        return x + pos
+
+    x, pos = torch.randn(2, 5), torch.randn(1, 5)
+    with pytest.warns(kiln.TraceWarning, match=r"the check dropped the guard at .*test_guards.py:\d+ .*batch 1"):
+        graph = kiln.trace(expand_rows, (x, pos), dynamic={"x": {0: "batch"}})
+    assert not _guards(graph)
+    for b in (1, 2, 4):
+        xb = torch.randn(b, 5)
+        np.testing.assert_allclose(_run(graph, xb.numpy(), pos.numpy())[0], expand_rows(xb, pos).numpy(), rtol=1e-6)
+
+
+def test_size_guard_stays_and_the_check_fails_where_the_path_matters():
+    def first_or_mean(x):
+        if x.size(0) > 1:
+            return x.mean(0)
+        return x[0] * 2
+
+    with pytest.raises(kiln.TraceCheckError, match=r"refuses fresh random inputs #2 \(batch 1\)"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", kiln.TraceWarning)
+            kiln.trace(first_or_mean, (torch.randn(2, 3),), dynamic_batch=True)

@@ -111,7 +111,7 @@ def test_scalars_take_several_values():
         return torch.arange(6) * int(n)  # baked: right for n == 6 only
 
     n = torch.tensor(6)
-    with pytest.raises(kiln.TraceCheckError, match=r"refuses .*int\(tensor\).*which gave 6; this input gives 13"):
+    with pytest.raises(kiln.TraceCheckError, match=r"refuses .*int\(tensor\).*gave 6 while the model was traced; this input gives 13"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", kiln.TraceWarning)
             kiln.trace(fn, (n,))

@@ -1,4 +1,5 @@
-"""Acceptance: every model of the zoo (tests/zoo.py) traces with no TraceWarning, verifies, and
+"""Acceptance: every model of the zoo (tests/zoo.py) traces with no TraceWarning (but size
+comparisons a library makes on dynamic dims, which are guarded), verifies, and
 matches torch eager on fresh random inputs (fp32, 1e-5) through kiln's reference evaluator: at
 the example sizes, and with the dynamic spec at two other batch sizes / sequence lengths.
 After optimize, the CNNs hold no BatchNormalization, Identity or Dropout; save + load gives
@@ -32,9 +33,15 @@ def traced(name: str, dynamic: bool) -> tuple[Any, Any, dict, kiln.Graph]:
     """The model, its example inputs, its dynamic spec and its graph (traced once per session,
     with check and optimize on, and any TraceWarning turned into an error)."""
     model, inputs, spec = zoo.by_name(name).factory()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", TraceWarning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", TraceWarning)
         graph = kiln.trace(model, inputs, dynamic=spec if dynamic else None)
+    # A library comparing a symbolic size in Python (transformers' `q_length > 1`) is specialized
+    # and guarded, as torch.export specializes sizes 0 and 1; every other read of tensor data is
+    # an error here.
+    reads = [str(w.message) for w in caught if issubclass(w.category, TraceWarning)
+             and not (dynamic and "a symbolic size compared" in str(w.message))]
+    assert not reads, reads
     return model, inputs, spec, graph
 
 

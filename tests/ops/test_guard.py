@@ -37,7 +37,7 @@ def test_reads(read, dtype, expected, good, bad):
     for x in good:
         evaluate(g, [np.asarray(x, dtype)])
     for x in bad:
-        with pytest.raises(GuardFailed, match=r"kiln.Guard failed at f.py:1 `c`: the model read w"):
+        with pytest.raises(GuardFailed, match=r"kiln.Guard failed at f.py:1 `c`: w gave"):
             evaluate(g, [np.asarray(x, dtype)])
 
 

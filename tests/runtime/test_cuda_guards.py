@@ -82,7 +82,7 @@ def test_host_shape_guard_needs_no_device_read():
     infer_shapes(g)
     p = CudaProgram(g, output="numpy")
     p.run([np.ones((4, 3), np.float32)])
-    with pytest.raises(GuardFailed, match="which gave True; this input gives False"):
+    with pytest.raises(GuardFailed, match="gave True while the model was traced; this input gives False"):
         p.run([np.ones((2, 3), np.float32)])
 
 
