@@ -203,8 +203,11 @@ class Worker:
             self.col_kiln_run()
         if "kiln_onnx" in self.columns:
             self.col_kiln_onnx()
+        self.graph = None  # the big models need their memory back for the peers
         if self.do_latency and self.record["columns"].get("kiln_run", {}).get("status") == "ok":
             self.measure_latency(kiln_side=True)
+        self.program = None
+        gc.collect()
         for col in ("onnx_ts", "onnx_dynamo", "jit"):
             if col in self.columns:
                 getattr(self, f"col_{col}")()
@@ -408,6 +411,8 @@ class Worker:
         try:
             if kiln_side:
                 lat["kiln_ms"] = timeit(lambda: self.program.run(arrays), budget)
+                self.program = None  # the largest models cannot hold kiln's weights and ORT's at once
+                gc.collect()
             onnx = self.kiln_onnx_path
             source = "kiln's ONNX export"
             if onnx is None and not kiln_side:
@@ -419,6 +424,7 @@ class Worker:
                 sess = ort_session(onnx)
                 lat["ort_ms"] = timeit(lambda: ort_run(sess, feeds), budget)
                 lat["ort_of"] = source
+                del sess
             if lat.get("eager_ms") is None:
                 def eager() -> None:
                     with torch.inference_mode():
@@ -515,19 +521,27 @@ def _rss_gib(pid: int) -> float:
 
 
 class Job:
-    def __init__(self, case, args, logdir: Path):
+    """One model's subprocess. A second job (``parent`` set) runs the columns the first one did
+    not reach after it was stopped: a model whose kiln trace blows the memory cap still gets its
+    peer columns."""
+
+    def __init__(self, case, args, logdir: Path, columns: Optional[tuple] = None, latency: Optional[bool] = None,
+                 parent: Optional[dict] = None):
         self.case = case
+        self.columns = tuple(columns or args.column_list)
+        self.latency = args.latency if latency is None else latency
+        self.parent = parent
         self.out = Path(tempfile.mkstemp(prefix="suite-", suffix=".json")[1])
         self.out.unlink()
-        self.log = logdir / (case.name.replace("/", "__") + ".log")
+        suffix = ".2.log" if parent else ".log"
+        self.log = logdir / (case.name.replace("/", "__") + suffix)
         self.timeout = max(args.timeout_per_model, case.timeout or 0)
         self.memory = args.memory_gib
         env = dict(os.environ, PYTHONUNBUFFERED="1", **{v: "1" for v in THREAD_VARS})
-        env.pop("CUDA_VISIBLE_DEVICES", None)
         env["CUDA_VISIBLE_DEVICES"] = ""  # the suite is about the CPU
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", case.name, "--worker-out", str(self.out),
-               "--columns", ",".join(args.column_list)]
-        if not args.latency:
+               "--columns", ",".join(self.columns)]
+        if not self.latency:
             cmd.append("--no-latency")
         self.start = time.time()
         self.peak = 0.0
@@ -555,7 +569,7 @@ class Job:
             pass
         self.proc.wait()
 
-    def result(self, args) -> dict:
+    def result(self) -> dict:
         rec: dict = {}
         if self.out.exists():
             rec = json.loads(self.out.read_text())
@@ -576,11 +590,35 @@ class Job:
                 why = f"harness: {rec['harness_error']}"
             rec["stopped"] = why
             phase = rec.get("phase", "build")
-            for col in args.column_list:
+            rec["stopped_phase"] = phase
+            for col in self.columns:
                 if col not in rec["columns"]:
                     rec["columns"][col] = {"status": "stopped", "error": f"{why} (during {phase})"
                                            if col == phase else f"not reached: {why} during {phase}"}
+        if self.parent is not None:
+            merged = self.parent
+            merged["columns"].update({c: rec["columns"][c] for c in self.columns if c in rec["columns"]})
+            for k, v in rec.get("latency", {}).items():
+                merged["latency"].setdefault(k, v)
+            merged["wall_s"] = round(merged["wall_s"] + rec["wall_s"], 1)
+            merged["peak_rss_gib"] = max(merged["peak_rss_gib"], rec["peak_rss_gib"])
+            merged["continued"] = (f"{', '.join(self.columns)} ran in a second process after the first was stopped"
+                                   + (f"; it was stopped too: {rec['stopped']}" if rec.get("stopped") else ""))
+            return merged
         return rec
+
+    def continuation(self, rec: dict, args, logdir: Path) -> Optional["Job"]:
+        """A job for the columns a stopped first job did not reach (not the one it was stopped in)."""
+        if self.parent is not None or not rec.get("stopped") or rec.get("harness_error"):
+            return None
+        left = tuple(c for c in self.columns if rec["columns"][c]["status"] == "stopped"
+                     and rec["columns"][c]["error"].startswith("not reached"))
+        if not left:
+            return None
+        for c in left:
+            del rec["columns"][c]
+        return Job(self.case, args, logdir, columns=left,
+                   latency=self.latency and rec.get("stopped_phase") != "latency", parent=rec)
 
 
 def run_suite(cases: list, args, partial: Optional[Path] = None) -> list[dict]:
@@ -588,18 +626,26 @@ def run_suite(cases: list, args, partial: Optional[Path] = None) -> list[dict]:
     appended to ``partial`` (if given), so a long run can be read while it goes."""
     logdir = Path(args.logs)
     logdir.mkdir(parents=True, exist_ok=True)
-    pending = list(cases)
+    pending: list = list(cases)
     running: list[Job] = []
     done: list[dict] = []
     n = len(cases)
     while pending or running:
         while pending and len(running) < args.jobs:
-            running.append(Job(pending.pop(0), args, logdir))
+            nxt = pending.pop(0)
+            running.append(nxt if isinstance(nxt, Job) else Job(nxt, args, logdir))
         time.sleep(0.25)
         for job in list(running):
             if job.poll():
                 running.remove(job)
-                rec = job.result(args)
+                rec = job.result()
+                again = job.continuation(rec, args, logdir)
+                if again is not None:
+                    pending.insert(0, again)
+                    print(f"      {rec['model']}: stopped ({rec['stopped']} during {rec['stopped_phase']}); "
+                          f"running {', '.join(again.columns)} in a second process", flush=True)
+                    continue
+                rec["run_id"] = args.run_id
                 done.append(rec)
                 if partial is not None:
                     with open(partial, "a") as f:
@@ -781,9 +827,16 @@ def write_coverage(rows: list[dict], path: Path, wall: Optional[float], jobs: in
     rows = sorted(rows, key=lambda r: (order.get(r["family"], 9), r["model"]))
     fams = [f for f in order if any(r["family"] == f for r in rows)]
     L: list[str] = ["# Public model suite: coverage", ""]
-    runs = sorted({r.get("run_at", "?")[:10] for r in rows})
     L.append(f"Produced by `{command}` (bench/model_suite.py; models in bench/suite_models.py); "
-             f"{machine_line(wall, jobs)}." + (f" Rows come from runs on {', '.join(runs)}." if len(runs) > 1 else ""))
+             f"{machine_line(wall, jobs)}.")
+    by_run: dict[str, list] = {}
+    for r in rows:
+        by_run.setdefault(r.get("run_id", "?"), []).append(r["model"])
+    if len(by_run) > 1:
+        main_run = max(by_run, key=lambda k: len(by_run[k]))
+        L.append("")
+        L.append(f"Rows come from {len(by_run)} runs: {len(by_run[main_run])} from `{main_run}`; " + "; ".join(
+            f"{', '.join(ms)} from `{k}`" for k, ms in by_run.items() if k != main_run) + ".")
     L.append("")
     sizes = ", ".join(f"{f} {sum(r['family'] == f for r in rows)}" for f in fams)
     L.append(f"**{len(rows)} models**: {sizes}. Random weights, float32, CPU; no downloads.")
@@ -884,8 +937,10 @@ def write_coverage(rows: list[dict], path: Path, wall: Optional[float], jobs: in
         L.append("None.")
         L.append("")
     if stopped:
-        L.append("Stopped by the harness (timeout or memory cap; counted as stopped, not refused): " +
-                 "; ".join(f"{r['model']} ({r['stopped']})" for r in stopped) + ".")
+        L.append("Stopped by the harness (timeout or memory cap; a column it stopped in counts as stopped, not "
+                 "refused; the columns it had not reached ran in a second process): " +
+                 "; ".join(f"{r['model']} ({r['stopped']} during {r.get('stopped_phase', '?')}"
+                           + (f"; {r['continued']}" if r.get("continued") else "") + ")" for r in stopped) + ".")
         L.append("")
     # -- trace warnings
     warned = [(r["model"], r["columns"]["kiln_trace"]) for r in rows
@@ -1046,6 +1101,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"{len(cases)} models, columns {', '.join(args.column_list)}, --jobs {args.jobs}, logs in {args.logs}",
           flush=True)
     t0 = time.time()
+    args.run_id = f"{utc_now()}: {command}"
     partial = Path(tempfile.gettempdir()) / "kiln-suite-partial.jsonl"
     partial.unlink(missing_ok=True)
     print(f"rows are appended to {partial} as they finish", flush=True)
