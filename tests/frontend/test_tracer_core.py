@@ -74,7 +74,7 @@ def test_data_dependent_branch_warns_and_check_catches_it():
     # With guards (the default) the graph refuses the inputs that take the other branch ...
     with pytest.warns(TraceWarning, match=r"Tensor.__bool__' reads a Python value"):
         with pytest.raises(TraceCheckError, match=r"refuses .*kiln.Guard failed at .*test_tracer_core.py:\d+ "
-                                                  r"`if x.sum\(\) > 0:`.*gave True; this input gives False"):
+                                                  r"`if x.sum\(\) > 0:`.*gave True while the model was traced; this input gives False"):
             kiln.trace(branchy, x)
     # ... without them it answers wrong for them, which the check finds by comparing outputs.
     with pytest.warns(TraceWarning, match="guards are off"):

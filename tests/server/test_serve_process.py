@@ -154,9 +154,9 @@ def program():
     return kiln.load(MLP)
 
 
-def post_json(client, url: str, x: np.ndarray, name: str = "x", datatype: str = "FP32"):
+def post_json(client, url: str, x: np.ndarray, name: str = "x", datatype: str = "FP32", **kw):
     body = {"inputs": [{"name": name, "shape": list(x.shape), "datatype": datatype, "data": x.ravel().tolist()}]}
-    return client.post(url, content=json.dumps(body), headers={"Content-Type": "application/json"})
+    return client.post(url, content=json.dumps(body), headers={"Content-Type": "application/json"}, **kw)
 
 
 def outputs_of(r) -> dict:
@@ -252,7 +252,9 @@ def test_sigterm_with_requests_in_flight_answers_all_and_exits_0(tmp_path):
                                 headers={"Inference-Header-Content-Length": str(len(header))})
             time.sleep(0.5)  # uploaded and computing (the pending count below confirms the small ones queue)
             deadline = time.monotonic() + 30
-            futures = [pool.submit(lambda x: post_json(httpx, url, x), x) for x in inputs]
+            # They wait behind the big one, which takes several seconds on a loaded 2-core box: more
+            # than httpx's default 5 s timeout.
+            futures = [pool.submit(lambda x: post_json(httpx, url, x, timeout=120), x) for x in inputs]
             while server.metric(pending) < len(inputs):
                 assert time.monotonic() < deadline and not first.done(), "requests never queued"
                 time.sleep(0.02)
