@@ -200,7 +200,10 @@ def main(argv=None) -> int:
         rows.append(r)
     print(table(rows))
     if args.results != "-":
-        write(rows, cpu_name() if args.device == "cpu" else rows[0]["backend"], Path(args.results))
+        import os
+        machine = f"{cpu_name()}, load average {os.getloadavg()[0]:.1f} (the A/B column is noise where it is " \
+                  "not near 0: the profile column is the figure)" if args.device == "cpu" else rows[0]["backend"]
+        write(rows, machine, Path(args.results))
     return 0
 
 
