@@ -208,7 +208,7 @@ def package_size() -> tuple[int, int]:
     what ``pip install kiln`` would ship as Python source, against which the bundle is measured."""
     files = [p for p in ROOT.rglob("*.py")
              if not (set(p.relative_to(ROOT).parts[:-1]) & _NOT_PACKAGE) and p.relative_to(ROOT).parts[0]
-             not in _NOT_PACKAGE]
+             not in _NOT_PACKAGE and not p.relative_to(ROOT).parts[0].startswith(".")]  # .venv*, .git
     raw = sum(p.stat().st_size for p in files)
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
