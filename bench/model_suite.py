@@ -311,6 +311,8 @@ class Worker:
         res = self._sets_result(lambda s: self.program.run({n: to_numpy(v) for n, v in self.inputs[s].items()},
                                                            as_list=True))
         res["file_mib"] = round(path.stat().st_size / 2 ** 20, 2)
+        self.kiln_path, self.program = path, None  # loaded again to time it: big models need the memory
+        gc.collect()
         self._put("kiln_run", res, time.perf_counter() - t)
 
     def col_kiln_onnx(self) -> None:
@@ -410,8 +412,11 @@ class Worker:
         budget = self.latency_budget
         try:
             if kiln_side:
-                lat["kiln_ms"] = timeit(lambda: self.program.run(arrays), budget)
-                self.program = None  # the largest models cannot hold kiln's weights and ORT's at once
+                import kiln
+
+                program = kiln.load(self.kiln_path)
+                lat["kiln_ms"] = timeit(lambda: program.run(arrays), budget)
+                del program  # the largest models cannot hold kiln's weights and ORT's at once
                 gc.collect()
             onnx = self.kiln_onnx_path
             source = "kiln's ONNX export"
@@ -613,6 +618,8 @@ class Job:
             return None
         left = tuple(c for c in self.columns if rec["columns"][c]["status"] == "stopped"
                      and rec["columns"][c]["error"].startswith("not reached"))
+        if rec.get("stopped_phase") in COLUMN_GROUPS["kiln"]:
+            left = tuple(c for c in left if c not in COLUMN_GROUPS["kiln"])  # they need the kiln columns before
         if not left:
             return None
         for c in left:
@@ -789,10 +796,19 @@ def kiln_outcome(rec: dict) -> tuple[str, Optional[dict]]:
     return "ok", None
 
 
+def _status(r: dict, col: str) -> Optional[str]:
+    """A column's status; a kiln column skipped because the trace was stopped counts as stopped."""
+    res = r["columns"].get(col, {})
+    s = res.get("status")
+    if s == "refused" and res.get("skipped") and r["columns"].get("kiln_trace", {}).get("status") == "stopped":
+        return "stopped"
+    return s
+
+
 def _count(rows: list[dict], col: str) -> dict[str, int]:
     out = {"ok": 0, "refused": 0, "WRONG": 0, "stopped": 0}
     for r in rows:
-        s = r["columns"].get(col, {}).get("status")
+        s = _status(r, col)
         if s in out:
             out[s] += 1
     return out
@@ -1011,7 +1027,8 @@ def write_coverage(rows: list[dict], path: Path, wall: Optional[float], jobs: in
                 v = lat.get(k)
                 return f"{v:.2f}" if v else "–"
             ort_ms = ms("ort_ms") + ("*" if lat.get("ort_of") and lat["ort_of"] != "kiln's ONNX export" else "")
-            cells = " | ".join(_cell(r["columns"].get(c)) for c in COLUMNS)
+            cells = " | ".join("stopped" if _status(r, c) == "stopped" and r["columns"][c].get("skipped")
+                               else _cell(r["columns"].get(c)) for c in COLUMNS)
             L.append(f"| {r['model']} | {r['kind']} | {r['note']} | {cells} | {ms('kiln_ms')} | {ort_ms} | "
                      f"{ms('eager_ms')} |")
         L.append("")
