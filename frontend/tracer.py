@@ -108,6 +108,10 @@ class Tracer(TorchFunctionMode):
         self.symbols: dict = {}  # symbolic values of shape tensors, so dims stay exact while tracing
         # Tensors changed by a write through an alias: (why using them fails, id of the tensor written).
         self.stale: dict[int, tuple[str, int]] = {}
+        # Views made by basic indexing (``x[a:b]``, ``x[:, 0]``): id of the view -> (its base, the
+        # index). An in-place write to such a view is written back into its base (``_write_back``).
+        self.views: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._by_storage: dict[int, list[torch.Tensor]] = {}  # storage address -> traced tensors on it
 
     def __enter__(self) -> "Tracer":
         _ACTIVE.append(self)
@@ -180,6 +184,11 @@ class Tracer(TorchFunctionMode):
             if args and res is args[0] and _writes_in_place(func):
                 self.invalidate_aliases(res, f"it shares memory with a tensor written in place by "
                                              f"'{op_name(func)}' at {self.where()}")
+            if args and isinstance(args[0], torch.Tensor) and (func is torch.Tensor.__setitem__ or (
+                    res is args[0] and _writes_in_place(func))):
+                self._write_back(args[0])
+            elif func is torch.Tensor.__getitem__ and isinstance(res, torch.Tensor):
+                self._note_view(res, args[0], args[1])
             return res
         if func in DATA_DEPENDENT:
             out = func(*args, **kwargs)
@@ -275,6 +284,11 @@ class Tracer(TorchFunctionMode):
             self._check(func, t, v)
             self.values[id(t)] = v
             self._alive.append(t)
+            ptr = t.untyped_storage().data_ptr()
+            if ptr:
+                same = self._by_storage.setdefault(ptr, [])
+                if not any(o is t for o in same[-4:]):  # a tensor rebound by an in-place op is listed once
+                    same.append(t)
 
     def invalidate_aliases(self, x: torch.Tensor, why: str) -> None:
         """After an in-place write to x, the other traced tensors sharing its memory (its views, its
@@ -282,9 +296,35 @@ class Tracer(TorchFunctionMode):
         ptr = x.untyped_storage().data_ptr()
         if ptr == 0:
             return
-        for other in self._alive:
-            if other is not x and other.untyped_storage().data_ptr() == ptr:
+        for other in self._by_storage.get(ptr, ()):
+            if other is not x:
                 self.stale.setdefault(id(other), (why, id(x)))
+
+    def _note_view(self, view: torch.Tensor, base: Any, index: Any) -> None:
+        """Remember ``view = base[index]`` when it is a view (basic indexing, no tensor in the index)."""
+        items = index if isinstance(index, tuple) else (index,)
+        if (not isinstance(base, torch.Tensor) or any(isinstance(i, torch.Tensor) for i in items)
+                or id(base) not in self.values or view.untyped_storage().data_ptr() == 0
+                or view.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()):
+            return
+        self.views[id(view)] = (base, index)
+
+    def _write_back(self, x: torch.Tensor) -> None:
+        """x, a view of a traced tensor, was just written in place (``x[a:b].zero_()``,
+        ``x[0].add_(1)``, ``x[:, 0][mask] = v``): store its new value into its base, and the base's into
+        its own base, so they stay up to date instead of stale. Other views of the same memory stay
+        stale (the graph does not follow them). A base already stale for another reason is left so."""
+        from kiln.frontend.torch_ops.assign import assign
+
+        written = id(x)
+        while id(x) in self.views:
+            base, index = self.views[id(x)]
+            mark = self.stale.get(id(base))
+            if mark is None or mark[1] != written or id(base) not in self.values:
+                return
+            del self.stale[id(base)]
+            self.bind(torch.Tensor.__setitem__, base, assign(self, base, index, x))
+            x = base
 
     def _check(self, func: Callable, t: torch.Tensor, v: Value) -> None:
         want = TensorType(kiln_dtype(t.dtype), tuple(t.shape))

@@ -59,11 +59,24 @@ def test_filled(fn):
     check_traced(fn, (X,), dynamic=SEQ, other_inputs=SEQ_OTHERS)
 
 
-def test_fill_through_a_view_makes_the_base_stale():
+def test_fill_through_a_view_is_written_back_to_the_base():
+    """torchvision's swin_v2: ``qkv_bias = qkv_bias.clone(); qkv_bias[n:2 * n].zero_()``."""
     def f(x):
         y = x.clone()
         y[:, 0].fill_(1.0)
+        n = y.size(1) // 3
+        y[:, n:2 * n].zero_()
         return y
+
+    check_traced(f, (X,), dynamic=SEQ, other_inputs=SEQ_OTHERS)
+
+
+def test_fill_through_a_view_leaves_other_views_stale():
+    def f(x):
+        y = x.clone()
+        other = y[:, 0]
+        y[:, :2].fill_(1.0)
+        return other  # eager sees the write through y; kiln's graph would not
 
     with pytest.raises(UnsupportedOpError, match="shares memory with one filled in place"):
         kiln.trace(f, X, check=False)

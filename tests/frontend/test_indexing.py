@@ -142,13 +142,31 @@ def test_index_put():
     check_traced(f, (X, torch.tensor([1, 0])), other_inputs=[(torch.randn(2, 3, 4), torch.tensor([0, 0]))])
 
 
-def test_writing_through_a_view_makes_the_base_stale():
-    def f(x):
+def test_writing_through_a_view_is_written_back_to_the_base():
+    def f(x, b):
         y = x.clone()
         y[0][1] = 5.0  # eager torch changes y through the view y[0]
+        y[:, 0].add_(b[0])  # in place on a view, with a value from the inputs
+        y[1:].mul_(2)
+        z = y[:, 1:][0]  # a view of a view, written: both bases follow
+        z.fill_(3.0)
+        w = y[0]
+        w += 1  # then stored back with y[0] = w, as ``y[0] += 1`` does
+        y[0] = w
+        return x * b.sum() + y
+
+    check_traced(f, (X, torch.randn(3)), other_inputs=[(torch.randn(2, 3, 4), torch.randn(3))])
+
+
+def test_a_view_written_after_its_base_was_written_stays_stale():
+    def f(x):
+        y = x.clone()
+        row = y[0]
+        y.add_(1.0)  # row is stale now
+        row.zero_()
         return y
 
-    with pytest.raises(UnsupportedOpError, match="shares memory with one written in place"):
+    with pytest.raises(UnsupportedOpError, match="shares memory with a tensor written in place"):
         kiln.trace(f, X, check=False)
 
 
