@@ -9,6 +9,8 @@
 ``GET  /v2``                                             server metadata (name, version, extensions)
 ``GET  /v2/models/{m}[/versions/{v}]``                   model metadata; symbolic dims are -1
 ``GET  /v2/models/{m}[/versions/{v}]/ready``             200 ready, 503 not (yet / any more) ready
+``GET  /v2/models/{m}[/versions/{v}]/config``            the model's serving config and its batching decision
+                                                         (stacked or not, and why: the op and module path)
 ``POST /v2/models/{m}[/versions/{v}]/infer``             inference (JSON tensors or the binary extension)
 ``GET  /metrics``                                        Prometheus text (see server/metrics.py)
 ``GET  /docs``, ``/openapi.json``                        FastAPI's OpenAPI documentation
@@ -22,7 +24,12 @@ Design decisions, and why:
   version; 400 bad input (anything :mod:`kiln.server.protocol` or the model's signature refuses); 413
   body over ``max_body_bytes``; 415 a content type or encoding we cannot read; 503 + ``Retry-After``
   when the model's queue is full, while loading and while draining; 504 the request's deadline passed;
-  500 the model or its worker process failed.
+  500 the model or its worker process failed. The last resort is :class:`JsonErrors`, the outermost
+  middleware: any exception no handler answered becomes a logged JSON 500 (``internal error: <type>:
+  <message>``), never uvicorn's plain-text ``Internal Server Error``; and an exception of ours that
+  carries a 4xx ``status`` (a :class:`~kiln.server.protocol.ProtocolError`, a :class:`kiln.InputError`)
+  is answered with that status even when it escapes a route, since a bad input must never read as a
+  server fault.
 - **The infer route reads the raw body itself** instead of declaring a pydantic body: a declared body
   would be parsed (and a 64 MB JSON body materialized as Python objects) before any check. The
   ``Content-Length`` is checked first and the stream is counted while it arrives, so an oversized body
@@ -64,6 +71,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kiln.checks import GuardFailed
 from kiln.errors import InputError, KilnError
@@ -103,6 +111,44 @@ class ApiError(Exception):
 
 def _error_response(status: int, message: str, headers: Optional[dict] = None) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+class JsonErrors:
+    """Pure ASGI middleware, outermost: an exception no handler answered becomes ``{"error": ...}``.
+
+    Starlette's own last resort (``ServerErrorMiddleware``) answers plain text and re-raises into uvicorn,
+    which logs and closes the connection; this one answers JSON, logs the traceback once, and keeps the
+    connection. An exception carrying an HTTP ``status`` below 500 (ProtocolError, InputError...) keeps its
+    status. If the response had already started, nothing can be sent: the exception propagates and uvicorn
+    closes the connection, which is all HTTP allows."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as e:  # noqa: BLE001 - the last resort: every error is answered as JSON
+            if started:
+                raise
+            status = getattr(e, "status", None)
+            if isinstance(status, int) and 400 <= status < 500:
+                message = getattr(e, "message", None) or str(e)
+            else:
+                log.error("unhandled error answering %s %s", scope.get("method"), scope.get("path"), exc_info=e)
+                status, message = 500, f"internal error: {type(e).__name__}: {e}"
+            response = _error_response(status, message)
+            await response(scope, receive, send)
 
 
 def default_executor(entry: ModelEntry):
@@ -153,6 +199,7 @@ class ServerState:
     loaded: bool = False
     load_error: Optional[BaseException] = None
     draining: bool = False
+    connections: Any = None  # the ConnectionTracker of server/connections.py, when kiln serve runs the app
     _load_task: Optional[asyncio.Task] = None
     _drain_task: Optional[asyncio.Task] = None
 
@@ -208,6 +255,7 @@ class ServerState:
                 await start()
             else:  # a blocking start (kiln.load, spawning processes) must not stall the event loop
                 await asyncio.to_thread(start)
+            _check_signature(model)
         except Exception as e:
             model.error = str(e) if isinstance(e, KilnError) else f"{type(e).__name__}: {e}"
             raise
@@ -347,6 +395,7 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
         lifespan=lifespan,
     )
     app.state.kiln = state
+    app.add_middleware(JsonErrors)  # added last: outermost of the user middleware, around every route
 
     # -------------------------------------------------------------- errors: always {"error": ...}
     @app.exception_handler(ApiError)
@@ -399,6 +448,14 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
             return {"name": model.name, "version": model.version, "ready": True}
         return _error_response(503, _model_not_ready_reason(state, model), {"Retry-After": str(RETRY_AFTER_S)})
 
+    async def model_config(model_name: str, model_version: Optional[str] = None):
+        model = state.resolve(model_name, model_version)
+        if not model.loaded:
+            raise ApiError(503, _model_not_ready_reason(state, model), {"Retry-After": str(RETRY_AFTER_S)})
+        decision = getattr(model.batcher, "decision", None)
+        return {"name": model.name, "version": model.version, "config": model.entry.config.to_json(),
+                "dynamic_batching": None if decision is None else decision.to_json()}
+
     async def infer(request: Request, model_name: str, model_version: Optional[str] = None):
         return await _infer(state, request, model_name, model_version)
 
@@ -416,14 +473,32 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
     for prefix in ("/v2/models/{model_name}", "/v2/models/{model_name}/versions/{model_version}"):
         app.add_api_route(prefix, model_metadata, methods=["GET"], **meta_doc)
         app.add_api_route(prefix + "/ready", model_ready, methods=["GET"], **ready_doc)
+        app.add_api_route(prefix + "/config", model_config, methods=["GET"], tags=["metadata"],
+                          summary="Model config and batching decision (whether requests are stacked, and why)",
+                          responses=_error_doc(404, 503))
         app.add_api_route(prefix + "/infer", infer, methods=["POST"], **infer_doc)
 
     @app.get("/metrics", tags=["metrics"], summary="Prometheus metrics (text exposition format 0.0.4)",
              response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def prometheus():
-        return Response(metrics.render(), media_type=None, headers={"content-type": METRICS_CONTENT_TYPE})
+        text = metrics.render()
+        if state.connections is not None:
+            text += state.connections.render_metrics()
+        return Response(text, media_type=None, headers={"content-type": METRICS_CONTENT_TYPE})
 
     return app
+
+
+def _check_signature(model: ServedModel) -> None:
+    """Refuse at load a model whose inputs or outputs the V2 protocol cannot carry (with the reason), so
+    that no request can reach an encoder that fails."""
+    for kind, specs in (("input", model.executor.inputs), ("output", model.executor.outputs)):
+        for spec in specs:
+            try:
+                protocol.tensor_metadata(spec)
+            except protocol.ProtocolError as e:
+                raise KilnError(f"model '{model.name}' version {model.version} cannot be served: {kind} "
+                                f"{e.message}") from None
 
 
 def _not_ready_reason(state: ServerState) -> str:
@@ -533,10 +608,15 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
         outputs = {o.name: outputs[o.name] for o in req.outputs}
     encode = protocol.encode_infer_response
     args = (model.name, model.version, req.id, outputs, req.outputs, req.binary_default)
-    if sum(np.asarray(a).nbytes for a in outputs.values()) > _OFFLOAD_BYTES:
-        body, extra = await asyncio.to_thread(encode, *args)
-    else:
-        body, extra = encode(*args)
+    try:
+        if sum(np.asarray(a).nbytes for a in outputs.values()) > _OFFLOAD_BYTES:
+            body, extra = await asyncio.to_thread(encode, *args)
+        else:
+            body, extra = encode(*args)
+    except protocol.ProtocolError as e:  # an output the protocol cannot carry: the server's fault (500)
+        log.error("encoding the response of model %s version %s failed: %s", model.name, model.version, e)
+        raise ApiError(e.status, f"cannot encode the response: {e.message}",
+                       outcome="backend" if e.status >= 500 else "invalid_request") from None
     return Response(content=body, status_code=200, headers=extra)
 
 
@@ -555,11 +635,16 @@ async def _read_body(request: Request, limit: int) -> bytes:
     if encoding not in ("identity", "", "gzip", "deflate"):
         raise ApiError(415, f"unsupported Content-Encoding '{encoding}' (use gzip, deflate or none)")
     chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise ApiError(413, _too_large(limit, f"more than {limit:,} bytes received"))
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise ApiError(413, _too_large(limit, f"more than {limit:,} bytes received"))
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # The client went away, or the connection guard (server/connections.py) ended a body that arrived
+        # too slowly and has answered 408 itself; whatever is sent now goes nowhere.
+        raise ApiError(408, "the request body did not arrive (the client disconnected or was too slow)") from None
     body = b"".join(chunks)
     if encoding in ("gzip", "deflate") and body:
         # wbits 32+15 accepts zlib and gzip framing; raw deflate (some clients' "deflate") is retried.

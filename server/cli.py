@@ -17,6 +17,13 @@ through ``uvicorn.run``, for three reasons:
   ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS`` or ``VECLIB_MAXIMUM_THREADS`` (see server/workers.py):
   BLAS threads spinning on every core starve the process that parses and batches the requests.
 - **Nagle is off on every connection** (``TCP_NODELAY``, see :func:`bind_socket`), whatever the event loop.
+- **Connections are guarded** (server/connections.py): header and body read timeouts, a send timeout,
+  caps on connections in total and per client that evict the slowest waiting connection first and keep
+  a reserve for health checks, a lingering close, and the open-file limit raised to its hard limit at
+  start (``resource.setrlimit``), so slow or idle connections cannot lock legitimate clients out. On
+  SIGTERM open connections keep being read until the drain ends (each request answered 503 +
+  ``Connection: close``), and the listener stops new handshakes before it closes, so a client either
+  gets an answer or is refused at connect.
 - **"Ready" is printed when it is true**: models load after the socket is bound (``/v2/health/live``
   answers meanwhile), and the URL and the served models are printed once every model has loaded. A
   model that fails to load stops the server with its error and exit 1.
@@ -48,6 +55,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "to the HTTP process; set OMP_NUM_THREADS / OPENBLAS_NUM_THREADS to override")
     p.add_argument("--max-batch-size", type=int, metavar="B",
                    help="largest batch the dynamic batcher forms (0 or 1: no batching; default 32)")
+    p.add_argument("--batching", choices=("auto", "force", "off"),
+                   help="auto (default): stack requests only for models kiln proves row-independent (each "
+                        "output row depends only on its own input row; the others run request by request, "
+                        "and the log says why); force: stack any model with a shared symbolic dim 0; "
+                        "off: never stack")
     p.add_argument("--max-queue-delay-ms", type=float, metavar="D",
                    help="longest a request waits for a batch to fill, only while some but not all of the "
                         "model's slots (workers x instances) are busy; an idle model runs a request at once "
@@ -58,6 +70,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="default request deadline, 504 after it (default 30000; a request may ask for less)")
     p.add_argument("--max-body-mb", type=float, default=64.0, metavar="M",
                    help="largest request body in MiB, 413 above it (default 64)")
+    p.add_argument("--max-connections", type=int, metavar="N", default=0,
+                   help="open connections at most (default 0: the open-file limit, raised to its hard limit at "
+                        "start, less a reserve for the process); when full, the connection that has waited "
+                        "longest for a request head is closed to make room; the last 32 slots take only "
+                        "health checks")
+    p.add_argument("--max-connections-per-client", type=int, metavar="N",
+                   help="open connections per client address at most (default: a quarter of --max-connections; "
+                        "0: no per-client cap, e.g. behind a proxy)")
+    p.add_argument("--header-timeout-s", type=float, default=10.0, metavar="S",
+                   help="a request head (request line and headers) must arrive within S seconds of the "
+                        "connection or of the previous response, else 408 (default 10)")
+    p.add_argument("--body-timeout-s", type=float, default=30.0, metavar="S",
+                   help="a request body may take S seconds plus 1 s per 32 KiB received, else 408 (default 30)")
+    p.add_argument("--keep-alive-s", type=float, default=5.0, metavar="S",
+                   help="an idle keep-alive connection is closed after S seconds (default 5)")
     p.add_argument("--backend", choices=("kiln", "onnxruntime"),
                    help="execution engine (default kiln; onnxruntime needs pip install kiln[onnx])")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
@@ -68,7 +95,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def _overrides(args: argparse.Namespace) -> dict:
     return {"workers": args.workers, "max_batch_size": args.max_batch_size,
             "max_queue_delay_ms": args.max_queue_delay_ms, "queue_size": args.queue_size,
-            "timeout_ms": args.timeout_ms, "backend": args.backend}
+            "timeout_ms": args.timeout_ms, "backend": args.backend, "batching": args.batching}
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -125,8 +152,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise KilnError(f"kiln serve needs the server extra: pip install 'kiln[serve]' ({e.name} is missing)") from None
     from kiln.server.repository import discover
 
+    from kiln.server.connections import ConnectionLimits, ConnectionTracker, make_protocol_class, raise_open_file_limit
+
     if args.max_body_mb <= 0:
         raise KilnError(f"--max-body-mb must be positive, got {args.max_body_mb:g}")
+    for flag in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+        value = getattr(args, flag)
+        if not 0 < value < 1e6:
+            raise KilnError(f"--{flag.replace('_', '-')} must be a positive number of seconds, got {value:g}")
+    for flag in ("max_connections", "max_connections_per_client"):
+        value = getattr(args, flag)
+        if value is not None and value < 0:
+            raise KilnError(f"--{flag.replace('_', '-')} must be 0 or more, got {value}")
+    raise_open_file_limit()  # before the limits are derived from it
+    limits = ConnectionLimits(header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
+                              keep_alive_s=args.keep_alive_s, max_connections=args.max_connections,
+                              max_connections_per_client=args.max_connections_per_client).resolve()
     entries = discover(args.path, name=args.name, overrides=_overrides(args))
     sock = bind_socket(args.host, args.port)
     url = _url(sock, args.host)
@@ -138,8 +179,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for e in entries:
             c = e.config
             how = f"{c.workers} worker process{'es' if c.workers != 1 else ''}" if c.workers else "threads"
-            batching = f"batches up to {c.max_batch_size}" if c.batching else "no batching"
+            decision = getattr(state.models[e.name][e.version].batcher, "decision", None)
+            stacks = decision.stacks if decision is not None else c.may_batch
+            batching = f"batches up to {c.max_batch_size}" if stacks else "no batching"
             print(f"  {e.name} version {e.version}: {e.path} ({how}, {batching}, backend {c.backend})", flush=True)
+            if decision is not None and c.may_batch:
+                print(f"    batching: {decision.reason}", flush=True)
         print(f"  {url}/v2/models/{entries[0].name}/infer, metrics at {url}/metrics, docs at {url}/docs",
               flush=True)
 
@@ -151,12 +196,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(entries, max_body_bytes=int(args.max_body_mb * (1 << 20)),
                      on_ready=on_ready, on_load_error=on_load_error)
     state = app.state.kiln
+    tracker = ConnectionTracker(limits, drained=lambda: state._drain_task is not None and state._drain_task.done())
+    state.connections = tracker  # for /metrics
+    protocol_class = make_protocol_class(tracker)
     # uvicorn waits this long for in-flight requests after a signal; each already has its own deadline.
     grace = max(e.config.timeout_ms for e in entries) / 1000.0 + 5.0
     config = uvicorn.Config(app, lifespan="on", log_level=args.log_level, access_log=args.access_log,
-                            timeout_graceful_shutdown=grace, server_header=False)
+                            timeout_graceful_shutdown=grace, server_header=False,
+                            http=protocol_class or "auto", timeout_keep_alive=limits.keep_alive_s)
     logging.getLogger("kiln.server").setLevel(args.log_level.upper())
-    server = _make_server(config, state)
+    server = _make_server(config, state, tracker if protocol_class is not None else None)
     try:
         server.run(sockets=[sock])
     finally:
@@ -169,11 +218,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _make_server(config, state):
-    """uvicorn.Server, plus: a signal starts draining at once, and a graceful stop exits 0."""
+def _make_server(config, state, tracker=None):
+    """uvicorn.Server, plus: a signal starts draining at once, the listener hands over its accept queue
+    before it closes, and a graceful stop exits 0."""
     import asyncio
 
     import uvicorn
+
+    from kiln.server.connections import accept_pending, stop_handshakes
 
     class Server(uvicorn.Server):
         signalled = False
@@ -183,6 +235,28 @@ def _make_server(config, state):
             self._loop = asyncio.get_running_loop()
             await super().serve(sockets=sockets)
 
+        async def shutdown(self, sockets=None) -> None:
+            # uvicorn closes the listening socket first, which resets every connection still in the kernel's
+            # accept queue: clients that connected (and maybe wrote a request) and get no answer. Instead:
+            # stop new handshakes, accept what is queued and serve it like any connection (503 + close while
+            # draining), then let uvicorn close the socket, which now refuses only clients that sent nothing.
+            if tracker is not None and sockets:
+                loop = asyncio.get_running_loop()
+
+                def factory():
+                    return config.http_protocol_class(config=config, server_state=self.server_state,
+                                                      app_state=self.lifespan.state, _loop=loop)
+                pending = []
+                for sock in sockets:
+                    if stop_handshakes(sock):
+                        pending += accept_pending(sock)
+                for conn in pending:
+                    try:
+                        await loop.connect_accepted_socket(factory, conn)
+                    except OSError:
+                        conn.close()
+            await super().shutdown(sockets=sockets)
+
         def handle_exit(self, sig, frame) -> None:
             first = not self.should_exit
             super().handle_exit(sig, frame)
@@ -191,5 +265,7 @@ def _make_server(config, state):
             self.signalled = True
             if first and self._loop is not None:
                 self._loop.call_soon_threadsafe(state.begin_drain)
+                if tracker is not None:
+                    self._loop.call_soon_threadsafe(tracker.begin_drain)
 
     return Server(config)

@@ -24,8 +24,14 @@ and Triton's binary tensor data extension, checked against tritonclient's http c
 
 Decisions, documented here because clients see them:
 
-* Datatypes: BOOL, UINT8..UINT64, INT8..INT64, FP16, FP32, FP64. BYTES and BF16 are refused
-  with 400 (kiln models take numeric tensors; send BF16 as FP32).
+* Datatypes: BOOL, UINT8..UINT64, INT8..INT64, FP16, FP32, FP64 and BF16; BYTES is refused with
+  400 (kiln models take numeric tensors). BF16 is Triton's: in binary data, 2 bytes per element,
+  little-endian bfloat16 bits (``ml_dtypes.bfloat16``, what tritonclient's ``as_numpy`` reads). Triton
+  refuses BF16 in JSON both ways; kiln is lenient where it cannot be wrong: JSON numbers are rounded
+  to the nearest bfloat16 on input (as FP16 rounds), and a BF16 output requested as JSON is written
+  as numbers, each exactly the bfloat16 value (every bfloat16 is a float32), which
+  ``np.array(data, dtype=ml_dtypes.bfloat16)`` reads back bit for bit. BF16 needs ``ml_dtypes``
+  (a bfloat16 model does not load without it either).
 * JSON values must have the JSON type of the datatype, as Triton requires: integer types take
   JSON integers only (no 1.5, no 1.0, no NaN/Infinity, no true/false) within the type's range;
   BOOL takes only ``true``/``false`` (not 0/1); float types take numbers, including Python's
@@ -35,9 +41,13 @@ Decisions, documented here because clients see them:
   its request is malformed. The cap is checked from the shape alone, before any data is looked
   at, and nothing is ever allocated from a shape: JSON data must have exactly prod(shape)
   elements and binary data exactly prod(shape) * itemsize bytes actually present in the body.
-* Timeouts: request parameter ``timeout_ms`` (milliseconds, > 0) or Triton's ``timeout``
-  (integer microseconds, as tritonclient's ``infer(timeout=...)`` sends; 0 means "none", as in
-  Triton). If both are given the smaller wins. The server applies ``min(server default, this)``.
+* Timeouts: request parameter ``timeout_ms`` (milliseconds, > 0 and at most ``MAX_TIMEOUT_MS``,
+  2**50 ms, so that every accepted value is a finite float) or Triton's ``timeout`` (integer
+  microseconds, a uint64 as in Triton, as tritonclient's ``infer(timeout=...)`` sends; 0 means
+  "none", as in Triton). If both are given the smaller wins. The server applies ``min(server
+  default, this)``. Every parameter kiln reads is type- and range-checked here, and an integer of
+  any size (JSON has no limit) is compared as an integer, never converted first: a 400-digit
+  ``timeout_ms`` is a 400, not an ``OverflowError``.
 * Binary inputs are zero-copy read-only views of the body (copied only when misaligned): the
   runtime never writes its inputs. JSON inputs are fresh arrays.
 * ``"outputs": []`` means the same as no ``outputs``: every output. This module knows nothing
@@ -100,13 +110,37 @@ DATATYPES: dict[str, np.dtype] = {
     "FP64": np.dtype(np.float64),
 }
 _BY_NUMPY = {dt: name for name, dt in DATATYPES.items()}
-# V2 names of kiln dtypes (DType.short) for model metadata; bfloat16 is named but not accepted.
+# V2 names of kiln dtypes (DType.short) for model metadata.
 _BY_SHORT = {dt.name: name for name, dt in DATATYPES.items()}
 _BY_SHORT.update({"bool": "BOOL", "bfloat16": "BF16"})
 _REFUSED = {
     "BYTES": "BYTES (string) tensors are not supported: kiln models take numeric tensors",
-    "BF16": "BF16 tensors are not supported over this protocol: send FP32",
 }
+#: The largest ``timeout_ms`` a request may give (2**50 ms, about 35,700 years): any larger number is
+#: refused as out of range rather than converted to a float that may overflow.
+MAX_TIMEOUT_MS = 2 ** 50
+_MAX_TIMEOUT_US = 2 ** 64 - 1  # Triton's ``timeout`` is a uint64
+
+
+def _bf16() -> Optional[np.dtype]:
+    """numpy's bfloat16 (ml_dtypes), or None when ml_dtypes is not installed."""
+    try:
+        import ml_dtypes
+    except ImportError:  # pragma: no cover - the dev extra installs it
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def _datatype_name(dt: np.dtype) -> Optional[str]:
+    """The V2 datatype of a numpy dtype (either byte order), or None."""
+    if dt.name == "bfloat16":
+        return "BF16"
+    return _BY_NUMPY.get(dt.newbyteorder("="))
+
+
+def _wire(dt: np.dtype) -> np.dtype:
+    """The little-endian wire dtype of a datatype's numpy dtype."""
+    return _WIRE.get(dt, dt)  # bfloat16: ml_dtypes has no byte-swapped variant; little-endian hosts only
 # Wire byte order is little-endian; on little-endian hosts that is the native dtype itself.
 _WIRE = {dt: dt if sys.byteorder == "little" else dt.newbyteorder("<") for dt in DATATYPES.values()}
 _MAX_RANK = 32  # numpy's portable limit; far above any real model input
@@ -152,7 +186,7 @@ def v2_datatype(np_dtype: Any) -> str:
         raise ProtocolError(500, f"dtype {np_dtype!r} has no V2 datatype") from e
     if dt.kind in "OSU":
         return "BYTES"
-    name = _BY_NUMPY.get(dt.newbyteorder("="))
+    name = _datatype_name(dt)
     if name is None:
         raise ProtocolError(500, f"dtype {dt} has no V2 datatype")
     return name
@@ -293,15 +327,18 @@ def _timeout_ms(params: dict) -> Optional[float]:
     found = []
     ms = params.get("timeout_ms")
     if ms is not None:
-        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not math.isfinite(ms) or ms <= 0:
-            raise ProtocolError(400, f"request parameter 'timeout_ms' must be a positive number of "
-                                     f"milliseconds, got {ms!r}")
+        # Compared before any conversion: an int of any size compares exactly with an int, and a float is
+        # checked for NaN/infinity first (both refused), so float(ms) below never overflows.
+        if (isinstance(ms, bool) or not isinstance(ms, (int, float))
+                or (isinstance(ms, float) and not math.isfinite(ms)) or not 0 < ms <= MAX_TIMEOUT_MS):
+            raise ProtocolError(400, f"request parameter 'timeout_ms' must be a number of milliseconds "
+                                     f"above 0 and at most {MAX_TIMEOUT_MS}, got {_show(ms)}")
         found.append(float(ms))
     us = params.get("timeout")
     if us is not None:
-        if isinstance(us, bool) or not isinstance(us, int) or us < 0:
-            raise ProtocolError(400, f"request parameter 'timeout' must be a non-negative integer number "
-                                     f"of microseconds, got {us!r}")
+        if isinstance(us, bool) or not isinstance(us, int) or not 0 <= us <= _MAX_TIMEOUT_US:
+            raise ProtocolError(400, f"request parameter 'timeout' must be an integer number of "
+                                     f"microseconds from 0 to 2**64-1, got {_show(us)}")
         if us > 0:  # Triton: 0 means no timeout requested
             found.append(us / 1000.0)
     return min(found) if found else None
@@ -311,6 +348,10 @@ def _datatype(value: Any, what: str) -> np.dtype:
     if not isinstance(value, str):
         raise ProtocolError(400, f"{what} needs a string 'datatype'")
     dt = DATATYPES.get(value)
+    if dt is None and value == "BF16":
+        dt = _bf16()
+        if dt is None:
+            raise ProtocolError(400, f"{what}: BF16 tensors need the ml_dtypes package on the server")
     if dt is None:
         if value in _REFUSED:
             raise ProtocolError(400, f"{what}: {_REFUSED[value]}")
@@ -349,8 +390,8 @@ def _from_binary(binary: memoryview, offset: int, size: int, shape: tuple[int, .
                  dt: np.dtype, what: str) -> np.ndarray:
     expected = count * dt.itemsize
     if size != expected:
-        raise ProtocolError(400, f"{what} binary_data_size is {size} bytes but shape {list(shape)} of "
-                                 f"{_BY_NUMPY[dt]} needs {expected}")
+        raise ProtocolError(400, f"{what} binary_data_size is {size} bytes but shape {_short_list(shape)} "
+                                 f"of {_datatype_name(dt)} needs {expected}")
     if offset + size > len(binary):
         raise ProtocolError(400, f"{what} binary data ends at byte {offset + size} of the binary part "
                                  f"but only {len(binary)} bytes follow the JSON header")
@@ -359,7 +400,7 @@ def _from_binary(binary: memoryview, offset: int, size: int, shape: tuple[int, .
         octets = np.frombuffer(raw, dtype=np.uint8)
         if count and octets.max() > 1:
             raise ProtocolError(400, f"{what} BOOL binary data must be bytes 0 or 1")
-    arr = np.frombuffer(raw, dtype=_WIRE[dt]).reshape(shape)
+    arr = np.frombuffer(raw, dtype=_wire(dt)).reshape(shape)
     if not arr.flags.aligned or not arr.dtype.isnative:  # a misaligned view or a big-endian host
         arr = arr.astype(dt)
     return arr
@@ -385,7 +426,7 @@ def _from_json(data: Any, shape: tuple[int, ...], count: int, dt: np.dtype, what
         raise ProtocolError(400, f"{what} has {arr.size} data values but shape {list(shape)} needs {count}")
 
     kind = arr.dtype.kind
-    datatype = _BY_NUMPY[dt]
+    datatype = _datatype_name(dt)
     if dt.kind == "b":
         if kind != "b":
             bad = next((v for v in _leaves(data) if not isinstance(v, bool)), _NONE)
@@ -528,17 +569,18 @@ def encode_infer_response(model_name: str, model_version: str, request_id: Optio
         if req.name not in outputs:
             raise ProtocolError(400, f"output '{req.name}' is not an output of model '{model_name}'")
         arr = np.asarray(outputs[req.name])
-        datatype = _BY_NUMPY.get(arr.dtype.newbyteorder("="))
+        datatype = _datatype_name(arr.dtype)
         if datatype is None:
             raise ProtocolError(500, f"output '{req.name}' has dtype {arr.dtype}, which this protocol "
                                      f"cannot send")
-        dt = DATATYPES[datatype]
         entry: dict[str, Any] = {"name": req.name, "datatype": datatype, "shape": list(arr.shape)}
         if req.binary:
-            data = np.ascontiguousarray(arr, dtype=_WIRE[dt])
-            raw = memoryview(data).cast("B") if data.size else b""
+            data = np.ascontiguousarray(arr, dtype=_wire(arr.dtype.newbyteorder("=")))
+            raw = memoryview(data.reshape(-1).view(np.uint8)) if data.size else b""
             entry["parameters"] = {"binary_data_size": data.nbytes}
             buffers.append(raw)
+        elif datatype == "BF16":  # every bfloat16 is exactly a float32 (and its shortest repr reads back)
+            entry["data"] = arr.astype(np.float32).reshape(-1).tolist()
         else:
             entry["data"] = arr.reshape(-1).tolist()
         entries.append(entry)
