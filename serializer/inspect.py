@@ -79,7 +79,15 @@ def summarize(graph: Graph, header: Header, path: PathLike, file_size: int, veri
         "parameter_bytes": param_bytes,
         "parameter_bytes_by_dtype": by_dtype,
         "guards": [guard_entry(n) for n in graph.walk() if n.domain == "kiln" and n.op == "Guard"],
+        "batching": batching_entry(graph),
     }
+
+
+def batching_entry(graph: Graph) -> dict:
+    """Whether a server may stack requests for this model (kiln/ir/batch_independence.py), and why."""
+    from kiln.ir.batch_independence import analyze_batching
+
+    return analyze_batching(graph).to_json()
 
 
 def guard_entry(node) -> dict:
@@ -162,7 +170,16 @@ def format_summary(s: dict) -> str:
     lines.append(f"parameters: {s['parameters']:,} elements, {_size(s['parameter_bytes'])}")
     lines += [f"  {name:<10} {_size(n)}" for name, n in s["parameter_bytes_by_dtype"].items()]
     lines += guard_lines(s.get("guards", []))
+    lines += batching_lines(s.get("batching"))
     return "\n".join(lines)
+
+
+def batching_lines(b: "dict | None") -> list[str]:
+    """The batch-independence verdict as text: may ``kiln serve`` stack requests, and why."""
+    if b is None:
+        return []
+    verdict = f"batchable along '{b['symbol']}'" if b["batchable"] else "not batchable (kiln serve runs requests one at a time)"
+    return [f"batching: {verdict}", f"  {b['reason']}"]
 
 
 def guard_lines(guards: list[dict]) -> list[str]:

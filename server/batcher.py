@@ -4,11 +4,16 @@ Why: a batch of B rows costs far less than B single-row runs (one GEMM instead o
 of the instruction loop), so under load the server runs fewer, larger batches. The rules:
 
 * **What can be stacked.** A model is batchable when dim 0 of every input and every output is the
-  same symbolic dim (kiln's traced models call it ``"batch"``) and that symbol appears nowhere else in
-  their shapes. Requests are stacked along dim 0 only when all their other dims and dtypes agree
-  (requests of different sequence lengths form separate groups). Outputs are split back along dim 0
-  by each request's own row count. A model without such a dim, or ``max_batch_size == 0``, runs
-  request by request, each as it came.
+  same symbolic dim (kiln's traced models call it ``"batch"``), that symbol appears nowhere else in
+  their shapes, **and** the model's graph is proven row-independent: output row *i* depends only on
+  input row *i* (kiln/ir/batch_independence.py; the executor reports the analysis of the graph it
+  runs as ``batch_analysis``). A model that mixes rows (``x - x.mean(0)``) stacked with others would
+  answer every request wrongly with status 200, so it runs request by request unless the config's
+  ``batching`` is ``"force"``; ``"off"`` never stacks. :func:`decide` makes the choice and its
+  reason, which the start-up log and the model's config endpoint show. Requests are stacked along
+  dim 0 only when all their other dims and dtypes agree (requests of different sequence lengths form
+  separate groups). Outputs are split back along dim 0 by each request's own row count. A model
+  without such a dim, or ``max_batch_size == 0``, runs request by request, each as it came.
 * **When a batch goes (adaptive).** At most ``max_batch_size`` rows, and at most ``executor.capacity``
   batches in flight (``instances`` threads, or workers x instances). Whenever a slot is free:
 
@@ -55,6 +60,7 @@ import logging
 import math
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -63,8 +69,8 @@ from kiln.errors import ExecutionError
 from kiln.runtime.program import check_inputs
 from kiln.server.errors import BatchTooLarge, Draining, QueueFull, RequestTimeout, WorkerError
 
-__all__ = ["DynamicBatcher", "batch_dim", "QueueFull", "Draining", "RequestTimeout", "BatchTooLarge",
-           "WorkerError"]
+__all__ = ["DynamicBatcher", "batch_dim", "decide", "BatchingDecision", "QueueFull", "Draining", "RequestTimeout",
+           "BatchTooLarge", "WorkerError"]
 
 log = logging.getLogger("kiln.server")
 
@@ -82,6 +88,64 @@ def batch_dim(inputs: Sequence[Any], outputs: Sequence[Any]) -> Optional[str]:
         elif shape[0] != symbol:
             return None
     return symbol if inputs else None
+
+
+@dataclass(frozen=True)
+class BatchingDecision:
+    """Whether a model version's requests are stacked (``stacks``), and why (``reason``, one line).
+    ``analysis`` is the graph's batch-independence verdict as JSON (None when there was none)."""
+
+    stacks: bool
+    mode: str
+    max_batch_size: int
+    reason: str
+    analysis: Optional[dict] = None
+
+    def to_json(self) -> dict:
+        return {"stacks_requests": self.stacks, "batching": self.mode, "max_batch_size": self.max_batch_size,
+                "reason": self.reason, "analysis": self.analysis}
+
+
+def decide(mode: str, max_batch_size: int, symbol: Optional[str], analysis: Any) -> BatchingDecision:
+    """The batching decision for a model (see the module docstring). ``analysis`` is a
+    :class:`kiln.ir.batch_independence.BatchAnalysis` or None (the executor could not analyse)."""
+    facts = analysis.to_json() if analysis is not None else None
+    if mode not in ("auto", "force", "off"):
+        raise ValueError(f"batching must be 'auto', 'force' or 'off', got {mode!r}")
+
+    def no(reason: str) -> BatchingDecision:
+        return BatchingDecision(False, mode, max_batch_size, reason + "; requests run one at a time", facts)
+
+    if mode == "off":
+        return no('batching is "off" in the model config')
+    if max_batch_size <= 1:
+        return no(f"max_batch_size is {max_batch_size}")
+    if symbol is None:
+        return no("the inputs and outputs do not share a symbolic dim 0")
+    if mode == "force":
+        verdict = "" if analysis is None else (
+            " (kiln proved it row-independent)" if analysis.batchable else f" (kiln could not prove it: {analysis.reason})")
+        return BatchingDecision(True, mode, max_batch_size, f'stacked along \'{symbol}\' because batching is '
+                                f'"force" in the model config{verdict}', facts)
+    if analysis is None:
+        return no("the executor reported no batch-independence analysis of the model's graph")
+    if not analysis.batchable:
+        return no(f"not proven row-independent: {analysis.reason} (set \"batching\": \"force\" to stack anyway)")
+    return BatchingDecision(True, mode, max_batch_size, f"stacked along '{symbol}' up to {max_batch_size} rows: "
+                            f"{analysis.reason}", facts)
+
+
+def executor_analysis(executor: Any) -> Any:
+    """The batch-independence analysis an executor reports (``batch_analysis``), or, for one that holds
+    its program (``executor.program.graph``), the analysis of that graph; None if neither."""
+    analysis = getattr(executor, "batch_analysis", None)
+    if analysis is not None:
+        return analysis
+    graph = getattr(getattr(executor, "program", None), "graph", None)
+    if graph is None:
+        return None
+    from kiln.ir.batch_independence import analyze_batching
+    return analyze_batching(graph)
 
 
 class _Request:
@@ -125,6 +189,10 @@ class DynamicBatcher:
         self._scheduler: Optional[asyncio.Task] = None
         self._compute_ema: Optional[float] = None  # seconds per batch, for Retry-After
         self._requests_ema: float = 1.0            # requests per batch
+        self._mode = str(getattr(config, "batching", "auto") or "auto")
+        self.decision: Optional[BatchingDecision] = None
+        if list(getattr(executor, "inputs", None) or []):  # a started executor: decide (and log) now
+            self._layout()
 
     # -- state -----------------------------------------------------------------------------------------
 
@@ -146,9 +214,14 @@ class DynamicBatcher:
         specs = list(self.executor.inputs)
         self._specs = specs
         self.symbol = batch_dim(specs, list(self.executor.outputs))
-        self.batching = self.max_batch_size > 0 and self.symbol is not None
+        analysis = executor_analysis(self.executor) if self.symbol is not None and self._mode != "off" else None
+        self.decision = decide(self._mode, self.max_batch_size, self.symbol, analysis)
+        self.batching = self.decision.stacks
         self.capacity = max(1, int(getattr(self.executor, "capacity", 0) or self._instances))
         self._names = [s.name for s in specs]
+        refused = self._mode == "auto" and self.max_batch_size > 1 and self.symbol is not None and not self.batching
+        log.log(logging.WARNING if refused else logging.INFO, "model %s version %s: %s", self.model, self.version,
+                self.decision.reason)
 
     # -- the caller's side -----------------------------------------------------------------------------
 

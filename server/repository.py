@@ -93,6 +93,14 @@ class ModelConfig:
       ``{"latest": {"num_versions": 2}}``, ``{"all": {}}`` and ``{"specific": {"versions": [1, 3]}}`` are
       accepted too and normalized to the short forms).
     - ``backend = "kiln"``: kiln's CPU runtime; ``"onnxruntime"`` runs the same file in ONNX Runtime.
+    - ``batching = "auto"``: whether requests may be stacked into one batch. ``"auto"`` stacks only
+      when kiln proves, from the model's graph, that every output row depends only on its own input
+      row (kiln/ir/batch_independence.py); otherwise the model runs request by request, and the
+      start-up log and ``GET /v2/models/{m}/config`` say which op (and module path) stopped it.
+      Why not always: stacking a model that mixes rows (``x - x.mean(0)``, in-batch normalization,
+      set-based heads) answers every request wrongly with status 200. ``"force"`` stacks any model
+      whose inputs and outputs share a symbolic dim 0, for users who know better than the analysis
+      (an op it has no rule for); ``"off"`` never stacks (like ``max_batch_size`` 0).
     """
 
     max_batch_size: int = 32
@@ -103,14 +111,16 @@ class ModelConfig:
     instances: int = 1
     version_policy: VersionPolicy = field(default_factory=lambda: {"latest": 1})
     backend: str = "kiln"
+    batching: str = "auto"
 
     def __hash__(self) -> int:  # the generated one fails on the dict-valued version_policy
         return hash(json.dumps(self.to_json(), sort_keys=True))
 
     @property
-    def batching(self) -> bool:
-        """Whether the batcher may stack requests (it still checks the model has a batch dim)."""
-        return self.max_batch_size > 1
+    def may_batch(self) -> bool:
+        """Whether the batcher may stack requests at all (it still checks the model's graph, unless
+        ``batching`` is ``"force"``, and that it has a batch dim)."""
+        return self.max_batch_size > 1 and self.batching != "off"
 
     @classmethod
     def from_json(cls, data: Any, source: Union[str, Path] = "config.json",
@@ -209,6 +219,16 @@ def _backend(value: Any, where: str) -> str:
     return value
 
 
+#: Values of ``batching`` (see ModelConfig).
+BATCHING_MODES = ("auto", "force", "off")
+
+
+def _batching(value: Any, where: str) -> str:
+    if value not in BATCHING_MODES:
+        raise KilnError(f"{where} must be one of {', '.join(map(repr, BATCHING_MODES))}, got {value!r}")
+    return value
+
+
 def _version_policy(value: Any, where: str) -> VersionPolicy:
     """Normalize a version policy to ``"all"``, ``{"latest": N}`` or ``{"specific": [sorted versions]}``."""
     usage = 'use "all", {"latest": N} or {"specific": [versions]}'
@@ -241,6 +261,7 @@ _VALIDATORS = {
     "instances": _int(1),
     "version_policy": _version_policy,
     "backend": _backend,
+    "batching": _batching,
 }
 
 

@@ -111,6 +111,7 @@ class ThreadExecutor:
         self.program = None
         self.inputs: List[Any] = []
         self.outputs: List[Any] = []
+        self.batch_analysis: Any = None  # kiln.ir.batch_independence.BatchAnalysis, after start()
         self._pool: Optional[ThreadPoolExecutor] = None
         self._closed = False
 
@@ -118,6 +119,7 @@ class ThreadExecutor:
         from kiln.runtime.program import load
         self.program = load(self.path, backend=self.backend)
         self.inputs, self.outputs = list(self.program.inputs), list(self.program.outputs)
+        self.batch_analysis = batch_analysis(self.program)
         self._pool = ThreadPoolExecutor(self.instances, thread_name_prefix="kiln-run")
 
     @property
@@ -140,6 +142,20 @@ class ThreadExecutor:
         self._closed = True
         if self._pool is not None:
             await asyncio.to_thread(self._pool.shutdown, True)
+
+
+def batch_analysis(program: Any) -> Any:
+    """The batch-independence analysis of the graph a loaded program runs (None if it has no graph):
+    whether the batcher may stack requests for it (server/batcher.py)."""
+    graph = getattr(program, "graph", None)
+    if graph is None:
+        return None
+    from kiln.ir.batch_independence import BatchAnalysis, analyze_batching
+    try:
+        return analyze_batching(graph)
+    except Exception as e:  # noqa: BLE001 - a bug in the analysis must not stop serving; it stops batching
+        log.exception("the batch-independence analysis failed")
+        return BatchAnalysis(False, None, f"the batch-independence analysis failed: {type(e).__name__}: {e}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -165,7 +181,7 @@ def _worker_main(conn, path: str, backend: str, threads: int) -> None:
     except BaseException as e:  # noqa: BLE001 - reported to the server, which raises it from start()
         conn.send(("failed", _portable(e)))
         return
-    conn.send(("ready", os.getpid(), list(program.inputs), list(program.outputs)))
+    conn.send(("ready", os.getpid(), list(program.inputs), list(program.outputs), batch_analysis(program)))
     send_lock = threading.Lock()
 
     def answer(msg) -> None:
@@ -322,6 +338,7 @@ class ProcessExecutor:
                             "(workers=0 means threads: use ThreadExecutor)")
         self.inputs: List[Any] = []
         self.outputs: List[Any] = []
+        self.batch_analysis: Any = None  # what the first worker's analysis of its graph said
         self.restarts = 0  # workers replaced after dying
         self._lock = threading.Lock()
         self._workers: List[_Worker] = []
@@ -384,9 +401,10 @@ class ProcessExecutor:
                                 f"{_describe_exit(process.exitcode)}") from None
             if msg[0] == "failed":
                 raise msg[1]
-            _, pid, inputs, outputs = msg
+            _, pid, inputs, outputs, *rest = msg
             if not self.inputs and not self.outputs:
                 self.inputs, self.outputs = inputs, outputs
+                self.batch_analysis = rest[0] if rest else None
             return _Worker(process, conn, pid)
         except BaseException:
             conn.close()

@@ -17,6 +17,7 @@ import pytest
 
 import kiln
 from kiln.errors import ExecutionError, InputError
+from kiln.ir.batch_independence import BatchAnalysis
 from kiln.ir.types import TensorType
 from kiln.runtime.program import TensorSpec
 from kiln.server.batcher import (BatchTooLarge, Draining, DynamicBatcher, QueueFull, RequestTimeout, WorkerError,
@@ -47,6 +48,9 @@ async def until(cond, timeout: float = 10.0) -> None:
 
 class FakeExecutor:
     """y = 2x + 1 row by row; records each batch it runs and can hold runs at a gate."""
+
+    # What a real executor reports from its model's graph: y = 2x + 1 is row-independent.
+    batch_analysis = BatchAnalysis(True, "batch", "y = 2x + 1, row by row")
 
     def __init__(self, shape=("batch", 4), capacity: int = 1, out_shape=None):
         self.inputs = [TensorSpec("x", TensorType("float32", shape))]

@@ -39,15 +39,23 @@ def test_defaults():
     c = ModelConfig()
     assert (c.max_batch_size, c.max_queue_delay_ms, c.queue_size, c.timeout_ms, c.workers, c.instances,
             c.version_policy, c.backend) == (32, 0.5, 1024, 30000.0, 1, 1, {"latest": 1}, "kiln")
-    assert c.batching
-    assert not ModelConfig(max_batch_size=0).batching
+    assert c.batching == "auto" and c.may_batch
+    assert not ModelConfig(max_batch_size=0).may_batch
+    assert not ModelConfig(batching="off").may_batch
     assert ModelConfig().version_policy is not c.version_policy  # no shared mutable default
     assert hash(ModelConfig()) == hash(ModelConfig()) != hash(ModelConfig(version_policy="all"))
 
 
+def test_batching_mode_is_checked():
+    assert ModelConfig.from_json({"batching": "off"}).batching == "off"
+    assert ModelConfig().with_overrides({"batching": "force"}).batching == "force"
+    with pytest.raises(KilnError, match="'batching' must be one of 'auto', 'force', 'off', got 'yes'"):
+        ModelConfig.from_json({"batching": "yes"}, "m/config.json")
+
+
 def test_from_json_reads_every_key():
     data = {"max_batch_size": 8, "max_queue_delay_ms": 2, "queue_size": 10, "timeout_ms": 500, "workers": 0,
-            "instances": 2, "version_policy": "all", "backend": "onnxruntime"}
+            "instances": 2, "version_policy": "all", "backend": "onnxruntime", "batching": "force"}
     c = ModelConfig.from_json(data, "x/config.json")
     assert c.to_json() == {**data, "max_queue_delay_ms": 2.0, "timeout_ms": 500.0}
     assert isinstance(c.max_queue_delay_ms, float)
