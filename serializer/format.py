@@ -31,6 +31,16 @@ FILE_IDENTIFIER = b"KILN"
 TENSOR_ALIGNMENT = 64
 SEGMENT_ALIGNMENT = 4096
 
+# Subgraph nesting (If/Loop bodies inside bodies), one rule for every path that makes or reads a
+# graph: the writer refuses a deeper graph at save time, the reader and the FlatBuffer walk refuse a
+# deeper file, the ONNX importer a deeper model. The main graph is level 0; MAX_SUBGRAPH_NESTING
+# levels may nest below it. ONNX cannot carry much more: protobuf's default recursion limit (100
+# messages, 3 per If level: Node > Attribute > Graph) stops a parsed ModelProto at about 32 levels.
+MAX_SUBGRAPH_NESTING = 32
+# The FlatBuffer table depth that nesting takes: Model > Graph is 1, each level adds Node > Attribute
+# > Graph (3), and the deepest tables of a graph are Node > Attribute > TensorData (3 more).
+MAX_TABLE_DEPTH = 1 + 3 * MAX_SUBGRAPH_NESTING + 3
+
 
 def __getattr__(name: str):
     """ATTR_KIND_CODES / ATTR_KINDS_BY_CODE: kiln.ir's attribute kinds <-> the schema's AttrKind codes
