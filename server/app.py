@@ -141,7 +141,7 @@ class JsonErrors:
         except Exception as e:  # noqa: BLE001 - the last resort: every error is answered as JSON
             if started:
                 raise
-            status = getattr(e, "status", None)
+            status = 400 if isinstance(e, InputError) else getattr(e, "status", None)
             if isinstance(status, int) and 400 <= status < 500:
                 message = getattr(e, "message", None) or str(e)
             else:

@@ -94,16 +94,21 @@ class ServeProcess:
     hard) before it starts, as a container's limit would."""
 
     def __init__(self, args: list[str], *, nofile: Optional[int] = None, ready_timeout: float = 120.0,
-                 env: Optional[dict] = None):
+                 env: Optional[dict] = None, nice: int = 0):
         def limit() -> None:  # runs in the child before exec
             if nofile is not None:
                 import resource
                 resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+            if nice:
+                try:
+                    os.nice(nice)
+                except OSError:  # a negative nice needs privileges: run at the default priority
+                    pass
 
         self.proc = subprocess.Popen(KILN + ["serve", *args, "--host", "127.0.0.1", "--port", "0"],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=dict(os.environ if env is None else env, PYTHONUNBUFFERED="1"),
-                                     preexec_fn=limit if nofile is not None else None)
+                                     preexec_fn=limit if nofile is not None or nice else None)
         self.output: list[str] = []
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -471,20 +476,55 @@ _MODES = ("header", "body", "idle")
 
 def _slow_worker(port: int, count: int, sources: list[str], mode: str, hold_s: float, interval_s: float,
                  report) -> None:
-    """Keep ``count`` slow connections open to 127.0.0.1:port for ``hold_s`` seconds (asyncio), opening a new
-    one whenever the server closes one; calls ``report(dict)`` every second."""
+    """Keep ``count`` slow connections open to 127.0.0.1:port for ``hold_s`` seconds, opening a new one
+    whenever the server closes or answers one; calls ``report(dict)`` every second. One asyncio Protocol
+    and one timer per connection (no task per byte), so one process holds ~10,000 on little CPU."""
     import asyncio
 
     stats = {"open": 0, "opened": 0, "closed_by_server": 0, "connect_errors": 0, "peak_open": 0}
+    transports: set = set()
+
+    class Slow(asyncio.Protocol):
+        def __init__(self, kind: str, done: "asyncio.Future"):
+            self.kind, self.done, self.sent, self.handle, self.transport = kind, done, 0, None, None
+
+        def connection_made(self, transport) -> None:
+            self.transport = transport
+            transports.add(transport)
+            if self.kind == "header":
+                transport.write(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: a\r\nX-Slow: ")
+            elif self.kind == "body":
+                transport.write(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: a\r\nContent-Length: 1000000\r\n\r\n")
+            if self.kind != "idle":
+                self.handle = loop.call_later(interval_s, self.trickle)
+
+        def trickle(self) -> None:
+            if not self.transport.is_closing():
+                try:
+                    self.transport.write(b"a" if self.kind == "header" else b"[")
+                except RuntimeError:  # closed under us (uvloop says so with a RuntimeError)
+                    return
+                self.handle = loop.call_later(interval_s, self.trickle)
+
+        def data_received(self, data: bytes) -> None:
+            self.transport.abort()  # the server answered (408, 503...): start over
+
+        def connection_lost(self, exc) -> None:
+            transports.discard(self.transport)
+            if self.handle is not None:
+                self.handle.cancel()
+            if not self.done.done():
+                self.done.set_result(None)
 
     async def one(i: int, deadline: float) -> None:
         kind = _MODES[i % 3] if mode == "mixed" else mode
         src = sources[i % len(sources)]
         while time.monotonic() < deadline:
+            done = loop.create_future()
             try:
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection("127.0.0.1", port, local_addr=(src, 0)), 10)
-            except (OSError, asyncio.TimeoutError):
+                await asyncio.wait_for(loop.create_connection(lambda: Slow(kind, done), "127.0.0.1", port,
+                                                              local_addr=(src, 0)), 10)
+            except (OSError, asyncio.TimeoutError, RuntimeError):
                 stats["connect_errors"] += 1
                 await asyncio.sleep(0.5)
                 continue
@@ -492,38 +532,16 @@ def _slow_worker(port: int, count: int, sources: list[str], mode: str, hold_s: f
             stats["opened"] += 1
             stats["peak_open"] = max(stats["peak_open"], stats["open"])
             try:
-                if kind == "header":
-                    writer.write(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: a\r\n")
-                    trickle = b"X-Slow: " + b"a" * 10_000
-                elif kind == "body":
-                    writer.write(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: a\r\nContent-Length: 1000000\r\n\r\n")
-                    trickle = b"[" * 1_000_000
-                else:
-                    trickle = b""
-                for b in trickle:
-                    if time.monotonic() > deadline:
-                        break
-                    writer.write(bytes([b]))
-                    try:
-                        await asyncio.wait_for(reader.read(1), interval_s)
-                        break  # the server answered (408...) or closed: reconnect
-                    except asyncio.TimeoutError:
-                        pass
-                else:
-                    if kind == "idle":
-                        try:
-                            await asyncio.wait_for(reader.read(1), max(0.0, deadline - time.monotonic()))
-                        except asyncio.TimeoutError:
-                            pass
-            except OSError:
+                await asyncio.wait_for(asyncio.shield(done), max(0.0, deadline - time.monotonic()))
+                stats["closed_by_server"] += 1
+            except asyncio.TimeoutError:
                 pass
             finally:
                 stats["open"] -= 1
-                if time.monotonic() < deadline:
-                    stats["closed_by_server"] += 1
-                writer.transport.abort()
 
     async def main() -> None:
+        nonlocal loop
+        loop = asyncio.get_running_loop()
         deadline = time.monotonic() + hold_s
         tasks = []
         for i in range(count):  # open at ~2,000/s, as an attacker would, not all in one burst
@@ -536,10 +554,13 @@ def _slow_worker(port: int, count: int, sources: list[str], mode: str, hold_s: f
                 report(dict(stats))
                 await asyncio.sleep(1.0)
         rep = asyncio.ensure_future(reporter())
-        await asyncio.gather(*tasks)
+        await asyncio.gather(*tasks, return_exceptions=True)
         rep.cancel()
+        for t in list(transports):
+            t.abort()
         report(dict(stats, done=True))
 
+    loop = None
     try:
         import uvloop
         uvloop.run(main())
@@ -547,7 +568,9 @@ def _slow_worker(port: int, count: int, sources: list[str], mode: str, hold_s: f
         asyncio.run(main())
 
 
-def _raise_nofile() -> None:
+def _raise_nofile(nice: int = 0) -> None:
+    if nice:
+        os.nice(nice)
     try:
         import resource
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -568,7 +591,7 @@ def _probe(port: int, body: bytes, timeout: float) -> tuple[bool, float, str]:
 
 def slow_attack(server: ServeProcess, connections: int, *, mode: str = "mixed", sources: int = 64,
                 hold_s: float = 30.0, interval_s: float = 2.0, processes: int = 0, probe_every_s: float = 0.2,
-                probe_timeout_s: float = 10.0) -> dict:
+                probe_timeout_s: float = 10.0, attacker_nice: int = 0) -> dict:
     """``connections`` slow connections from ``sources`` addresses 127.0.1.x (spread over ``processes``
     attacker processes, default one per 8,000), and probes every ``probe_every_s`` on fresh connections
     from 127.0.0.1 for ``hold_s`` seconds. Returns the probes' outcomes and the server's state."""
@@ -577,8 +600,8 @@ def slow_attack(server: ServeProcess, connections: int, *, mode: str = "mixed", 
     share = [connections // processes + (1 if i < connections % processes else 0) for i in range(processes)]
     cmd = [sys.executable, "-m", "kiln.server.attacks", "_slow-worker", "--port", str(server.port), "--mode", mode,
            "--hold-s", str(hold_s), "--interval-s", str(interval_s), "--sources", ",".join(sources_list)]
-    workers = [subprocess.Popen(cmd + ["--connections", str(n)], stdout=subprocess.PIPE, text=True, preexec_fn=_raise_nofile)
-               for n in share if n]
+    workers = [subprocess.Popen(cmd + ["--connections", str(n)], stdout=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: _raise_nofile(attacker_nice)) for n in share if n]
     latest: dict[int, dict] = {}
 
     def read(i, p):
@@ -723,6 +746,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     s.add_argument("--hold-s", type=float, default=60.0)
     s.add_argument("--nofile", type=int, help="the server's RLIMIT_NOFILE (default: inherited, raised to hard)")
     s.add_argument("--serve-arg", action="append", default=[], help="an extra kiln serve argument (repeatable)")
+    s.add_argument("--server-nice", type=int, default=0,
+                   help="the server's nice value (a negative one needs root): on a small shared box the attack "
+                        "processes compete with the server for CPU, which a remote attacker does not")
+    s.add_argument("--attacker-nice", type=int, default=0, help="the attack processes' nice value")
     t = sub.add_parser("sigterm", help="SIGTERM under load, several runs")
     t.add_argument("--runs", type=int, default=10)
     t.add_argument("--clients", type=int, default=16)
@@ -757,9 +784,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(result))
         return 0 if not result["failures"] and result["exit"] == 0 else 1
     server = ServeProcess([str(root / "mlp" / "1" / "model.kiln"), "--name", "mlp", "--log-level", "critical",
-                           *args.serve_arg], nofile=args.nofile)
+                           *args.serve_arg], nofile=args.nofile, nice=args.server_nice)
     try:
-        result = slow_attack(server, args.connections, mode=args.mode, sources=args.sources, hold_s=args.hold_s)
+        result = slow_attack(server, args.connections, mode=args.mode, sources=args.sources, hold_s=args.hold_s,
+                             attacker_nice=args.attacker_nice)
+        result["server_nice"], result["attacker_nice"] = args.server_nice, args.attacker_nice
         result["server_nofile"] = args.nofile or "inherited"
         result["server_metrics"] = {k: server.metric(f'kiln_connections_total{{event="{k}"}}')
                                     for k in ("accepted", "refused", "evicted", "header_timeouts", "body_timeouts")}

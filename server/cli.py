@@ -196,7 +196,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(entries, max_body_bytes=int(args.max_body_mb * (1 << 20)),
                      on_ready=on_ready, on_load_error=on_load_error)
     state = app.state.kiln
-    tracker = ConnectionTracker(limits, drained=lambda: state._drain_task is not None and state._drain_task.done())
+    # Drained: the batchers' drain (started by the signal) is over, or none was started (uvicorn is stopping
+    # for another reason, a failed load say), so idle connections need not wait for one.
+    tracker = ConnectionTracker(limits, drained=lambda: state._drain_task is None or state._drain_task.done())
     state.connections = tracker  # for /metrics
     protocol_class = make_protocol_class(tracker)
     # uvicorn waits this long for in-flight requests after a signal; each already has its own deadline.

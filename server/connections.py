@@ -459,8 +459,9 @@ def make_protocol_class(tracker: ConnectionTracker):
                 self.server_state.total_requests += 1
                 return
             self.requests_done += 1
+            pipelined = bool(self.pipeline)  # uvicorn starts the next pipelined request in the call below
             super().on_response_complete()
-            if not self.transport.is_closing() and not self.pipeline and self._message_done:
+            if not self.transport.is_closing() and not pipelined and self._message_done:
                 self._wait()
 
         # -------------------------------------------------------- timeouts
