@@ -27,11 +27,11 @@ from __future__ import annotations
 import ast
 import importlib
 import io
-import json
 import struct
 import subprocess
 import sys
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,18 +66,46 @@ class BundleReport:
 # ---------------------------------------------------------------------------- the model's manifest
 def read_manifest(packed_path: str) -> list[str]:
     """The ``Op:dtype`` list a packed file stores, read with the checked reader (no IR needed)."""
+    from kiln.mobile_stub import packed
+
+    return _checked(packed_path, lambda props: packed.parse_manifest(props[packed.PROP_OPS]))
+
+
+def check_arena(packed_path: str) -> tuple:
+    """The packed file's arena plan, checked on its own (mobile_stub/packed.py); the stub checks it again
+    against the graph (slot sizes, liveness) when the bundle loads the model."""
+    from kiln.mobile_stub import packed
+
+    return _checked(packed_path, lambda props: packed.parse_arena(props.get(packed.PROP_ARENA), max_bytes=None))
+
+
+def _checked(packed_path: str, read):
+    """``read(props)`` of the file's metadata, every failure a one-line KilnError naming the file."""
+    from kiln.errors import FormatError
+    from kiln.mobile_stub import packed
     from kiln.serializer.fbread import read_flatbuffer
     from kiln.serializer.format import parse_header
 
-    data = Path(packed_path).read_bytes()
-    header = parse_header(data, len(data))
-    model = read_flatbuffer(data[header.flatbuffer_offset:header.flatbuffer_offset + header.flatbuffer_size],
-                            base=header.flatbuffer_offset)
-    props = {kv["key"]: kv["value"] for kv in model.get("metadata") or ()}
-    if props.get("kiln.mobile.version") is None or "kiln.mobile.ops" not in props:
-        raise KilnError(f"{packed_path} is not a packed mobile model (no kiln.mobile.* metadata): "
-                        "run `kiln mobile pack` on it first")
-    return list(json.loads(props["kiln.mobile.ops"]))
+    try:
+        data = Path(packed_path).read_bytes()
+    except OSError as e:
+        raise KilnError(f"cannot read {packed_path}: {e.strerror or e}") from None
+    try:
+        header = parse_header(data, len(data))
+        fb = data[header.flatbuffer_offset:header.flatbuffer_offset + header.flatbuffer_size]
+        if zlib.crc32(fb) != header.flatbuffer_crc32:
+            raise FormatError("graph section is corrupt: checksum mismatch")
+        model = read_flatbuffer(fb, base=header.flatbuffer_offset)
+        props = {kv["key"]: kv["value"] for kv in model.get("metadata") or ()}
+        if props.get(packed.PROP_VERSION) is None or packed.PROP_OPS not in props:
+            raise KilnError(f"{packed_path} is not a packed mobile model (no kiln.mobile.* metadata): "
+                            "run `kiln mobile pack` on it first")
+        if props[packed.PROP_VERSION] != packed.MOBILE_VERSION:
+            raise FormatError(f"packed format version {props[packed.PROP_VERSION]!r:.40}; this kiln writes and runs "
+                              f"version {packed.MOBILE_VERSION}")
+        return read(props)
+    except FormatError as e:
+        raise FormatError(f"{packed_path}: {e}") from None
 
 
 def select_kernel_modules(manifest: list[str]) -> list[str]:
@@ -224,6 +252,7 @@ def bundle(packed_path: str, out_pyz: str, *, verify: bool = True) -> BundleRepo
         raise KilnError(f"no such file: {packed_path}")
     manifest = read_manifest(packed_path)
     kernels = select_kernel_modules(manifest)
+    check_arena(packed_path)
     roots = ["kiln.errors", "kiln.mobile_stub.runtime"] + [f"kiln.mobile_stub.kernels.{m}" for m in kernels]
     sources = collect_sources(roots, kernels)
     main = (Path(__file__).parent / "_bundle_main.py").read_text()

@@ -43,10 +43,9 @@ from kiln.errors import KilnError
 from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.passes import infer_shapes, optimize
 from kiln.ir.types import TensorType
+from kiln.mobile_stub.packed import MOBILE_VERSION, PROP_ARENA, PROP_OPS, PROP_VERSION, parse_arena
 
-MOBILE_VERSION = "1"
 ALIGNMENT = 64
-PROP_VERSION, PROP_OPS, PROP_ARENA = "kiln.mobile.version", "kiln.mobile.ops", "kiln.mobile.arena"
 QUANTIZE_MODES = (None, "int8")
 
 
@@ -295,8 +294,8 @@ def read_arena(graph: Graph) -> ArenaPlan:
     """The arena plan stored in a packed graph's metadata."""
     if PROP_ARENA not in graph.metadata.props:
         raise KilnError("not a packed mobile model: no kiln.mobile.arena metadata")
-    d = json.loads(graph.metadata.props[PROP_ARENA])
-    return ArenaPlan(d["size"], d["alignment"], {k: (o, n) for k, (o, n) in d["values"].items()})
+    size, alignment, values = parse_arena(graph.metadata.props[PROP_ARENA], max_bytes=None)
+    return ArenaPlan(size, alignment, values)
 
 
 # ---------------------------------------------------------------------------- measuring

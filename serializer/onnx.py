@@ -70,6 +70,7 @@ MAX_OPSET = 22               # newest opset checked to keep every kiln op's mean
 GELU_OPSET = 20              # the first ai.onnx opset with Gelu
 PROTOBUF_LIMIT = 2**31 - 1   # protobuf cannot serialize a message of 2 GB or more
 DATA_SUFFIX = ".data"        # external data goes to "<model file name>.data" (model.onnx.data)
+ONNX_MAX_NESTING = 31        # If/Loop levels protobuf's parse depth (100 messages) lets a reader load
 
 _SMALL_ALIGNMENT = 64        # external data alignment of tensors under _BIG_TENSOR bytes
 _BIG_ALIGNMENT = 1 << 16     # of bigger ones: the mmap granularity of every OS onnxruntime runs on
@@ -464,6 +465,22 @@ def _same(a, b) -> bool:
 # --------------------------------------------------------------------------- public API
 
 
+def _check_nesting(graph: Graph) -> None:
+    """Refuse subgraphs nested deeper than ONNX_MAX_NESTING: protobuf parsers (onnx.load,
+    onnxruntime) stop at a message depth of 100, three messages per If/Loop level, so the file
+    would be written and then be unreadable everywhere."""
+    stack = [(graph, 0)]
+    while stack:
+        g, depth = stack.pop()
+        for n in g.nodes:
+            for sg in n.subgraphs():
+                if depth + 1 > ONNX_MAX_NESTING:
+                    raise UnsupportedOpError(
+                        f"{n.describe()}: subgraphs nested {depth + 1} levels deep; an ONNX file holds at most "
+                        f"{ONNX_MAX_NESTING} (protobuf's parse depth), so the model cannot be exported")
+                stack.append((sg, depth + 1))
+
+
 def to_onnx_model(graph: Graph, *, opset: Optional[int] = None) -> ModelProto:
     """The ONNX model of ``graph``, in memory, with every tensor inline.
 
@@ -472,6 +489,7 @@ def to_onnx_model(graph: Graph, *, opset: Optional[int] = None) -> ModelProto:
     with 2 GB of weights or more cannot be serialized inline: use :func:`export_onnx`, which
     moves them to an external data file."""
     opset = default_opset(graph) if opset is None else _check_opset(opset)
+    _check_nesting(graph)
     return _Builder(graph, opset).model()
 
 
@@ -490,6 +508,7 @@ def export_onnx(graph: Graph, path: Union[str, os.PathLike], *, opset: Optional[
     opset = default_opset(graph) if opset is None else _check_opset(opset)
     if size_threshold < 0:
         raise KilnError(f"size_threshold must be >= 0, not {size_threshold}")
+    _check_nesting(graph)
     builder = _Builder(graph, opset, defer_bytes=None if external_data is False else size_threshold)
     model = builder.model()
     skeleton = model.ByteSize()

@@ -22,6 +22,14 @@ kiln's schema lacks all raise ``UnsupportedOpError`` naming the op, node, domain
 Malformed models (undefined names, duplicate definitions, broken external data) raise
 ``FormatError``. Nothing is dropped or approximated.
 
+Untrusted input (issue 16). A model file is attacker-controlled: every tensor's declared dims are
+checked (>= 0, product under 2^63) and matched against the data actually present (raw bytes, typed
+values, external file range) before anything is allocated; sparse tensors have their indices
+range-checked and their dense size capped (``MAX_SPARSE_DENSE_BYTES``); the model must have a graph
+with outputs (a 0-byte file is an empty ModelProto), opsets in range, text fields valid UTF-8 and
+subgraphs no deeper than ``serializer.format.MAX_SUBGRAPH_NESTING``. Every failure is a kiln error
+naming the field; serializer/onnx_attacks.py and serializer/onnx_fuzz.py keep the attacks.
+
 Constants. ``Constant`` nodes are folded into initializers (of the graph, or subgraph, they sit
 in) under their output names: kiln's shape inference reads constant inputs only from
 initializers, so shape tensors given as Constants (Reshape/Slice/Unsqueeze arguments, as
@@ -59,6 +67,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 import onnx
+from google.protobuf.message import Message as _Message
 from onnx import AttributeProto, TensorProto, numpy_helper
 
 import kiln.ir.ops  # noqa: F401  (registers every op)
@@ -71,6 +80,7 @@ from kiln.ir.types import TensorType
 from kiln.ir.verifier import verify
 from kiln.ir.versions import ONNX_OPSET_BASE
 from kiln.serializer import onnx_resize
+from kiln.serializer.format import MAX_SUBGRAPH_NESTING
 
 ModelLike = Union[str, os.PathLike, bytes, bytearray, "onnx.ModelProto"]
 
@@ -107,6 +117,7 @@ SAME_SEMANTICS_AS_18 = {
 # Not listed on purpose: Range-27 (stash_type changes float16/bfloat16 results).
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
+_MAX_OPSET_VERSION = 1000  # far past any released opset; keeps onnx.defs lookups in C int range
 _KILN_DTYPES = {d.value: d for d in DType}
 
 
@@ -121,6 +132,7 @@ def import_onnx(model: ModelLike, *, base_dir: Optional[Union[str, os.PathLike]]
     ``FormatError`` for a malformed model.
     """
     proto, base = _load(model, base_dir)
+    _check_model(proto)
     if len(proto.functions):
         try:
             from onnx import inliner
@@ -146,6 +158,8 @@ def _load(model: ModelLike, base_dir) -> tuple["onnx.ModelProto", Optional[Path]
     if isinstance(model, onnx.ModelProto):
         return model, base
     if isinstance(model, (bytes, bytearray, memoryview)):
+        if not len(model):
+            raise FormatError("not an ONNX model: 0 bytes")
         proto = onnx.ModelProto()
         try:
             proto.ParseFromString(bytes(model))
@@ -156,12 +170,74 @@ def _load(model: ModelLike, base_dir) -> tuple["onnx.ModelProto", Optional[Path]
         path = Path(model)
         if not path.is_file():
             raise FormatError(f"ONNX model file '{path}' does not exist")
+        if path.stat().st_size == 0:
+            raise FormatError(f"'{path}' is empty (0 bytes), not an ONNX model")
         try:
             proto = onnx.load(str(path), load_external_data=False)
         except Exception as e:  # noqa: BLE001
             raise FormatError(f"'{path}' is not a valid ONNX model: {e}") from e
         return proto, base if base is not None else path.parent
     raise TypeError(f"import_onnx takes a path, an onnx.ModelProto or bytes, not {type(model).__name__}")
+
+
+def _check_model(proto) -> None:
+    """What the whole model must have before any node is looked at: a graph with outputs (an empty
+    protobuf parses as a valid, empty ModelProto, which would otherwise convert to an empty model),
+    sane opset versions, and subgraphs nested no deeper than a .kiln file can hold."""
+    if not proto.HasField("graph"):
+        raise FormatError("the ONNX model has no graph (an empty or truncated file?)")
+    if not len(proto.graph.output):
+        raise FormatError(f"the ONNX model's graph '{proto.graph.name}' has no outputs: there is nothing to compute")
+    for o in proto.opset_import:
+        if not 1 <= o.version <= _MAX_OPSET_VERSION:
+            raise FormatError(f"opset_import of domain '{o.domain or 'ai.onnx'}' has version {o.version}, "
+                              f"not in [1, {_MAX_OPSET_VERSION}]")
+    _check_nesting(proto.graph)
+    _check_strings(proto)
+
+
+def _check_strings(proto) -> None:
+    """Every string field must be text: protobuf parses an ONNX (proto2) string that is not valid
+    UTF-8 as ``bytes``, which would otherwise surface as a TypeError wherever the name is used."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    string, message = FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_MESSAGE
+    stack = [(proto, "model")]
+    while stack:
+        msg, where = stack.pop()
+        if isinstance(msg, TensorProto):
+            # Not ListFields: that would copy raw_data, the bulk of a model; a tensor's text is here.
+            fields = [(TensorProto.DESCRIPTOR.fields_by_name[f], getattr(msg, f)) for f in ("name", "doc_string")]
+            stack.extend((m, f"{where}.{f}") for f in ("external_data", "metadata_props") for m in getattr(msg, f))
+        else:
+            fields = msg.ListFields()
+        for fd, value in fields:
+            if fd.type == string:
+                for item in ([value] if isinstance(value, (str, bytes)) else value):
+                    if not isinstance(item, str):
+                        raise FormatError(f"{where}.{fd.name} is not valid UTF-8 text: {bytes(item)[:60]!r}")
+            elif fd.type == message:
+                if isinstance(value, _Message):
+                    stack.append((value, f"{where}.{fd.name}"))
+                else:
+                    stack.extend((m, f"{where}.{fd.name}[{k}]") for k, m in enumerate(value))
+
+
+def _check_nesting(graph) -> None:
+    """Refuse subgraphs nested deeper than MAX_SUBGRAPH_NESTING (the level a .kiln file holds), walking
+    iteratively: the importer recurses per level and must not meet a RecursionError first."""
+    stack = [(graph, 0, ())]
+    while stack:
+        g, depth, chain = stack.pop()
+        for n in g.node:
+            for a in n.attribute:
+                for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    here = chain + (f"{_node_label(n, '')} ({n.op_type}).{a.name}",)
+                    if depth + 1 > MAX_SUBGRAPH_NESTING:
+                        raise FormatError(
+                            f"subgraphs nested {depth + 1} levels deep (at {' > '.join(here[-3:])}); kiln "
+                            f"imports at most {MAX_SUBGRAPH_NESTING} levels of nested If/Loop bodies")
+                    stack.append((sub, depth + 1, here))
 
 
 def _opset_imports(proto) -> dict:
@@ -322,6 +398,11 @@ def _type(tp, what: str) -> Optional[TensorType]:
 def _inside(base: Path, location: str, what: str) -> Path:
     """The file ``location`` names, checked to lie inside ``base`` (no absolute paths, no '..',
     no symlink leading out)."""
+    if any(ord(c) < 32 or c == "\x7f" for c in location):
+        raise FormatError(f"{what}: external data location {location!r} holds a control character (a NUL "
+                          f"byte would cut the path short)")
+    if len(location.encode("utf-8", "surrogatepass")) > 4096:
+        raise FormatError(f"{what}: external data location is {len(location)} characters long")
     if (not location or os.path.isabs(location) or location.startswith(("/", "\\"))
             or re.match(r"^[A-Za-z]:", location)):
         raise FormatError(f"{what}: external data location '{location}' must be a relative path "
@@ -338,8 +419,31 @@ def _inside(base: Path, location: str, what: str) -> Path:
     return Path(full)
 
 
+# The most bytes a sparse tensor may expand to when made dense (kiln stores constants dense). A
+# sparse tensor's declared dims are not backed by data, so without a cap a few bytes of protobuf
+# could ask for any amount of memory.
+MAX_SPARSE_DENSE_BYTES = 1 << 30
+_TYPED_FIELDS = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data")
+
+
+def _dims(dims, what: str) -> tuple[tuple[int, ...], int]:
+    """A tensor's declared dims, each >= 0, and their product (a Python int: no overflow)."""
+    out = tuple(int(d) for d in dims)
+    for k, d in enumerate(out):
+        if d < 0:
+            raise FormatError(f"{what}: dims[{k}] is {d} (dims {list(out)}); a tensor's dims must be >= 0")
+    count = span = 1
+    for d in out:
+        count *= d
+        span *= max(d, 1)
+    if span >= 1 << 63:
+        raise FormatError(f"{what}: dims {list(out)} are too large for any array (their product passes 2^63)")
+    return out, count
+
+
 class _Tensors:
-    """Reads TensorProtos (inline or external) into numpy arrays of kiln dtypes."""
+    """Reads TensorProtos (inline or external) into numpy arrays of kiln dtypes. Every size comes from
+    the data actually present: declared dims are checked against it before anything is allocated."""
 
     def __init__(self, base: Optional[Path]):
         self.base = base
@@ -348,8 +452,25 @@ class _Tensors:
         dt = _dtype(t.data_type, what)
         if t.HasField("segment"):
             raise UnsupportedOpError(f"{what} is a segmented tensor, which kiln does not read")
+        dims, count = _dims(t.dims, what)
         if t.data_location == TensorProto.EXTERNAL:
-            return self._external(t, dt, what)
+            return self._external(t, dt, dims, count, what)
+        if t.data_location != TensorProto.DEFAULT:
+            raise FormatError(f"{what}: unknown data_location {t.data_location}")
+        if t.HasField("raw_data"):
+            have, unit = len(t.raw_data), dt.itemsize
+            if have != count * unit:
+                raise FormatError(f"{what}: raw_data holds {have} bytes, a {dt} tensor of dims {list(dims)} "
+                                  f"needs {count * unit}")
+        else:
+            field = onnx.helper.tensor_dtype_to_field(t.data_type)
+            have = len(getattr(t, field))
+            for other in _TYPED_FIELDS:
+                if other != field and len(getattr(t, other)):
+                    raise FormatError(f"{what}: a {dt} tensor keeps its values in {field}, but {other} is set")
+            if have != count:
+                raise FormatError(f"{what}: {field} holds {have} values, a tensor of dims {list(dims)} "
+                                  f"needs {count}")
         try:
             arr = numpy_helper.to_array(t)
         except Exception as e:  # noqa: BLE001
@@ -358,42 +479,75 @@ class _Tensors:
             arr = arr.astype(dt.numpy)
         return arr
 
-    def _external(self, t, dt: DType, what: str) -> np.ndarray:
+    def _external(self, t, dt: DType, dims: tuple, count: int, what: str) -> np.ndarray:
         info = {e.key: e.value for e in t.external_data}
-        location = info.get("location", "")
+        if "location" not in info:
+            raise FormatError(f"{what}: external data without a 'location' entry")
+        location = info["location"]
         if self.base is None:
-            raise FormatError(f"{what} keeps its data in external file '{location}'; pass base_dir= "
+            raise FormatError(f"{what} keeps its data in external file {location!r}; pass base_dir= "
                               f"(the folder holding it) to import a model given as a proto or bytes")
         path = _inside(self.base, location, what)
-        size = path.stat().st_size
         try:
-            offset = int(info.get("offset", 0))
+            size = path.stat().st_size
+        except OSError as e:
+            raise FormatError(f"{what}: cannot read external data file {location!r}: {e.strerror or e}") from e
+        try:
+            offset = int(info.get("offset", "0"))
             length = int(info["length"]) if "length" in info else size - offset
         except ValueError as e:
-            raise FormatError(f"{what}: bad external data offset/length: {e}") from e
-        dims = tuple(int(d) for d in t.dims)
-        count = int(np.prod(dims, dtype=np.int64))
+            raise FormatError(f"{what}: external data offset/length must be integers (offset "
+                              f"{info.get('offset')!r}, length {info.get('length')!r})") from e
         want = count * dt.itemsize
         if offset < 0 or length < 0 or offset + length > size:
             raise FormatError(f"{what}: external data [{offset}, {offset + length}) lies outside "
-                              f"'{location}' ({size} bytes)")
+                              f"{location!r} ({size} bytes)")
         if length != want:
-            raise FormatError(f"{what}: external data holds {length} bytes, a {dt} tensor of shape "
+            raise FormatError(f"{what}: external data holds {length} bytes, a {dt} tensor of dims "
                               f"{list(dims)} needs {want}")
-        arr = np.fromfile(path, dtype=dt.numpy, count=count, offset=offset)
+        try:
+            arr = np.fromfile(path, dtype=dt.numpy, count=count, offset=offset)
+        except OSError as e:
+            raise FormatError(f"{what}: cannot read external data file {location!r}: {e.strerror or e}") from e
+        if arr.size != count:
+            raise FormatError(f"{what}: external data file {location!r} changed while it was read")
         if sys.byteorder == "big" and dt.itemsize > 1:
             arr = arr.byteswap()
         return arr.reshape(dims)
 
     def sparse(self, s, what: str) -> np.ndarray:
-        """A dense array from a SparseTensorProto (values at linear or per-dim indices)."""
-        values = self.array(s.values, what)
-        indices = self.array(s.indices, what).astype(np.int64)
-        dims = tuple(int(d) for d in s.dims)
+        """A dense array from a SparseTensorProto (values at linear or per-dim indices), every index
+        and the dense size checked first."""
+        dims, count = _dims(s.dims, what)
+        values = self.array(s.values, f"{what}: values")
+        dt = _dtype(s.values.data_type, what)
+        if count * dt.itemsize > MAX_SPARSE_DENSE_BYTES:
+            raise FormatError(f"{what}: dims {list(dims)} make a dense {dt} tensor of {count * dt.itemsize:,} "
+                              f"bytes, over the {MAX_SPARSE_DENSE_BYTES:,} bytes kiln expands a sparse tensor to")
+        if values.ndim != 1:
+            raise FormatError(f"{what}: values must be 1-D [NNZ], got dims {list(values.shape)}")
+        nnz = values.shape[0]
+        if not s.HasField("indices"):
+            if nnz:
+                raise FormatError(f"{what}: {nnz} values but no indices")
+            return np.zeros(dims, dtype=values.dtype)
+        indices = self.array(s.indices, f"{what}: indices")
+        if indices.dtype != np.int64:
+            raise FormatError(f"{what}: indices must be int64, got {indices.dtype}")
+        if indices.ndim == 1 and indices.shape[0] == nnz:
+            if nnz and (indices.min() < 0 or indices.max() >= count):
+                raise FormatError(f"{what}: a linear index lies outside [0, {count}) (dims {list(dims)})")
+            flat = indices
+        elif indices.ndim == 2 and indices.shape == (nnz, len(dims)):
+            if nnz and ((indices < 0).any() or (indices >= np.asarray(dims, np.int64)).any()):
+                raise FormatError(f"{what}: an index lies outside dims {list(dims)}")
+            flat = np.ravel_multi_index(tuple(indices.T), dims) if nnz else indices.reshape(-1)
+        else:
+            raise FormatError(f"{what}: indices of dims {list(indices.shape)} do not fit {nnz} values of a "
+                              f"rank-{len(dims)} tensor (want [{nnz}] or [{nnz}, {len(dims)}])")
         out = np.zeros(dims, dtype=values.dtype)
-        if values.size:
-            flat = indices if indices.ndim == 1 else np.ravel_multi_index(tuple(indices.T), dims)
-            out.reshape(-1)[flat] = values.reshape(-1)
+        if nnz:
+            out.reshape(-1)[flat] = values
         return out
 
 

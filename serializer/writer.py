@@ -22,8 +22,9 @@ from kiln.ir.registry import AttrKind
 from kiln.serializer.fb.layout import TABLES
 from kiln.serializer.fb import (Attribute, Graph as FbGraph, Initializer, KeyValue, Model, Node as FbNode,
                                 TensorData, TensorType, ValueInfo)
-from kiln.serializer.format import (ATTR_KIND_CODES, FILE_IDENTIFIER, HEADER_SIZE, SEGMENT_ALIGNMENT,
-                                    TENSOR_ALIGNMENT, Header, align)
+from kiln.errors import FormatError
+from kiln.serializer.format import (ATTR_KIND_CODES, FILE_IDENTIFIER, HEADER_SIZE, MAX_SUBGRAPH_NESTING,
+                                    SEGMENT_ALIGNMENT, TENSOR_ALIGNMENT, Header, align)
 
 _CHUNK = 64 << 20  # write and checksum big tensors in 64 MiB pieces
 _UNKNOWN, _SYMBOLIC = -1, -2  # TensorType.shape entries for an unknown dim and a named symbolic dim
@@ -97,8 +98,12 @@ class _Encoder:
         return self.b.CreateNumpyVector(np.asarray(values, dtype=dtype).reshape(-1))
 
     # ---- types and tensors
-    def tensor_type(self, t) -> int:
+    def tensor_type(self, t, name: str = "") -> int:
         dims = t.shape or ()
+        for d in dims:
+            if isinstance(d, int) and not 0 <= d < 1 << 63:
+                raise FormatError(f"cannot save: value '{name}' has shape {list(dims)}; a dim must be an integer "
+                                  f"in [0, 2^63) (the file stores int64)")
         symbols = [d for d in dims if isinstance(d, str)]
         sym_vec = self.string_vector(TensorType.StartSymbolsVector, symbols) if symbols else None
         shape = self.ints([d if isinstance(d, int) else _SYMBOLIC if isinstance(d, str) else _UNKNOWN
@@ -201,7 +206,7 @@ class _Encoder:
         for v in self.values:
             if v.type is None:
                 raise ValueError(f"value '{v.name}' has no type; run shape inference before saving")
-            t = self.tensor_type(v.type)
+            t = self.tensor_type(v.type, v.name)
             name = self.b.CreateString(v.name)
             ValueInfo.Start(self.b)
             ValueInfo.AddName(self.b, name)
@@ -237,11 +242,32 @@ _ATTR_ADDERS = {AttrKind.STRING: Attribute.AddS, AttrKind.INTS: Attribute.AddInt
                 AttrKind.TENSOR: Attribute.AddTensor, AttrKind.GRAPH: Attribute.AddGraph}
 
 
+def check_nesting(graph: Graph) -> int:
+    """The deepest subgraph nesting of ``graph`` (0: no If/Loop bodies). Raises FormatError naming the
+    chain of nodes when it exceeds MAX_SUBGRAPH_NESTING, the level the reader accepts (one rule for both,
+    in serializer/format.py), so a graph that saves always loads back."""
+    deepest = 0
+    stack = [(graph, 0, ())]
+    while stack:
+        g, depth, chain = stack.pop()
+        deepest = max(deepest, depth)
+        for n in g.nodes:
+            for sg in n.subgraphs():
+                if depth + 1 > MAX_SUBGRAPH_NESTING:
+                    path = " > ".join((chain + (f"{n.name} ({n.op})",))[-3:])
+                    raise FormatError(
+                        f"cannot save: subgraphs nested {depth + 1} levels deep (at {path}); a .kiln file holds "
+                        f"at most {MAX_SUBGRAPH_NESTING} levels of nested If/Loop bodies")
+                stack.append((sg, depth + 1, chain + (f"{n.name} ({n.op})",)))
+    return deepest
+
+
 def save(graph: Graph, path: Union[str, os.PathLike]) -> Path:
     """Write ``graph`` to ``path`` as a .kiln file (atomically, deterministically). Returns the path.
 
     Every value must have a type (run ``kiln.ir.passes.infer_shapes`` first if needed)."""
     path = Path(path)
+    check_nesting(graph)
     enc = _Encoder(graph)
     fb = enc.model(graph)
     data_offset = align(HEADER_SIZE + len(fb), SEGMENT_ALIGNMENT)

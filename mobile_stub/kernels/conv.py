@@ -33,9 +33,33 @@ def _pads(attrs, sizes, kernel, strides, dilations):
     return begin, end
 
 
-def windows(x, kernel, strides, dilations, begin, end, fill=0.0):
+MAX_PADDED_FLOOR = 1 << 20  # elements a padded copy may always have (tiny inputs with large pads)
+
+
+def windows(x, kernel, strides, dilations, begin, end, fill=0.0, expect=None):
     """[N, C, *k, *out] strided view of x padded with ``fill`` (a padded copy only when pads are set).
-    2-D only: 1-D callers add a unit height."""
+    2-D only: 1-D callers add a unit height. ``expect``: the output's spatial shape, checked against the
+    attributes before the padded copy is made (a file's pads cannot make the kernel allocate more than
+    its declared output implies)."""
+    geometry = (tuple(kernel), tuple(strides), tuple(dilations), tuple(begin), tuple(end))
+    if any(len(g) != 2 for g in geometry) or min(kernel) < 1 or min(strides) < 1 or min(dilations) < 1 \
+            or min(begin) < 0 or min(end) < 0:
+        raise ValueError(f"bad window geometry: kernel {list(kernel)}, strides {list(strides)}, dilations "
+                         f"{list(dilations)}, pads {list(begin) + list(end)}")
+    # The padded copy is the one allocation the attributes size: bounded by the input (a file's pads
+    # cannot ask for gigabytes to make a few outputs). Real pads add a few rows and columns.
+    padded = x.shape[0] * x.shape[1]
+    for s, b, e in zip(x.shape[2:], begin, end):
+        padded *= s + b + e
+    if (any(begin) or any(end)) and padded > max(16 * x.size, MAX_PADDED_FLOOR):
+        raise ValueError(f"pads {list(begin) + list(end)} would make a padded copy of {padded:,} elements from "
+                         f"an input of {x.size:,} (kernel {list(kernel)})")
+    out = [(s + b + e - (k - 1) * d - 1) // st + 1
+           for s, b, e, k, d, st in zip(x.shape[2:], begin, end, kernel, dilations, strides)]
+    if expect is not None and tuple(out) != tuple(expect) or min(out) < 1:
+        raise ValueError(f"kernel {list(kernel)}, strides {list(strides)}, dilations {list(dilations)} and pads "
+                         f"{list(begin) + list(end)} over {list(x.shape[2:])} make {out}, the output is "
+                         f"{list(expect) if expect is not None else '?'}")
     if any(begin) or any(end):
         xp = np.full(x.shape[:2] + tuple(s + b + e for s, b, e in zip(x.shape[2:], begin, end)), fill, x.dtype)
         xp[(slice(None), slice(None)) + tuple(slice(b, b + s) for b, s in zip(begin, x.shape[2:]))] = x
@@ -63,7 +87,7 @@ def conv(ins, outs, attrs):
     dilations = tuple(attrs.get("dilations") or (1, 1))
     group = attrs.get("group", 1)
     begin, end = _pads(attrs, x.shape[2:], kernel, strides, dilations)
-    cols = windows(x, kernel, strides, dilations, begin, end)
+    cols = windows(x, kernel, strides, dilations, begin, end, expect=y.shape[2:])
     n, c = x.shape[:2]
     m, c_g = wq.shape[:2]
     m_g = m // group

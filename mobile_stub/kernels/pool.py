@@ -45,7 +45,7 @@ def max_pool(ins, outs, attrs):
     x, y, lifted = _sizes_2d(ins[0], outs[0])
     attrs = _lift(attrs) if lifted else attrs
     kernel, strides, dilations, begin, _, reach = _geometry(x, y, attrs)
-    cols = windows(x, kernel, strides, dilations, begin, reach, fill=-np.inf)
+    cols = windows(x, kernel, strides, dilations, begin, reach, fill=-np.inf, expect=y.shape[2:])
     np.max(cols, axis=(2, 3), out=y)
 
 
@@ -53,7 +53,7 @@ def average_pool(ins, outs, attrs):
     x, y, lifted = _sizes_2d(ins[0], outs[0])
     attrs = _lift(attrs) if lifted else attrs
     kernel, strides, dilations, begin, end, reach = _geometry(x, y, attrs)
-    cols = windows(x, kernel, strides, dilations, begin, reach)
+    cols = windows(x, kernel, strides, dilations, begin, reach, expect=y.shape[2:])
     np.sum(cols, axis=(2, 3), out=y)
     if not any(begin) and not any(reach):
         y /= np.float32(kernel[0] * kernel[1])
@@ -62,9 +62,10 @@ def average_pool(ins, outs, attrs):
     ones = np.ones((1, 1) + x.shape[2:], np.float32)
     if attrs.get("count_include_pad", 0):
         ones = np.pad(ones, [(0, 0), (0, 0)] + [(b, e) for b, e in zip(begin, end)], constant_values=1)
-        counts = windows(ones, kernel, strides, dilations, [0, 0], [max(r - e, 0) for r, e in zip(reach, end)])
+        counts = windows(ones, kernel, strides, dilations, [0, 0], [max(r - e, 0) for r, e in zip(reach, end)],
+                         expect=y.shape[2:])
     else:
-        counts = windows(ones, kernel, strides, dilations, begin, reach)
+        counts = windows(ones, kernel, strides, dilations, begin, reach, expect=y.shape[2:])
     y /= counts.sum(axis=(2, 3))
 
 

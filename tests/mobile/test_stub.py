@@ -203,7 +203,7 @@ def test_unpacked_file_is_refused(tmp_path):
 
 # ------------------------------------------------------------------ no kiln.ir, torch or onnx on the reading path
 READER = ["errors.py", "serializer/format.py", "serializer/fbread.py", "serializer/fb/layout.py",
-          "mobile_stub/runtime.py", "mobile_stub/kernels/__init__.py"]
+          "mobile_stub/runtime.py", "mobile_stub/packed.py", "mobile_stub/kernels/__init__.py"]
 
 
 def test_stub_runs_from_a_tree_without_kiln_ir(zoo_graphs, tmp_path):
