@@ -12,6 +12,10 @@ Three attacks, each against a real ``kiln serve`` process on 127.0.0.1 and each 
   trickled likewise, or nothing at all) from many source addresses (127.0.x.y), re-opened as the server
   closes them, while probes make real inference requests on fresh connections. Holds: every probe is
   answered 200, promptly; the server's descriptors stay under its limit.
+- ``kill-worker``: every worker process SIGKILLed while clients send batched requests back to back.
+  Holds: each request is answered, 200 equal to ``Program.run`` on that request alone, or a JSON 500
+  naming the dead worker (or 503 while its replacement starts); none lost, no wrong 200; then the
+  replacement serves.
 - ``sigterm``: runs under load (clients on keep-alive connections sending requests back to back), a
   SIGTERM in the middle. Holds: every request that reached the server is answered (200, or 503 once the
   drain began); the others were refused at connect; exit status 0.
@@ -21,6 +25,7 @@ Commands (the long versions; the tests in tests/server/test_attacks.py run short
     python -m kiln.server.attacks matrix
     python -m kiln.server.attacks slow --connections 20000 --hold-s 60
     python -m kiln.server.attacks sigterm --runs 10
+    python -m kiln.server.attacks kill-worker --runs 5
 
 Each prints one JSON line of results last (for bench/RESULTS.md). No torch; models are built here.
 """
@@ -733,6 +738,105 @@ def sigterm_runs(runs: int, clients: int = 16, before_s: float = 1.5) -> dict:
     return totals
 
 
+# ---------------------------------------------------------------------------------------------- worker kill
+def worker_pids(pid: int) -> list[int]:
+    """The worker processes of a server: its children, less multiprocessing's resource tracker."""
+    pids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:  # the thread exited
+            continue
+        for child in children:
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"resource_tracker" not in cmdline:
+                pids.append(int(child))
+    return pids
+
+
+def kill_worker_run(model: Path, *, clients: int = 8, duration_s: float = 4.0, kill_at_s: float = 1.5,
+                    workers: int = 1) -> dict:
+    """``clients`` threads send distinct random 1-3 row requests back to back (so they are batched) for
+    ``duration_s``; at ``kill_at_s`` every worker process gets SIGKILL. Every request is classified: ``ok``
+    (200 and equal to Program.run on that request alone), ``wrong`` (a 200 that is not), ``worker_died``
+    (500 JSON naming the dead worker), ``unavailable`` (503 JSON while the replacement starts), ``lost``
+    (no response), ``other``. Then the server must serve again."""
+    import kiln
+    program = kiln.load(model)
+    server = ServeProcess([str(model), "--name", "mlp", "--workers", str(workers), "--max-batch-size", "32",
+                           "--log-level", "critical"])
+    counts = {"ok": 0, "wrong": 0, "worker_died": 0, "unavailable": 0, "lost": 0, "other": 0}
+    samples: list[str] = []
+    lock = threading.Lock()
+    deadline = time.monotonic() + duration_s
+
+    def client(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        while time.monotonic() < deadline:
+            x = rng.standard_normal((int(rng.integers(1, 4)), 16)).astype(np.float32)
+            try:
+                conn.request("POST", "/v2/models/mlp/infer", _req(_inp(list(x.shape), x.ravel().tolist())),
+                             {"Content-Type": "application/json"})
+                r = conn.getresponse()
+                body = r.read()
+            except (http.client.HTTPException, OSError) as e:
+                key, why = "lost", f"{type(e).__name__}: {e}"
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+            else:
+                why = ""
+                if r.status == 200:
+                    out = json.loads(body)["outputs"][0]
+                    got = np.array(out["data"], np.float32).reshape(out["shape"])
+                    want = program.run({"x": x})["y"]
+                    # Up to rounding (a row inside a batch, fewer BLAS threads in the worker; an output near 0
+                    # from cancelling terms of ~10 was seen 2e-6 off): an absolute floor scaled by the
+                    # output's magnitude. A request answered with another's rows is off by ~1-10.
+                    ok = got.shape == want.shape and np.allclose(
+                        got, want, rtol=1e-4, atol=1e-5 * max(1.0, float(np.abs(want).max())))
+                    key, why = ("ok", "") if ok else (
+                        "wrong", f"wrong answer for {x.shape}: got {got.ravel()[:6].tolist()}, "
+                                 f"want {want.ravel()[:6].tolist()}, shape {list(got.shape)}")
+                else:
+                    error = json.loads(body).get("error", "") if body.startswith(b"{") else ""
+                    key = ("worker_died" if r.status == 500 and "died" in error else
+                           "unavailable" if r.status == 503 and error else "other")
+                    why = f"{r.status} {body[:120]!r}"
+            with lock:
+                counts[key] += 1
+                if key in ("wrong", "lost", "other") and len(samples) < 5:
+                    samples.append(why)
+        conn.close()
+
+    try:
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+        for t in threads:
+            t.start()
+        time.sleep(kill_at_s)
+        killed = worker_pids(server.pid)
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+        for t in threads:
+            t.join(duration_s + 60)
+        recovered = None
+        give_up = time.monotonic() + 60
+        while time.monotonic() < give_up:  # the replacement worker serves again
+            status, _, body = request("127.0.0.1", server.port, "POST", "/v2/models/mlp/infer",
+                                      _req(_inp([1, 16], [0.5] * 16)))
+            if status == 200:
+                recovered = round(time.monotonic() - give_up + 60, 2)
+                break
+            time.sleep(0.2)
+    finally:
+        code = server.stop()
+    return {**counts, "killed": len(killed), "recovered_after_s": recovered, "samples": samples, "exit": code,
+            "traceback": "Traceback" in "".join(server.output)}
+
+
 # ---------------------------------------------------------------------------------------------- command
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kiln.server.attacks", description=__doc__.split("\n\n")[0])
@@ -753,6 +857,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     t = sub.add_parser("sigterm", help="SIGTERM under load, several runs")
     t.add_argument("--runs", type=int, default=10)
     t.add_argument("--clients", type=int, default=16)
+    k = sub.add_parser("kill-worker", help="SIGKILL the worker processes under batched load, several runs")
+    k.add_argument("--runs", type=int, default=5)
+    k.add_argument("--workers", type=int, default=1)
     w = sub.add_parser("_slow-worker")  # an attacker process of `slow`
     w.add_argument("--port", type=int, required=True)
     w.add_argument("--connections", type=int, required=True)
@@ -772,6 +879,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(result))
         return 0 if result["lost"] == 0 and result["nonzero_exits"] == 0 else 1
     root = make_repository(Path(tempfile.mkdtemp(prefix="kiln-attacks-")))
+    if args.cmd == "kill-worker":
+        totals: dict = {"runs": args.runs, "samples": []}
+        for i in range(args.runs):
+            r = kill_worker_run(root / "mlp" / "1" / "model.kiln", workers=args.workers)
+            print(f"run {i + 1}/{args.runs}: " + json.dumps({k: v for k, v in r.items() if k != "samples"}), flush=True)
+            for key, value in r.items():
+                if key == "samples":
+                    totals["samples"] += value
+                elif isinstance(value, (int, float)) and not isinstance(value, bool) and key != "recovered_after_s":
+                    totals[key] = totals.get(key, 0) + value
+            totals["not_recovered"] = totals.get("not_recovered", 0) + (r["recovered_after_s"] is None)
+        print(json.dumps(totals))
+        bad = totals.get("wrong", 0) + totals.get("lost", 0) + totals.get("other", 0) + totals["not_recovered"]
+        return 0 if bad == 0 else 1
     if args.cmd == "matrix":
         server = ServeProcess([str(root), "--workers", "0", "--max-body-mb", str(args.max_body_mb), "--log-level", "critical"])
         try:

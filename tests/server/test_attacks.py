@@ -2,8 +2,9 @@
 lowered open-file limit, the connection guards one by one, SIGTERM under load. Real ``kiln serve``
 processes on 127.0.0.1; counts and times bounded (the long runs: ``python -m kiln.server.attacks``).
 
-The worker-SIGKILL-mid-batch fault is tests/server/test_serve_process.py::test_killed_worker_... and
-tests/server/test_workers.py; the model that raises at run time is a case of the matrix.
+The faults: a worker SIGKILLed under batched load (below; one request alone in
+tests/server/test_serve_process.py, the executor in tests/server/test_workers.py), SIGTERM under load
+(below), a model that raises at run time (a case of the matrix: a JSON 500 naming the node).
 """
 from __future__ import annotations
 
@@ -281,3 +282,14 @@ def test_an_unhandled_exception_is_a_json_500_and_a_4xx_status_is_kept(tmp_path)
         assert r.status_code == 500 and r.json() == {"error": "internal error: RuntimeError: kaboom"}
         r = client.get("/bad")
         assert r.status_code == 400 and r.json() == {"error": "that input"}
+
+
+# ---------------------------------------------------------------------------------------------- worker kill
+def test_worker_killed_under_batched_load_loses_nothing_and_answers_nothing_wrong(repo):
+    """8 clients send distinct random requests back to back (batched); the worker gets SIGKILL mid-run:
+    every request is answered, 200 with its own answer or a JSON 500 naming the dead worker (503 while
+    the replacement starts); none lost, no wrong 200; the replacement serves."""
+    r = attacks.kill_worker_run(repo / "mlp" / "1" / "model.kiln", clients=8, duration_s=3.0, kill_at_s=1.0)
+    assert r["killed"] >= 1 and r["exit"] == 0 and not r["traceback"], r
+    assert r["wrong"] == 0 and r["lost"] == 0 and r["other"] == 0, r
+    assert r["ok"] > 50 and r["recovered_after_s"] is not None, r
