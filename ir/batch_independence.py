@@ -19,13 +19,19 @@ Each value gets one state (a small lattice, evaluated in graph order, subgraphs 
   and inner factors come from reshapes that fold the batch with another dim in row-major order
   (``nn.MultiheadAttention``'s ``[seq, N * heads, hd]`` and ``[seq * N, E]``), which keep each
   request's rows apart as long as nothing slices, reduces or mixes along that axis;
+- ``Index(axis, stride)``: positions in the stacked batch (``arange(N)``, and the flat indices
+  ``arange(N)[:, None] * seq + arange(seq)`` that ``mask[batch_idx, kv_idx]`` is lowered to): only
+  a Gather that stays inside each row's own block of its data turns it back into rows;
 - ``Mixed(reason)``: anything else, with the first node that made it so.
 
 Rules are a table keyed by op (``RULES``); **an op without a rule is dependent**, as is every
 shape the rules cannot read (an unknown rank, a non-literal axis). The model is batchable when
 every graph input and output has the same symbol as dim 0 (and nowhere else), every output is
-``Rows(0)`` and no side-effect check (``kiln.Guard``, ``kiln.Assert``) reads a value that mixes
-rows or depends on N. If/Loop bodies and the bodies of fused kiln ops are analysed with the
+``Rows(0)`` and no side-effect check reads a value that mixes rows or depends on N: a
+``kiln.Guard`` must read a constant (a comparison of N that no batch size changes counts as one),
+since a guard on the batch could pass stacked and refuse alone; a ``kiln.Assert`` may read rows
+(``np.all`` of row-wise conditions passes stacked iff it passes for each row, and a failed batch
+is re-run request by request). If/Loop bodies and the bodies of fused kiln ops are analysed with the
 values they read; If branches must agree, a Loop's carried states must reach a fixed point.
 """
 from __future__ import annotations
@@ -82,6 +88,22 @@ class Rows:
 
 
 @dataclass(frozen=True)
+class Index:
+    """An int tensor of positions in the stacked batch: along ``axis`` (N long), the element at batch
+    position i is i x ``stride`` + r with 0 <= r < stride (r = 0 when ``exact``). ``arange(N)`` and
+    the flat indices ``arange(N)[:, None] * seq + arange(seq)`` that advanced indexing
+    (``mask[batch_idx, kv_idx]``) is lowered to. Not row data: only a Gather that picks, for row i,
+    inside row i's block of its data keeps rows apart; anything else it meets is dependent."""
+
+    axis: int
+    stride: Prod = ONE
+    exact: bool = True
+
+    def at(self, axis: int) -> "Index":
+        return Index(axis, self.stride, self.exact)
+
+
+@dataclass(frozen=True)
 class Mixed:
     """Rows are mixed (or N is used as a value): ``reason`` names the node that did it."""
 
@@ -89,7 +111,10 @@ class Mixed:
     node: Optional[Node] = None
 
 
-State = Union[_Const, Size, Rows, Mixed]
+State = Union[_Const, Size, Rows, Index, Mixed]
+
+# Ops that may read an Index (see Index); any other op reading one is dependent.
+_INDEX_OPS = frozenset({"Unsqueeze", "Squeeze", "Identity", "Cast", "Mul", "Add", "Where", "Gather"})
 
 
 def _size(mask: Optional[Sequence[bool]]) -> State:
@@ -197,6 +222,9 @@ class _Analysis:
         # Dims as Prods (N included) where a value's type lost them: kiln's shape inference keeps a
         # product like N x 4 as an unknown dim, and attention layers reshape through such dims.
         self.dims: dict[Value, list] = {}
+        # Exclusive upper bounds (as Prods) of CONST int values known to lie in [0, bound):
+        # arange(seq) and what keeps its values; what makes seq-major flat indices provably in range.
+        self.bounds: dict[Value, Prod] = {}
 
     def state(self, v: Optional[Value]) -> State:
         if v is None:
@@ -217,6 +245,7 @@ class _Analysis:
                 self.states[v] = self._checked(node, v, s)
             if node.outputs:
                 self._propagate_dims(node)
+                self._record_bounds(node)
             if len(node.outputs) == 1 and node.domain == ONNX_DOMAIN:
                 vals = self._shape_values(node)
                 if vals is not None:
@@ -228,11 +257,17 @@ class _Analysis:
         n_out = len(node.outputs)
         if node.schema.side_effect:
             return self._check_node(node, ins)
+        wrapped = _negative_wrap(node)
+        if wrapped is not None and (isinstance(self.state(wrapped), Index) or wrapped in self.bounds):
+            return [self.state(wrapped)]  # values >= 0: Where(x < 0, x + n, x) is x
         if mixed is not None:
             return [mixed] * n_out
         has_body = any(True for _ in node.subgraphs())
         if not has_body and all(s is CONST for s in ins):
             return [CONST] * n_out
+        if any(isinstance(s, Index) for s in ins) and not (node.domain == ONNX_DOMAIN and node.op in _INDEX_OPS):
+            return [Mixed("it uses positions in the stacked batch (an arange over the batch size) as values",
+                          node)] * n_out
         rule = RULES.get((node.domain, node.op))
         if rule is None:
             return [Mixed(f"op {node.qualified_op} has no batch-independence rule (unknown means dependent)",
@@ -315,8 +350,32 @@ class _Analysis:
             dims = ins[0]
         elif op in _BROADCAST or op == "MatMul":
             dims = _broadcast_dims(op, [d for d in ins if d is not None], len(out.shape))
+        elif op == "Expand" and ins[0] is not None:
+            target = self._vals(node.inputs[1])
+            if target is not None and all(t is None or t[0] >= 0 for t in target):
+                dims = _broadcast_dims("Add", [ins[0], target], len(out.shape))
         if dims is not None and len(dims) == len(out.shape):
             self.dims[out] = dims
+
+    def _record_bounds(self, node: Node) -> None:
+        """``bounds`` of a node's CONST int output: arange(0, L) lies in [0, L); reshaping ops and the
+        negative-index wrap keep the bound."""
+        out = node.outputs[0]
+        if self.states.get(out) is not CONST or node.domain != ONNX_DOMAIN:
+            return
+        bound = None
+        if node.op == "Range":
+            start, limit, delta = (self._vals(v) for v in node.inputs[:3])
+            if start == [(0, ())] and delta == [(1, ())] and limit is not None and len(limit) == 1 \
+                    and limit[0] is not None and not _has_n(limit[0], self.symbol):
+                bound = limit[0]
+        elif node.op in ("Unsqueeze", "Squeeze", "Identity", "Cast", "Reshape") and node.inputs[0] is not None:
+            bound = self.bounds.get(node.inputs[0])
+        elif node.op == "Where":
+            wrapped = _negative_wrap(node)
+            bound = None if wrapped is None else self.bounds.get(wrapped)
+        if bound is not None:
+            self.bounds[out] = bound
 
     def _vals(self, v: Optional[Value]) -> Optional[list]:
         if v is None:
@@ -518,6 +577,8 @@ _BROADCAST = ("Add", "Sub", "Mul", "Div", "Mod", "Pow", "And", "Or", "Xor", "Equ
 def _broadcast(ctx: _Ctx) -> list:
     """numpy broadcasting: every operand carrying rows must put the batch on the same output axis
     (with the same folding); a constant operand broadcasts along it only with dim 1 (or none)."""
+    if any(isinstance(s, Index) for s in ctx.ins):
+        return [_index_arith(ctx)]
     out_rank = len(ctx.out_shape())
     target: Optional[Rows] = None
     for i, s in enumerate(ctx.ins):
@@ -528,7 +589,7 @@ def _broadcast(ctx: _Ctx) -> list:
                                 "rows of different requests would meet")
             target = cand
     if target is None:
-        return [_size_broadcast(ctx)]
+        return [CONST if _same_for_every_n(ctx) else _size_broadcast(ctx)]
     for i, s in enumerate(ctx.ins):
         if not ctx.has(i) or isinstance(s, Rows):
             continue
@@ -541,6 +602,81 @@ def _broadcast(ctx: _Ctx) -> list:
             raise Dependent(f"operand '{ctx.node.inputs[i].name}' {list(shape)} has dim {shape[pos]!r} on the "
                             "batch axis instead of broadcasting along it")
     return [target]
+
+
+def _index_arith(ctx: _Ctx) -> Index:
+    """Flat indices into a batch-major tensor: i x L (L a known positive size) and i x L + c with
+    c in [0, L) (a bounded arange) stay inside row i's block of L elements."""
+    op = ctx.node.op
+    if op not in ("Mul", "Add") or len(ctx.ins) != 2:
+        raise Dependent("it computes with positions in the stacked batch")
+    k = 0 if isinstance(ctx.ins[0], Index) else 1
+    idx, other = ctx.ins[k], ctx.ins[1 - k]
+    v = ctx.node.inputs[1 - k]
+    if other is not CONST:
+        raise Dependent("it combines positions in the stacked batch with row data or the batch size")
+    out_rank = len(ctx.out_shape())
+    axis = idx.axis + out_rank - ctx.rank(k)
+    shape = ctx.shape(1 - k)
+    pos = axis - (out_rank - len(shape))
+    if pos >= 0 and shape[pos] != 1:
+        raise Dependent("its operands do not broadcast along the batch")
+    if op == "Mul":
+        vals = ctx.an._vals(v)
+        if idx.exact and vals is not None and len(vals) == 1 and vals[0] is not None and vals[0][0] > 0 \
+                and not _has_n(vals[0], ctx.an.symbol):
+            return Index(axis, _mul(idx.stride, vals[0]), True)
+        raise Dependent("it scales positions in the stacked batch by a value not known to be a positive size")
+    bound = ctx.an.bounds.get(v)
+    if idx.exact and bound is not None and bound == idx.stride:
+        return Index(axis, idx.stride, False)
+    raise Dependent("it offsets positions in the stacked batch by values not known to stay inside a row")
+
+
+def _negative_wrap(node: Node) -> Optional[Value]:
+    """x, if ``node`` is ``Where(Less(x, 0), Add(x, n), x)`` (how a negative index is wrapped)."""
+    if node.op != "Where" or node.domain != ONNX_DOMAIN or len(node.inputs) != 3:
+        return None
+    cond, plus, x = node.inputs
+    if x is None or cond is None or plus is None:
+        return None
+    less, add = cond.producer, plus.producer
+    if less is None or add is None or less.op != "Less" or add.op != "Add":
+        return None
+    zero = _literal(less.inputs[1]) if less.inputs[1] is not None else None
+    if less.inputs[0] is not x or zero is None or zero.size != 1 or zero.reshape(-1)[0] != 0:
+        return None
+    return x if x in add.inputs else None
+
+
+_COMPARE = {"Equal": lambda x, k: x == k, "Greater": lambda x, k: x > k, "Less": lambda x, k: x < k,
+            "GreaterOrEqual": lambda x, k: x >= k, "LessOrEqual": lambda x, k: x <= k}
+
+
+def _same_for_every_n(ctx: _Ctx) -> bool:
+    """Whether a comparison of a x N (a > 0) with a constant k has one answer for every N >= 1 (a
+    trace's ``if x.size(0) == 1`` on a batch folded with 4 heads: 4N is never 1), so the result,
+    and any guard on it, is the same stacked or alone."""
+    op = ctx.node.op
+    if op not in _COMPARE or len(ctx.ins) != 2:
+        return False
+    x, y = (ctx.an._vals(v) for v in ctx.node.inputs)
+    if x is None or y is None or len(x) != 1 or len(y) != 1 or x[0] is None or y[0] is None:
+        return False
+    n = ((ctx.an.symbol, 1),)
+    if x[0][1] == n and not y[0][1]:
+        a, k, swap = x[0][0], y[0][0], False
+    elif y[0][1] == n and not x[0][1]:
+        a, k, swap = y[0][0], x[0][0], True
+    else:
+        return False
+    if a <= 0:
+        return False
+    cmp = _COMPARE[op]
+    # a x N runs over a, 2a, 3a, ...: the answer changes only where a x N crosses or meets k.
+    probes = {a, a * max(1, k // a), a * max(1, k // a + 1), a * max(1, k // a + 2)}
+    answers = {cmp(k, p) if swap else cmp(p, k) for p in probes}
+    return len(answers) == 1
 
 
 def _size_broadcast(ctx: _Ctx) -> State:
@@ -589,9 +725,12 @@ def _constant(ctx: _Ctx) -> list:
 
 @rule("Range")
 def _range(ctx: _Ctx) -> list:
-    # arange(N) numbers rows by their position in the batch: a Size value, never row data.
+    """arange(N) numbers rows by their position in the batch: an Index (see Index), never row data."""
     if any(isinstance(s, Rows) for s in ctx.ins):
         raise Dependent("its bounds are read from row data")
+    start, limit, delta = (ctx.an._vals(v) for v in ctx.node.inputs[:3])
+    if start == [(0, ())] and delta == [(1, ())] and limit == [(1, ((ctx.an.symbol, 1),))]:
+        return [Index(0)]
     return [Size(None)]
 
 
@@ -890,8 +1029,7 @@ def _slice(ctx: _Ctx) -> list:
 
 
 def _py_slice(start: int, end: int, step: int) -> tuple:
-    big = END_OF_AXIS
-    return (start, None if end >= big else end, step)
+    return (start, None if end >= END_OF_AXIS else end, step)
 
 
 @rule("Pad")
@@ -918,6 +1056,10 @@ def _gather(ctx: _Ctx) -> list:
     data, idx = ctx.ins[0], ctx.ins[1]
     rank = ctx.rank(0)
     axis = _norm(ctx.attrs["axis"], rank)
+    if isinstance(idx, Index):
+        return [_gather_own_rows(ctx, data, idx, axis)]
+    if isinstance(data, Index):
+        raise Dependent("it gathers from positions in the stacked batch")
     if isinstance(idx, Size):
         raise Dependent("its indices depend on the batch size (positions in the stacked batch)")
     if isinstance(data, Size):
@@ -933,6 +1075,14 @@ def _gather(ctx: _Ctx) -> list:
             raise Dependent("it indexes the batch axis (picks rows by position)")
         return [data if data.axis < axis else data.at(data.axis - 1 + ctx.rank(1))]
     return [idx.at(axis + idx.axis)]  # an embedding lookup: constant table, indices per row
+
+
+def _gather_own_rows(ctx: _Ctx, data: State, idx: Index, axis: int) -> Rows:
+    """data[flat index]: for batch position i the indices lie in [i x L, (i + 1) x L), which is row
+    i's block when the data carries the batch on the gathered axis with L elements a row."""
+    if not isinstance(data, Rows) or data.axis != axis or data.outer != ONE or data.inner != idx.stride:
+        raise Dependent("its indices are positions in the stacked batch, not within each row's own block")
+    return Rows(axis + idx.axis)
 
 
 @rule("GatherElements")

@@ -123,8 +123,12 @@ def decide(mode: str, max_batch_size: int, symbol: Optional[str], analysis: Any)
     if symbol is None:
         return no("the inputs and outputs do not share a symbolic dim 0")
     if mode == "force":
-        verdict = "" if analysis is None else (
-            " (kiln proved it row-independent)" if analysis.batchable else f" (kiln could not prove it: {analysis.reason})")
+        if analysis is None:
+            verdict = ""
+        elif analysis.batchable:
+            verdict = " (kiln proved it row-independent)"
+        else:
+            verdict = f" (kiln could not prove it: {analysis.reason})"
         return BatchingDecision(True, mode, max_batch_size, f'stacked along \'{symbol}\' because batching is '
                                 f'"force" in the model config{verdict}', facts)
     if analysis is None:

@@ -7,7 +7,6 @@ time; the dependent ones are shown to really differ (so the test of a "no" is no
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from kiln.ir import Graph, evaluate, verify
 from kiln.ir.batch_independence import RULES, analyze_batching
@@ -182,6 +181,66 @@ def test_loop_carrying_rows():
         body.outputs = [body.op("Identity", cond), body.op("Add", body.op("Mul", acc, const(body, 0.5)), x)]
         return g.add_node("Loop", [ints(g, 3), None, x], {"body": body}, num_outputs=1).output
     assert_batchable(graph_of(build))
+
+
+def padding_mask_gather(g, x, offset: int = 0, scale_extra: int = 1):
+    """How a traced Hugging Face model reads ``mask[batch_idx, kv_idx]``: flat indices
+    (arange(N)[:, None] * seq + arange(seq)), negative ones wrapped, into the flattened mask."""
+    shape = g.op("Shape", x)
+    n = g.op("Squeeze", g.op("Gather", shape, ints(g, [0])), ints(g, [0]))
+    seq = g.op("Squeeze", g.op("Gather", shape, ints(g, [1])), ints(g, [0]))
+
+    def wrapped(v, size):
+        return g.op("Where", g.op("Less", v, ints(g, 0)), g.op("Add", v, size), v)
+
+    bi = wrapped(g.op("Unsqueeze", g.op("Range", ints(g, 0), n, ints(g, 1)), ints(g, [1])), n)
+    ki = wrapped(g.op("Unsqueeze", g.op("Range", ints(g, 0), seq, ints(g, 1)), ints(g, [0])), seq)
+    flat = g.op("Add", g.op("Mul", bi, g.op("Mul", seq, ints(g, scale_extra))), ki)
+    if offset:
+        flat = g.op("Add", flat, ints(g, offset))
+    mask = g.op("Reshape", g.op("Greater", x, const(g, 0.0)), ints(g, [-1]))
+    picked = g.op("Gather", mask, flat, axis=0)                     # [batch, seq]
+    return g.op("Where", picked, x, const(g, -1.0))
+
+
+def test_padding_mask_read_through_flat_indices():
+    assert_batchable(graph_of(padding_mask_gather))
+
+
+def test_flat_indices_that_leave_the_row_are_dependent():
+    # Shifted by one element: the last index of row i reads row i + 1.
+    g = graph_of(lambda g, x: padding_mask_gather(g, x, offset=1), declare=("batch", 6))
+    assert_dependent(g, "Add", "inside a row", differs=False)  # the last row's index is out of range
+    # Twice the row length: row i reads row 2i.
+    g = graph_of(lambda g, x: padding_mask_gather(g, x, scale_extra=2), declare=("batch", 6))
+    assert_dependent(g, "Add", "inside a row", differs=False)
+
+
+def test_batch_positions_used_as_values():
+    def build(g, x):  # x * arange(N)[:, None]
+        n = g.op("Squeeze", g.op("Gather", g.op("Shape", x), ints(g, [0])), ints(g, [0]))
+        pos = g.op("Cast", g.op("Unsqueeze", g.op("Range", ints(g, 0), n, ints(g, 1)), ints(g, [1])), to=1)
+        return g.op("Mul", x, pos)
+    assert_dependent(graph_of(build), "Mul", "positions in the stacked batch")
+
+
+def guarded(g, x, times: int):
+    """A traced ``if x.size(0) * times == 1:``, kept as a kiln.Guard expecting False."""
+    n = g.op("Squeeze", g.op("Gather", g.op("Shape", x), ints(g, [0])), ints(g, [0]))
+    cond = g.op("Equal", g.op("Mul", n, ints(g, times)), ints(g, 1))
+    g.add_node("Guard", [cond], {"expected": np.array(False), "read": "bool"}, domain="kiln", num_outputs=0)
+    return g.op("Relu", x)
+
+
+def test_guard_on_the_batch_size_that_no_batch_size_changes():
+    assert_batchable(graph_of(lambda g, x: guarded(g, x, 4)))  # 4N == 1 never holds
+
+
+def test_guard_on_the_batch_size():
+    # N == 1 holds alone, not stacked: a request refused alone would be answered stacked.
+    g = graph_of(lambda g, x: guarded(g, x, 1))
+    r = analyze_batching(g)
+    assert not r.batchable and r.op == "kiln.Guard" and "could pass a check" in r.reason, r.reason
 
 
 # ---------------------------------------------------------------------------- no
