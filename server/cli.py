@@ -185,6 +185,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"  {e.name} version {e.version}: {e.path} ({how}, {batching}, backend {c.backend})", flush=True)
             if decision is not None and c.may_batch:
                 print(f"    batching: {decision.reason}", flush=True)
+        per_client = limits.max_connections_per_client or "no cap"
+        print(f"  connections: at most {limits.max_connections:,} ({per_client} per client, the last "
+              f"{limits.health_reserve} for health checks); a request head within {limits.header_timeout_s:g} s, "
+              f"a body within {limits.body_timeout_s:g} s + 1 s per {limits.body_min_rate >> 10} KiB", flush=True)
         print(f"  {url}/v2/models/{entries[0].name}/infer, metrics at {url}/metrics, docs at {url}/docs",
               flush=True)
 
