@@ -16,8 +16,9 @@ from typing import Any, Optional
 
 from kiln.errors import FormatError
 from kiln.serializer.fb.layout import ROOT, SCALARS, TABLES
+from kiln.serializer.format import MAX_TABLE_DEPTH
 
-MAX_DEPTH = 64
+MAX_DEPTH = MAX_TABLE_DEPTH  # what MAX_SUBGRAPH_NESTING levels of If/Loop bodies take (format.py)
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _I32 = struct.Struct("<i")

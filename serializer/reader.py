@@ -24,12 +24,13 @@ from kiln.ir.types import TensorType
 from kiln.ir.verifier import verify
 from kiln.ir.versions import IR_VERSION, OPSET_VERSION, upgrade_graph
 from kiln.serializer.fbread import read_flatbuffer
-from kiln.serializer.format import ATTR_KINDS_BY_CODE, TENSOR_ALIGNMENT, Header, parse_header
+from kiln.serializer.format import (ATTR_KINDS_BY_CODE, MAX_SUBGRAPH_NESTING, TENSOR_ALIGNMENT, Header,
+                                    parse_header)
 
 # Data segments at most this large are checksummed on every load; bigger ones only when
 # asked (check_data=True), so loading a multi-GB model stays O(graph), not O(weights).
 AUTO_CHECK_DATA_BYTES = 16 << 20
-MAX_GRAPH_DEPTH = 32
+MAX_GRAPH_DEPTH = MAX_SUBGRAPH_NESTING  # one nesting rule with the writer (serializer/format.py)
 _CODES = {d.value: d for d in DType}
 
 
