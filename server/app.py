@@ -305,8 +305,9 @@ _INFER_REQUEST_SCHEMA = {
         "id": {"type": "string", "description": "echoed in the response"},
         "parameters": {
             "type": "object",
-            "description": "binary_data_output (bool): all outputs as binary; timeout_ms (number): a "
-                           "deadline lower than the model's; timeout (int, microseconds): Triton's spelling",
+            "description": "binary_data_output (bool): all outputs as binary; timeout_ms (number in "
+                           "(0, 2**50]): a deadline lower than the model's; timeout (int in [0, 2**64-1], "
+                           "microseconds, 0 = none): Triton's spelling",
         },
         "inputs": {"type": "array", "items": {
             "type": "object", "required": ["name", "shape", "datatype"],

@@ -107,7 +107,7 @@ class ConnectionLimits:
                         total, nofile, fit)
             total = fit
         per_client = total // 4 if self.max_connections_per_client is None else self.max_connections_per_client
-        reserve = min(self.health_reserve, max(1, total // 8))
+        reserve = min(self.health_reserve, max(1, total // 8)) if total > 1 else 0  # never every slot
         return ConnectionLimits(**{**self.__dict__, "max_connections": total,
                                    "max_connections_per_client": per_client, "health_reserve": reserve})
 
