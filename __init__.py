@@ -3,19 +3,20 @@
 The public API is small: build or capture an IR ``Graph``, optimize it, save it, load and run it.
 Only numpy is imported here; frontends, serializers and backends load lazily when used.
 """
-from kiln.errors import (ExecutionError, FormatError, InputError, KilnError, ScriptError, ShapeInferenceError,
-                         TraceCheckError, TraceWarning, UnknownOpError, UnsupportedOpError, VerifyError)
+from kiln.errors import (ExecutionError, FormatError, InputError, KilnError, ResourceError, ScriptError,
+                         ShapeInferenceError, TraceCheckError, TraceWarning, UnknownOpError, UnsupportedOpError,
+                         VerifyError)
 from kiln.ir import (IR_VERSION, OPSET_VERSION, DType, Graph, Node, TensorType, Value, evaluate,
                      verify)
 from kiln.runtime import Program, load
-from kiln.serializer import load_graph, load_graph_from_bytes, save
+from kiln.serializer import LoadLimits, load_graph, load_graph_from_bytes, save
 from kiln.version import __version__
 
 __all__ = ["__version__", "IR_VERSION", "OPSET_VERSION", "DType", "Graph", "Node", "TensorType", "Value",
            "evaluate", "verify", "KilnError", "FormatError", "InputError", "ShapeInferenceError",
            "UnknownOpError", "VerifyError", "UnsupportedOpError", "TraceCheckError", "TraceWarning",
-           "ExecutionError", "ScriptError", "save", "load_graph", "load_graph_from_bytes", "trace", "script",
-           "load", "Program", "export_onnx", "import_onnx"]
+           "ExecutionError", "ResourceError", "ScriptError", "save", "load_graph", "load_graph_from_bytes",
+           "LoadLimits", "trace", "script", "load", "Program", "export_onnx", "import_onnx"]
 
 
 def trace(model, example_inputs, **kwargs):

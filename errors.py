@@ -42,6 +42,11 @@ class TraceWarning(UserWarning):
     """A trace may only be valid for the example inputs (a Python value was read from tensor data)."""
 
 
+class ResourceError(KilnError):
+    """A request would take more memory than a limit allows (``kiln.load(..., memory_budget=)``):
+    refused before any buffer is allocated; the message gives the estimate and the budget."""
+
+
 class ExecutionError(KilnError):
     """A kernel failed while running a program; the message names the node and its inputs."""
 

@@ -52,19 +52,37 @@ REQUIRED: Any = _Required()
 
 @dataclass(frozen=True)
 class In:
-    """An input (or output) parameter of an op: its name, allowed dtypes, and arity."""
+    """An input (or output) parameter of an op: its name, allowed dtypes, and arity.
+
+    ``rank`` (an int or several) is the form the op's kernels rely on, e.g. ``rank=1`` for a
+    shape operand, ``rank=0`` for a scalar; ``max_elements`` bounds the element count (``1``:
+    a scalar that may come as a 1-element tensor). The verifier enforces both wherever the
+    input's rank/shape is known (always for a constant): issue 16, no kernel sees a form its
+    schema forbids."""
 
     name: str
     types: frozenset = ALL_TYPES
     optional: bool = False
     variadic: bool = False
+    ranks: Optional[frozenset] = None
+    max_elements: Optional[int] = None
 
     def __init__(self, name: str, types: Iterable[DType] = ALL_TYPES, *, optional: bool = False,
-                 variadic: bool = False):
+                 variadic: bool = False, rank: "int | Iterable[int] | None" = None,
+                 max_elements: Optional[int] = None):
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "types", frozenset(types))
         object.__setattr__(self, "optional", optional)
         object.__setattr__(self, "variadic", variadic)
+        ranks = None if rank is None else frozenset((rank,) if isinstance(rank, int) else rank)
+        object.__setattr__(self, "ranks", ranks)
+        object.__setattr__(self, "max_elements", max_elements)
+
+    def describe_ranks(self) -> str:
+        names = {0: "a scalar (rank 0)", 1: "a 1-D tensor"}
+        if self.ranks is None:
+            return "any rank"
+        return " or ".join(names.get(r, f"rank {r}") for r in sorted(self.ranks))
 
 
 Out = In

@@ -350,3 +350,75 @@ def execute(plan: Plan, slots: list) -> None:
         if release:
             for s in release:
                 slots[s] = None
+
+
+# --------------------------------------------------------------------------- memory budget (issue 16)
+
+# Ops whose CPU kernels return views of an input (no new buffer): they add nothing to a run's
+# memory. Every other kernel's outputs are counted in full, so the estimate errs high, never low
+# (in-place variants and numpy's own views make the real peak smaller).
+VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Transpose", "Slice", "Split",
+                      "Dropout", "Shape", "Size"})
+
+
+class MemoryEstimate:
+    """The peak bytes of the buffers a run of a plan allocates, from the value types the plan was
+    built from: at each instruction its outputs are added and the values dying there (liveness)
+    taken off; the estimate is the largest total. Graph inputs (the caller's arrays) and
+    constants (mapped from the file) are not counted; If/Loop outputs are, their bodies' own
+    temporaries are not; a dim that is neither an int nor a symbol bound by the inputs (a
+    data-dependent size) counts as 0, so such values can pass unseen.
+
+    ``static`` is the estimate when every counted dim is an int (the plan has one size), else
+    None and ``peak(bindings)`` computes it once the inputs bind the symbols."""
+
+    def __init__(self, plan: "Plan", template: list, types: dict):
+        self.steps = []  # (((itemsize, dims) per output), released slots)
+        self.sizes: dict[int, tuple] = {}
+        symbolic = False
+        for ins in plan.instructions:
+            outs = []
+            view = ins.node.domain == "" and ins.node.op in VIEW_OPS
+            for s in ins.outputs:
+                t = types.get(s)
+                size = None if view or t is None else _size_of(t)
+                if size is not None:
+                    self.sizes[s] = size
+                    outs.append((s, size))
+                    symbolic = symbolic or any(isinstance(d, str) for d in size[1])
+            self.steps.append((tuple(outs), tuple(s for s in ins.release if s in self.sizes)))
+        self.static = None if symbolic else self.peak({})
+
+    def peak(self, bindings: dict) -> int:
+        nbytes = {s: _bytes(size, bindings) for s, size in self.sizes.items()}
+        live = top = 0
+        for outs, release in self.steps:
+            for s, _ in outs:
+                live += nbytes[s]
+            if live > top:
+                top = live
+            for s in release:
+                live -= nbytes[s]
+        return top
+
+
+def _size_of(t) -> Optional[tuple]:
+    """(itemsize, dims) of a value of type ``t``, or None if its rank or dtype is unknown."""
+    if t is None or t.shape is None:
+        return None
+    try:
+        itemsize = np.dtype(t.dtype.numpy).itemsize
+    except Exception:  # noqa: BLE001 - a dtype numpy does not know (bfloat16 without ml_dtypes)
+        itemsize = 2
+    return itemsize, tuple(t.shape)
+
+
+def _bytes(size: tuple, bindings: dict) -> int:
+    n, dims = size
+    for d in dims:
+        if isinstance(d, str):
+            d = bindings.get(d)
+        if not isinstance(d, int):
+            return 0
+        n *= d
+    return n

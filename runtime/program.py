@@ -12,13 +12,13 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from kiln.errors import ExecutionError, InputError, KilnError
+from kiln.errors import ExecutionError, InputError, KilnError, ResourceError, VerifyError
 from kiln.ir.graph import Graph, Node
 from kiln.ir.types import TensorType
 from kiln.runtime.allocator import tune_allocator
 from kiln.runtime.control import if_kernel, loop_kernel
 from kiln.runtime.kernels import cpu
-from kiln.runtime.plan import Plan, PlanBuilder, execute
+from kiln.runtime.plan import MemoryEstimate, Plan, PlanBuilder, execute
 
 _CONTROL = {"If": if_kernel, "Loop": loop_kernel}
 
@@ -42,7 +42,50 @@ class TensorSpec:
 def _choose_cpu(node: Node, builder: PlanBuilder):
     if node.domain == "" and node.op in _CONTROL:
         return _CONTROL[node.op](node, builder)
-    return cpu.choose(node, node.schema.fill_attrs(node.attrs))
+    try:
+        return cpu.choose(node, node.schema.fill_attrs(node.attrs))
+    except KilnError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a kernel factory refusing its constants: name the node
+        # The verifier rejects the forms the schemas forbid (issue 16); this is the backstop,
+        # so that a kernel factory's surprise is a kiln error naming the node, never a TypeError.
+        raise VerifyError(f"{node.describe()}: its CPU kernel cannot be built from the node's "
+                          f"constants and attributes: {type(e).__name__}: {e}") from e
+
+
+def parse_bytes(value: Union[int, str, None], what: str = "memory_budget") -> Optional[int]:
+    """A byte count from an int or a string such as ``"8GiB"``, ``"512MB"``, ``"1e9"``; None stays None."""
+    if value is None or isinstance(value, int) and not isinstance(value, bool):
+        if value is not None and value <= 0:
+            raise KilnError(f"{what} must be a positive number of bytes, not {value}")
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        units = (("kib", 1 << 10), ("mib", 1 << 20), ("gib", 1 << 30), ("tib", 1 << 40), ("kb", 10**3),
+                 ("mb", 10**6), ("gb", 10**9), ("tb", 10**12), ("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30),
+                 ("t", 1 << 40), ("b", 1))
+        scale = 1
+        for suffix, mult in units:
+            if text.endswith(suffix):
+                text, scale = text[:-len(suffix)], mult
+                break
+        try:
+            number = float(text)
+        except ValueError:
+            number = -1.0
+        if number > 0 and number * scale < 2**63:
+            return int(number * scale)
+    raise KilnError(f"{what} must be a positive number of bytes (an int, or a string like '8GiB'), not {value!r}")
+
+
+def default_memory_budget() -> Optional[int]:
+    """The per-run memory budget a program gets when ``kiln.load`` is given none: the environment
+    variable ``KILN_MEMORY_BUDGET`` (e.g. ``8GiB``), else no budget."""
+    return parse_bytes(os.environ.get("KILN_MEMORY_BUDGET") or None, "KILN_MEMORY_BUDGET")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 class Program:
@@ -50,12 +93,25 @@ class Program:
 
     backend = "kiln"  # which engine runs it (OrtProgram says "onnxruntime")
 
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, *, memory_budget: Union[int, str, None] = None):
         tune_allocator()  # large activations stay in the heap between runs (see runtime/allocator.py)
         self.graph = graph
         builder = PlanBuilder(_choose_cpu)
         self.plan: Plan = builder.build(graph)
         self._template = builder.template
+        # The per-run memory budget (issue 16): the plan's peak estimate, from the value types,
+        # checked at load when every size is static and before each run's first kernel otherwise.
+        self.memory_budget = parse_bytes(memory_budget)
+        types = {s: v.type for v, s in builder.slots.items() if v.graph is graph}
+        self.memory = MemoryEstimate(self.plan, self._template, types)
+        self._symbols = [(i, j, d) for i, v in enumerate(graph.inputs) if v.type.shape is not None
+                         for j, d in enumerate(v.type.shape) if isinstance(d, str)]
+        self._peaks: dict = {}  # symbol values -> estimate (bounded like _accepted)
+        if self.memory_budget is not None and self.memory.static is not None \
+                and self.memory.static > self.memory_budget:
+            raise ResourceError(f"model '{graph.name}': a run needs about {_gib(self.memory.static)} of buffers "
+                                f"(the plan's peak, from its static shapes), more than the memory budget of "
+                                f"{_gib(self.memory_budget)} (kiln.load(..., memory_budget=))")
         self.inputs = [TensorSpec(v.name, v.type) for v in graph.inputs]
         self.outputs = [TensorSpec(v.name, v.type) for v in graph.outputs]
         self._input_names = tuple(s.name for s in self.inputs)
@@ -73,6 +129,8 @@ class Program:
         """Run on numpy arrays given by name (a dict) or in order; returns a dict by output name
         (or a list with ``as_list``). Inputs are checked before any kernel runs."""
         arrays = self._check_inputs(inputs)
+        if self.memory_budget is not None and self.memory.static is None:
+            self._check_memory(arrays)
         plan = self.plan
         slots = self._template.copy()
         for s, a in zip(plan.input_slots, arrays):
@@ -95,6 +153,34 @@ class Program:
         return outs if as_list else dict(zip(self._output_names, outs))
 
     __call__ = run
+
+    def estimate_memory(self, inputs: Union[Mapping[str, Any], Sequence[Any], None] = None) -> int:
+        """The plan's peak buffer bytes for these inputs (their shapes bind the symbolic dims; none
+        needed for a static plan), the number the memory budget is checked against."""
+        if self.memory.static is not None:
+            return self.memory.static
+        return self._peak(self._check_inputs(inputs if inputs is not None else {}))
+
+    def _peak(self, arrays: list) -> int:
+        key = tuple(arrays[i].shape[j] if j < arrays[i].ndim else None for i, j, _ in self._symbols)
+        peak = self._peaks.get(key)
+        if peak is None:
+            bindings = {}
+            for (i, j, d), size in zip(self._symbols, key):
+                bindings.setdefault(d, size)
+            peak = self.memory.peak(bindings)
+            if len(self._peaks) >= self.ACCEPTED_MAX:
+                self._peaks.clear()
+            self._peaks[key] = peak
+        return peak
+
+    def _check_memory(self, arrays: list) -> None:
+        peak = self._peak(arrays)
+        if peak > self.memory_budget:
+            bound = ", ".join(f"{d}={arrays[i].shape[j]}" for i, j, d in self._symbols)
+            raise ResourceError(f"this request needs about {_gib(peak)} of buffers ({bound}), more than the "
+                                f"model's memory budget of {_gib(self.memory_budget)}; send smaller inputs "
+                                f"(the limit is kiln.load(..., memory_budget=))")
 
     @staticmethod
     def _output(a: Any) -> np.ndarray:
@@ -204,7 +290,8 @@ BACKENDS = ("kiln", "onnxruntime")
 
 
 def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize: bool = True,
-         backend: str = "kiln", threads: Optional[int] = None, **cuda_options):
+         backend: str = "kiln", threads: Optional[int] = None, limits=None,
+         memory_budget: Union[int, str, None] = None, **cuda_options):
     """Load a .kiln or .onnx file (or take a Graph) and make it runnable.
 
     ``backend="kiln"`` (default): kiln's CPU runtime builds an execution plan; a .onnx file is imported
@@ -216,7 +303,28 @@ def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize
 
     ``device="cuda"`` (kiln backend): a ``CudaProgram`` on the current CUDA device through CuPy
     (``pip install kiln[gpu]``); ``cuda_options`` go to it (``output="cupy"|"numpy"``,
-    ``tf32=False``, ``cuda_graphs=True``, ``fuse=True``)."""
+    ``tf32=False``, ``cuda_graphs=True``, ``fuse=True``).
+
+    Untrusted files (issue 16): ``limits`` (a ``kiln.LoadLimits``) bounds what reading a .kiln file
+    may cost -- nodes, values, nesting, graph bytes, memory, seconds -- refusing a file past one
+    with FormatError (default ``LoadLimits()``). ``memory_budget`` (bytes, or a string such as
+    ``"8GiB"``; default the environment variable ``KILN_MEMORY_BUDGET``, else none) bounds the
+    buffers one run may allocate, estimated from the plan: a model whose static plan needs more
+    is refused at load, and a request whose input shapes make it need more is refused before any
+    kernel runs, both with ``kiln.ResourceError`` (CPU runtime)."""
+    if backend != "onnxruntime":
+        from kiln.serializer.reader import collector_paused
+        # Reading, optimizing and planning make a few objects per node: the cyclic collector's
+        # walks over them were a third of a node-heavy model's load (see serializer/reader.py).
+        with collector_paused():
+            return _load(model, device, optimize=optimize, backend=backend, threads=threads, limits=limits,
+                         memory_budget=memory_budget, **cuda_options)
+    return _load(model, device, optimize=optimize, backend=backend, threads=threads, limits=limits,
+                 memory_budget=memory_budget, **cuda_options)
+
+
+def _load(model, device: str, *, optimize: bool, backend: str, threads: Optional[int], limits,
+          memory_budget: Union[int, str, None], **cuda_options):
     if backend == "onnxruntime":
         from kiln.runtime.onnxruntime_backend import OrtProgram
         return OrtProgram(model, device=device, optimize=optimize, threads=threads)
@@ -240,7 +348,7 @@ def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize
         graph = optional_module("kiln.serializer.onnx_import", "loading .onnx files").import_onnx(model)
     else:
         from kiln.serializer.reader import load_graph
-        graph = load_graph(model)
+        graph = load_graph(model, limits=limits)
     if optimize:
         from kiln.ir.passes import optimize as run_optimize
         run_optimize(graph)
@@ -255,8 +363,10 @@ def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize
         if not usable:
             raise KilnError(f"device 'cuda' is not available yet in this environment: {why}; it needs CuPy "
                             "and an NVIDIA GPU (pip install kiln[gpu])")
+        if memory_budget is not None:
+            raise KilnError("memory_budget= is checked by the CPU runtime; device='cuda' does not take it yet")
         return CudaProgram(graph, **cuda_options)
-    return Program(graph)
+    return Program(graph, memory_budget=memory_budget if memory_budget is not None else default_memory_budget())
 
 
 def is_onnx_path(model: Union[str, os.PathLike]) -> bool:

@@ -2,9 +2,9 @@
 
 The writer (and the flatbuffers builder it needs) is imported on the first ``save``, so a
 process that only loads and runs models does not pay for it at start-up."""
-from kiln.serializer.reader import load_graph, load_graph_from_bytes
+from kiln.serializer.reader import LoadLimits, load_graph, load_graph_from_bytes
 
-__all__ = ["save", "load_graph", "load_graph_from_bytes"]
+__all__ = ["save", "load_graph", "load_graph_from_bytes", "LoadLimits"]
 
 
 def save(graph, path):

@@ -8,9 +8,14 @@ raises FormatError saying what and where.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import mmap
 import os
+import threading
+import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
@@ -34,9 +39,55 @@ MAX_GRAPH_DEPTH = MAX_SUBGRAPH_NESTING  # one nesting rule with the writer (seri
 _CODES = {d.value: d for d in DType}
 
 
-def load_graph(path: Union[str, os.PathLike], *, check_data: Optional[bool] = None, upgrade: bool = True) -> Graph:
+@dataclass(frozen=True)
+class LoadLimits:
+    """What one load of an untrusted file may cost (issue 16). A file past any limit is refused
+    with FormatError naming the limit; time and memory of a load are linear in the file, so these
+    bound them. ``None`` turns a limit off. The defaults admit any realistic model (the largest
+    exported transformers have tens of thousands of nodes) and refuse a million-node file at once.
+
+    - ``max_nodes``: nodes, subgraph nodes included (checked on each node vector's length,
+      before decoding it: a million-node file fails in well under a second);
+    - ``max_values``: value descriptions (ValueInfo tables) in the file;
+    - ``max_depth``: If/Loop bodies nested below the main graph (one rule with the writer:
+      ``serializer.format.MAX_SUBGRAPH_NESTING``; at most ``MAX_DEPTH_CEILING``);
+    - ``max_graph_bytes``: size of the graph section (the FlatBuffer; weights are mapped, not read);
+    - ``max_memory_bytes``: the memory decoding may take, estimated as it goes at
+      ``BYTES_PER_UNIT`` bytes per decoded object (measured peaks, see docs/NOTES.md);
+    - ``max_seconds``: wall time of reading, decoding and verifying (checked every 1024 nodes).
+    """
+
+    max_nodes: Optional[int] = 250_000
+    max_values: Optional[int] = 1_000_000
+    max_depth: int = MAX_SUBGRAPH_NESTING
+    max_graph_bytes: Optional[int] = 256 << 20
+    max_memory_bytes: Optional[int] = 2 << 30
+    max_seconds: Optional[float] = 60.0
+
+    # Peak bytes a load takes per FlatBuffer unit (one decoded object or 4 payload bytes; see
+    # fbread.py), rounded up from tracemalloc peaks: 70-80 for chains, fans, many subgraphs or
+    # values; 180 for one node reading a value 20k times (each 4-byte input becomes a use entry).
+    BYTES_PER_UNIT = 200
+    MAX_DEPTH_CEILING = 100  # Python recursion: a few frames per level in reader and verifier
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_depth <= self.MAX_DEPTH_CEILING:
+            raise ValueError(f"LoadLimits.max_depth must be in 0..{self.MAX_DEPTH_CEILING}, not {self.max_depth}")
+
+    @classmethod
+    def unlimited(cls) -> "LoadLimits":
+        """Only the structural checks (and the deepest nesting the reader can walk)."""
+        return cls(None, None, cls.MAX_DEPTH_CEILING, None, None, None)
+
+
+DEFAULT_LIMITS = LoadLimits()
+
+
+def load_graph(path: Union[str, os.PathLike], *, check_data: Optional[bool] = None, upgrade: bool = True,
+               limits: Optional[LoadLimits] = None) -> Graph:
     """Load a .kiln file. ``check_data``: verify the data checksum (default: when the data
-    segment is at most 16 MiB). Older opsets are upgraded unless ``upgrade=False``."""
+    segment is at most 16 MiB). Older opsets are upgraded unless ``upgrade=False``. ``limits``:
+    what the load may cost (default ``LoadLimits()``; see its docstring)."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -47,23 +98,59 @@ def load_graph(path: Union[str, os.PathLike], *, check_data: Optional[bool] = No
     except OSError as e:
         raise KilnError(f"cannot read {path}: {e.strerror or e}") from e
     try:
-        return _decode(memoryview(mapped), size, check_data, upgrade)
+        return _decode(memoryview(mapped), size, check_data, upgrade, limits)
     except FormatError as e:
         raise FormatError(f"{path}: {e}") from None
 
 
 def load_graph_from_bytes(data: Union[bytes, bytearray, memoryview], *, check_data: Optional[bool] = None,
-                          upgrade: bool = True) -> Graph:
+                          upgrade: bool = True, limits: Optional[LoadLimits] = None) -> Graph:
     """Like load_graph, from bytes in memory (constants are views into ``data``)."""
     view = memoryview(data).toreadonly()
-    return _decode(view, len(view), check_data, upgrade)
+    return _decode(view, len(view), check_data, upgrade, limits)
 
 
-def _decode(buf: memoryview, size: int, check_data: Optional[bool], upgrade: bool) -> Graph:
+_gc_lock = threading.Lock()
+_gc_pauses = [0, False]  # loads in progress, whether the collector was on when the first began
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """The cyclic garbage collector off while a load builds its graph: every few hundred new
+    objects it would walk the young generation, and ever more often the older ones, which cost
+    a third of the decoding time of a node-heavy file. Loads in several threads share one pause;
+    the last one out restores the state the first one found."""
+    with _gc_lock:
+        if _gc_pauses[0] == 0:
+            _gc_pauses[1] = gc.isenabled()
+            gc.disable()
+        _gc_pauses[0] += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses[0] -= 1
+            if _gc_pauses[0] == 0 and _gc_pauses[1]:
+                gc.enable()
+
+
+def _decode(buf: memoryview, size: int, check_data: Optional[bool], upgrade: bool,
+            limits: Optional[LoadLimits] = None) -> Graph:
+    with collector_paused():
+        return _decode_unpaused(buf, size, check_data, upgrade, limits)
+
+
+def _decode_unpaused(buf: memoryview, size: int, check_data: Optional[bool], upgrade: bool,
+                     limits: Optional[LoadLimits] = None) -> Graph:
+    limits = DEFAULT_LIMITS if limits is None else limits
+    deadline = None if limits.max_seconds is None else time.monotonic() + limits.max_seconds
     header = parse_header(buf, size)
-    # The graph section is small: copy it to bytes (the FlatBuffers runtime wants bytes); the
-    # weights stay a view into the mapping.
-    fb = bytes(buf[header.flatbuffer_offset:header.flatbuffer_offset + header.flatbuffer_size])
+    if limits.max_graph_bytes is not None and header.flatbuffer_size > limits.max_graph_bytes:
+        raise FormatError(f"the graph section is {header.flatbuffer_size:,} bytes, more than this load allows "
+                          f"(LoadLimits.max_graph_bytes = {limits.max_graph_bytes:,})")
+    # The graph section is read in place, a view into the mapping like the weights (fbread.py
+    # needs no bytes copy: a million-node file's copy was a file's size of memory more).
+    fb = buf[header.flatbuffer_offset:header.flatbuffer_offset + header.flatbuffer_size]
     if zlib.crc32(fb) != header.flatbuffer_crc32:
         raise FormatError(f"graph section is corrupt: checksum mismatch over bytes "
                           f"{header.flatbuffer_offset}..{header.flatbuffer_offset + header.flatbuffer_size}")
@@ -72,15 +159,24 @@ def _decode(buf: memoryview, size: int, check_data: Optional[bool], upgrade: boo
         if zlib.crc32(data) != header.data_crc32:
             raise FormatError(f"weights are corrupt: data segment checksum mismatch over bytes "
                               f"{header.data_offset}..{header.data_offset + header.data_size}")
-    model = read_flatbuffer(fb, base=header.flatbuffer_offset)
+    max_tables = {}
+    if limits.max_nodes is not None:
+        max_tables["Node"] = limits.max_nodes
+    if limits.max_values is not None:
+        max_tables["ValueInfo"] = limits.max_values
+    max_units = None if limits.max_memory_bytes is None else limits.max_memory_bytes // limits.BYTES_PER_UNIT
+    model = read_flatbuffer(fb, base=header.flatbuffer_offset, max_depth=1 + 3 * limits.max_depth + 3,
+                            max_tables=max_tables, max_units=max_units, deadline=deadline)
+    del fb
     try:
-        graph = _Decoder(model, data, header).model()
+        graph = _Decoder(model, data, header, limits.max_depth, deadline).model()
     except FormatError:
         raise
     except (KilnError, ValueError) as e:
         raise FormatError(f"invalid model: {e}") from None
+    del model  # the decoded tables: the graph holds what it needs
     try:
-        verify(graph)
+        verify(graph, deadline=deadline)
     except KilnError as e:
         raise FormatError(f"the file holds an invalid graph: {e}") from None
     if upgrade:
@@ -91,10 +187,13 @@ def _decode(buf: memoryview, size: int, check_data: Optional[bool], upgrade: boo
 class _Decoder:
     """Builds the Graph from the checked, decoded FlatBuffer (plain dicts, see fbread.py)."""
 
-    def __init__(self, model: dict, data: memoryview, header: Header):
+    def __init__(self, model: dict, data: memoryview, header: Header, max_depth: int = MAX_GRAPH_DEPTH,
+                 deadline: Optional[float] = None):
         self.m = model
         self.data = data
         self.header = header
+        self.max_depth = max_depth
+        self.deadline = deadline
         self.values: list[Optional[Value]] = []
         self.infos: list[tuple[str, TensorType]] = []
 
@@ -108,7 +207,9 @@ class _Decoder:
                 f"opset <= {OPSET_VERSION}: upgrade kiln (pip install -U kiln) to load it")
         if ir < 1 or opset < 1:
             raise FormatError(f"bad versions in file: IR version {ir}, opset {opset}")
+        self.types: dict = {}  # one TensorType object per distinct type (they are immutable)
         self.infos = [self.value_info(vi, i) for i, vi in enumerate(m["values"] or ())]
+        m["values"] = None  # decoded tables are dropped as soon as they are used (peak memory)
         self.values = [None] * len(self.infos)
         fg = m["graph"]
         graph = Graph(fg["name"] or "main", opset_version=opset)
@@ -140,7 +241,11 @@ class _Decoder:
                     raise FormatError(f"values[{i}].type.shape[{j}] is symbolic but has no name in symbols")
             else:
                 raise FormatError(f"values[{i}].type.shape[{j}] has size {d}")
-        return vi["name"], TensorType(dt, dims)
+        key = (dt, tuple(dims))
+        t = self.types.get(key)
+        if t is None:
+            t = self.types[key] = TensorType(dt, dims)
+        return vi["name"], t
 
     def dtype(self, code: int, where: str) -> DType:
         if code not in _CODES:
@@ -184,8 +289,8 @@ class _Decoder:
         return arr.reshape(shape)
 
     def graph_body(self, fg: dict, graph: Graph, where: str, depth: int) -> None:
-        if depth > MAX_GRAPH_DEPTH:
-            raise FormatError(f"{where}: subgraphs nested deeper than {MAX_GRAPH_DEPTH}")
+        if depth > self.max_depth:
+            raise FormatError(f"{where}: subgraphs nested deeper than {self.max_depth}")
         for k, i in enumerate(fg["inputs"] or ()):
             w = f"{where}.inputs[{k}]"
             name, t = self.infos[self.index(i, w)]
@@ -198,27 +303,39 @@ class _Decoder:
                 raise FormatError(f"{w}: '{self.infos[i][0]}' is typed {self.infos[i][1]} but its data is "
                                   f"{TensorType.of(arr)}")
             self.define(i, graph.add_initializer(self.infos[i][0], arr), w)
-        for k, fn in enumerate(fg["nodes"] or ()):
-            self.node(fn, graph, f"{where}.nodes[{k}]", depth)
+        deadline = self.deadline
+        nodes = fg["nodes"] or []
+        for k, fn in enumerate(nodes):
+            nodes[k] = None  # drop each decoded node once built (peak memory)
+            self.node(fn, graph, where, k, depth)
+            if deadline is not None and not k & 1023 and time.monotonic() > deadline:
+                raise FormatError(f"{where}.nodes[{k}]: building the graph ran past the load's time budget "
+                                  f"(LoadLimits.max_seconds)")
         graph.outputs = [self.value(i, f"{where}.outputs[{k}]") for k, i in enumerate(fg["outputs"] or ())]
 
-    def node(self, fn: dict, graph: Graph, where: str, depth: int) -> None:
+    def node(self, fn: dict, graph: Graph, parent: str, k: int, depth: int) -> None:
         op, domain = fn["op"], fn["domain"] or ""
-        where = f"{where} ({op})"
+        where = f"{parent}.nodes[{k}] ({op})"
         schema = get_schema(op, domain, graph.opset_version)
-        inputs = [None if i == -1 else self.value(i, f"{where}.inputs[{k}]") for k, i in enumerate(fn["inputs"] or ())]
-        outs = [self.index(i, f"{where}.outputs[{k}]") for k, i in enumerate(fn["outputs"] or ())]
+        values, n_values = self.values, len(self.values)
+        inputs = []
+        for j, i in enumerate(fn["inputs"] or ()):
+            # The usual case inline (a defined value); value() words the error otherwise.
+            v = values[i] if 0 <= i < n_values else None
+            if v is None and i != -1:
+                v = self.value(i, f"{where}.inputs[{j}]")
+            inputs.append(v)
+        outs = [self.index(i, f"{where}.outputs[{j}]") for j, i in enumerate(fn["outputs"] or ())]
         attrs = {}
-        for k, a in enumerate(fn["attributes"] or ()):
+        for j, a in enumerate(fn["attributes"] or ()):
             name = a["name"]
-            kind, value = self.attribute(a, graph, f"{where}.attributes[{k}] '{name}'", depth)
+            kind, value = self.attribute(a, graph, f"{where}.attributes[{j}] '{name}'", depth)
             spec = schema.attrs.get(name)
             if spec is not None and spec.kind is not kind:
                 raise FormatError(f"{where}: attribute '{name}' is {kind.value}, op {op} wants {spec.kind.value}")
             attrs[name] = value
-        node = graph.add_node(op, inputs, attrs, domain=domain, name=fn["name"] or None,
-                              output_names=[self.infos[i][0] for i in outs],
-                              output_types=[self.infos[i][1] for i in outs])
+        infos = self.infos
+        node = graph._append_decoded(op, domain, fn["name"] or None, attrs, inputs, [infos[i] for i in outs])
         if fn["meta"]:
             node.meta = _key_values(fn["meta"])
         for i, v in zip(outs, node.outputs):

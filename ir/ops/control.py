@@ -55,7 +55,7 @@ def _infer_if(ctx: InferContext) -> list:
     return [join_types(ctx, a, b, f"output {i}") for i, (a, b) in enumerate(zip(then_types, else_types))]
 
 
-@op("If", inputs=[In("cond", BOOL)], outputs=[In("outputs", ALL, variadic=True)],
+@op("If", inputs=[In("cond", BOOL, max_elements=1)], outputs=[In("outputs", ALL, variadic=True)],
     attrs=[Attr("then_branch", AttrKind.GRAPH), Attr("else_branch", AttrKind.GRAPH)], infer=_infer_if,
     foldable=False)
 def if_(cond, *, then_branch, else_branch, scope=None):
@@ -142,7 +142,7 @@ def _stack(values: list, body_out) -> np.ndarray:
     return np.zeros((0,) + tuple(shape), dtype=dtype)
 
 
-@op("Loop", inputs=[In("M", INT64, optional=True), In("cond", BOOL, optional=True),
+@op("Loop", inputs=[In("M", INT64, optional=True, max_elements=1), In("cond", BOOL, optional=True, max_elements=1),
                     In("v_initial", ALL, variadic=True, optional=True)],
     outputs=[In("v_final_and_scan_outputs", ALL, variadic=True)], attrs=[Attr("body", AttrKind.GRAPH)],
     infer=_infer_loop, foldable=False)

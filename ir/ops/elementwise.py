@@ -242,7 +242,8 @@ def _infer_clip(ctx: InferContext) -> TensorType:
     return x
 
 
-@op("Clip", inputs=[In("input", NUMERIC), In("min", NUMERIC, optional=True), In("max", NUMERIC, optional=True)],
+@op("Clip", inputs=[In("input", NUMERIC), In("min", NUMERIC, optional=True, max_elements=1),
+                  In("max", NUMERIC, optional=True, max_elements=1)],
     outputs=["output"], infer=_infer_clip)
 def clip(x, lo=None, hi=None):
     """Limit x to [min, max] (omitted bound: unbounded). min > max gives max everywhere."""

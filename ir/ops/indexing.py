@@ -80,8 +80,8 @@ def _propagate_slice(ctx: InferContext) -> Optional[tuple]:
     return tuple(vals[i] for i in clamp_slice(*params[0], len(vals)))
 
 
-@op("Slice", inputs=[In("data", ALL), In("starts", INDEX), In("ends", INDEX), In("axes", INDEX, optional=True),
-                     In("steps", INDEX, optional=True)], outputs=["output"], infer=_infer_slice,
+@op("Slice", inputs=[In("data", ALL), In("starts", INDEX, rank=1), In("ends", INDEX, rank=1),
+                     In("axes", INDEX, optional=True, rank=1), In("steps", INDEX, optional=True, rank=1)], outputs=["output"], infer=_infer_slice,
     propagate=_propagate_slice)
 def slice_(data, starts, ends, axes=None, steps=None):
     starts = as_int_list(starts)
@@ -203,7 +203,7 @@ def _infer_trilu(ctx: InferContext) -> TensorType:
     return x
 
 
-@op("Trilu", inputs=[In("input", ALL), In("k", INT64, optional=True)], outputs=["output"],
+@op("Trilu", inputs=[In("input", ALL), In("k", INT64, optional=True, max_elements=1)], outputs=["output"],
     attrs=[Attr("upper", AttrKind.INT, 1)], infer=_infer_trilu)
 def trilu(x, k=None, *, upper=1):
     k = 0 if k is None else int(np.asarray(k).reshape(-1)[0])

@@ -44,8 +44,8 @@ def _infer_pad(ctx: InferContext) -> TensorType:
     return TensorType(x.dtype, out)
 
 
-@op("Pad", inputs=[In("data", ALL), In("pads", INT64), In("constant_value", ALL, optional=True),
-                   In("axes", INDEX, optional=True)], outputs=["output"],
+@op("Pad", inputs=[In("data", ALL), In("pads", INT64, rank=1), In("constant_value", ALL, optional=True, max_elements=1),
+                   In("axes", INDEX, optional=True, rank=1)], outputs=["output"],
     attrs=[Attr("mode", AttrKind.STRING, "constant")], infer=_infer_pad)
 def pad(data, pads, constant_value=None, axes=None, *, mode="constant"):
     rank = data.ndim

@@ -59,7 +59,7 @@ def _broadcastable(v: np.ndarray, rank: int, axis: int) -> np.ndarray:
 
 
 @op("DequantizeLinear",
-    inputs=[In("x", QUANT_T), In("x_scale", SCALE_T), In("x_zero_point", QUANT_T, optional=True)],
+    inputs=[In("x", QUANT_T), In("x_scale", SCALE_T, rank=(0, 1)), In("x_zero_point", QUANT_T, optional=True, rank=(0, 1))],
     outputs=[Out("y", SCALE_T)],
     attrs=[Attr("axis", AttrKind.INT, 1)],
     infer=infer_dequantize_linear, foldable=False)

@@ -126,7 +126,7 @@ def _register_reduce(name: str, types: frozenset, compute: Callable, doc: str) -
 
     reference.__name__ = name
     reference.__doc__ = doc
-    op(name, inputs=[In("data", types), In("axes", INT64, optional=True)], outputs=["reduced"],
+    op(name, inputs=[In("data", types), In("axes", INT64, optional=True, rank=1)], outputs=["reduced"],
        attrs=[Attr("keepdims", AttrKind.INT, 1), Attr("noop_with_empty_axes", AttrKind.INT, 0)],
        infer=infer_reduce)(reference)
 
@@ -209,7 +209,7 @@ def infer_topk(ctx: InferContext) -> list:
     return [TensorType(x.dtype, out), TensorType(DType.INT64, out)]
 
 
-@op("TopK", inputs=[In("X", NUMERIC), In("K", INT64)], outputs=["Values", Out("Indices", INT64)],
+@op("TopK", inputs=[In("X", NUMERIC), In("K", INT64, max_elements=1)], outputs=["Values", Out("Indices", INT64)],
     attrs=[Attr("axis", AttrKind.INT, -1), Attr("largest", AttrKind.INT, 1), Attr("sorted", AttrKind.INT, 1)],
     infer=infer_topk)
 def top_k(x, k, *, axis, largest, sorted):  # noqa: A002 - the ONNX attribute is named 'sorted'
@@ -256,7 +256,7 @@ def _shift_forward(y: np.ndarray, axis: int) -> np.ndarray:
     return out
 
 
-@op("CumSum", inputs=[In("x", REDUCE_T), In("axis", INDEX)], outputs=["y"],
+@op("CumSum", inputs=[In("x", REDUCE_T), In("axis", INDEX, max_elements=1)], outputs=["y"],
     attrs=[Attr("exclusive", AttrKind.INT, 0), Attr("reverse", AttrKind.INT, 0)],
     infer=infer_cumsum)
 def cumsum(x, axis, *, exclusive, reverse):

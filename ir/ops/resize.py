@@ -380,8 +380,8 @@ def infer_resize(ctx: InferContext) -> TensorType:
     return TensorType(x.dtype, unknown)
 
 
-@op("Resize", inputs=[In("X", NUMERIC), In("roi", FLOAT, optional=True),
-                      In("scales", {DType.FLOAT32}, optional=True), In("sizes", INT64, optional=True)],
+@op("Resize", inputs=[In("X", NUMERIC), In("roi", FLOAT, optional=True, rank=1),
+                      In("scales", {DType.FLOAT32}, optional=True, rank=1), In("sizes", INT64, optional=True, rank=1)],
     attrs=RESIZE_ATTRS, infer=infer_resize)
 def resize(x, roi=None, scales=None, sizes=None, **attrs):
     """Resample X on the axes given by ``axes`` (default all) to the size that ``sizes`` gives

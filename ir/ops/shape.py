@@ -84,7 +84,7 @@ def _infer_reshape(ctx: InferContext) -> TensorType:
     return TensorType(x.dtype, out)
 
 
-@op("Reshape", inputs=[In("data", ALL), In("shape", INT64)], outputs=["reshaped"],
+@op("Reshape", inputs=[In("data", ALL), In("shape", INT64, rank=1)], outputs=["reshaped"],
     attrs=[Attr("allowzero", AttrKind.INT, 0)], infer=_infer_reshape, propagate=same_values(_infer_reshape))
 def reshape(data, shape, *, allowzero=0):
     target = [int(s) for s in shape]
@@ -162,7 +162,7 @@ def _infer_squeeze(ctx: InferContext) -> TensorType:
     return TensorType(x.dtype, [d for i, d in enumerate(x.shape) if i not in axes])
 
 
-@op("Squeeze", inputs=[In("data", ALL), In("axes", INT64, optional=True)], outputs=["squeezed"],
+@op("Squeeze", inputs=[In("data", ALL), In("axes", INT64, optional=True, rank=(0, 1))], outputs=["squeezed"],
     infer=_infer_squeeze, propagate=same_values(_infer_squeeze))
 def squeeze(data, axes=None):
     if axes is None:
@@ -184,7 +184,7 @@ def _infer_unsqueeze(ctx: InferContext) -> TensorType:
     return TensorType(x.dtype, [1 if i in axes else next(rest) for i in range(rank)])
 
 
-@op("Unsqueeze", inputs=[In("data", ALL), In("axes", INT64)], outputs=["expanded"],
+@op("Unsqueeze", inputs=[In("data", ALL), In("axes", INT64, rank=(0, 1))], outputs=["expanded"],
     infer=_infer_unsqueeze, propagate=same_values(_infer_unsqueeze))
 def unsqueeze(data, axes):
     return np.expand_dims(data, tuple(int(a) for a in axes.reshape(-1)))
@@ -272,7 +272,7 @@ def _infer_split(ctx: InferContext) -> list[TensorType]:
     return [TensorType(x.dtype, x.shape[:axis] + (s,) + x.shape[axis + 1:]) for s in sizes]
 
 
-@op("Split", inputs=[In("input", ALL), In("split", INT64, optional=True)],
+@op("Split", inputs=[In("input", ALL), In("split", INT64, optional=True, rank=1)],
     outputs=[In("outputs", ALL, variadic=True)],
     attrs=[Attr("axis", AttrKind.INT, 0), Attr("num_outputs", AttrKind.INT, None)], infer=_infer_split)
 def split(x, split=None, *, axis=0, num_outputs=None):
@@ -333,7 +333,7 @@ def _infer_expand(ctx: InferContext) -> TensorType:
         ctx.fail(f"input {x} does not broadcast to shape {list(target)}: {e}")
 
 
-@op("Expand", inputs=[In("input", ALL), In("shape", INT64)], outputs=["output"], infer=_infer_expand)
+@op("Expand", inputs=[In("input", ALL), In("shape", INT64, rank=1)], outputs=["output"], infer=_infer_expand)
 def expand(x, shape):
     out_shape = np.broadcast_shapes(x.shape, tuple(int(s) for s in shape))
     return np.array(np.broadcast_to(x, out_shape))
@@ -353,6 +353,6 @@ def _infer_tile(ctx: InferContext) -> TensorType:
     return TensorType(x.dtype, [dim_mul(d, r) for d, r in zip(x.shape, reps)])
 
 
-@op("Tile", inputs=[In("input", ALL), In("repeats", INT64)], outputs=["output"], infer=_infer_tile)
+@op("Tile", inputs=[In("input", ALL), In("repeats", INT64, rank=1)], outputs=["output"], infer=_infer_tile)
 def tile(x, repeats):
     return np.tile(x, [int(r) for r in repeats])

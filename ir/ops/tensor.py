@@ -84,7 +84,7 @@ def _infer_constant_of_shape(ctx: InferContext) -> TensorType:
     return TensorType(dtype, dims)
 
 
-@op("ConstantOfShape", inputs=[In("input", INT64)], outputs=["output"],
+@op("ConstantOfShape", inputs=[In("input", INT64, rank=1)], outputs=["output"],
     attrs=[Attr("value", AttrKind.TENSOR, None)], infer=_infer_constant_of_shape)
 def constant_of_shape(shape, *, value=None):
     fill = _fill_value(value)
@@ -134,7 +134,8 @@ def _infer_range(ctx: InferContext) -> TensorType:
     return TensorType(dtype, (_range_dim(ctx, dtype),))
 
 
-@op("Range", inputs=[In("start", _RANGE_TYPES), In("limit", _RANGE_TYPES), In("delta", _RANGE_TYPES)],
+@op("Range", inputs=[In("start", _RANGE_TYPES, max_elements=1), In("limit", _RANGE_TYPES, max_elements=1),
+                    In("delta", _RANGE_TYPES, max_elements=1)],
     outputs=["output"], infer=_infer_range)
 def range_(start, limit, delta):
     dtype = np.asarray(start).dtype
@@ -161,7 +162,8 @@ def _infer_dropout(ctx: InferContext) -> list[TensorType]:
     return [x, mask][:ctx.num_outputs]
 
 
-@op("Dropout", inputs=[In("data", FLOAT), In("ratio", FLOAT, optional=True), In("training_mode", BOOL, optional=True)],
+@op("Dropout", inputs=[In("data", FLOAT), In("ratio", FLOAT, optional=True, max_elements=1),
+                     In("training_mode", BOOL, optional=True, max_elements=1)],
     outputs=["output", In("mask", BOOL, optional=True)], attrs=[Attr("seed", AttrKind.INT, None)],
     infer=_infer_dropout)
 def dropout(data, ratio=None, training_mode=None, *, seed=None):
