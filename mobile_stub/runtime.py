@@ -59,6 +59,10 @@ def _span(shape) -> int:
     return n
 
 
+# Ops run for their side effect, with no outputs: a guard's check refuses an input the trace does not cover.
+_NO_OUTPUTS = frozenset({"kiln.Guard"})
+
+
 class StubProgram:
     """A packed model, loaded and checked; ``run`` executes it in the preplanned arena."""
 
@@ -232,7 +236,7 @@ class StubProgram:
         op = f"{n['domain']}.{n['op']}" if n["domain"] else n["op"]
         ins = [i if i == -1 else self._index(i) for i in n["inputs"] or ()]
         outs = [self._index(i) for i in n["outputs"] or ()]
-        if not outs:
+        if not outs and op not in _NO_OUTPUTS:
             raise FormatError(f"nodes[{k}] ({op}) has no outputs")
         first = next((i for i in ins if i != -1), outs[0] if outs else None)
         dtype = self.infos[first][1].name if first is not None else "?"
