@@ -101,11 +101,24 @@ def test_bad_example_inputs_are_explained():
         kiln.trace(MLP(), torch.randn(2, 4), dynamic={"z": {0: "batch"}})
 
 
-def test_in_place_write_through_a_view_is_refused_not_wrong():
+def test_in_place_write_through_an_indexed_view_reaches_its_base():
     def through_view(x):
         y = x * 1
         row = y[0]
         row.add_(1)  # writes into y's memory too
+        return y
+
+    g = kiln.trace(through_view, torch.randn(3, 4))
+    x = np.random.rand(3, 4).astype(np.float32)
+    (got,) = evaluate(g, {"x": x})
+    np.testing.assert_allclose(got, through_view(torch.from_numpy(x)).numpy())
+
+
+def test_in_place_write_through_other_views_is_refused_not_wrong():
+    def through_view(x):
+        y = x * 1
+        row = y.narrow(0, 0, 1)  # a view kiln does not follow back to its base
+        row.add_(1)
         return y
 
     with pytest.raises(UnsupportedOpError, match="written in place by 'Tensor.add_'"):
