@@ -73,8 +73,40 @@ def run_subgraph(graph: Graph, inputs: Sequence[np.ndarray], scope: Scope) -> li
         env[v] = np.asarray(a)
     for v in graph.initializers.values():
         env[v] = v.const
-    for node in graph.nodes:
+    last = _last_uses(graph)
+    keep = set(graph.outputs)
+    for i, node in enumerate(graph.nodes):
         results = run_node(node, [None if v is None else env[v] for v in node.inputs], env)
         for v, r in zip(node.outputs, results):
             env[v] = r
+        for v in last.get(i, ()):  # freed after their last reader: peak memory is the live set, not the sum
+            if v not in keep:
+                env.pop(v, None)
     return [env[v] for v in graph.outputs]
+
+
+def _last_uses(graph: Graph) -> dict[int, list[Value]]:
+    """Node position -> the values (of this graph or its enclosing ones) it is the last node to read,
+    directly or from inside its subgraphs. Values never read are freed where they are made."""
+    last: dict[Value, int] = {}
+    for i, node in enumerate(graph.nodes):
+        for v in node.outputs:
+            last[v] = i
+        for v in _reads(node):
+            last[v] = i
+    out: dict[int, list[Value]] = {}
+    for v, i in last.items():
+        out.setdefault(i, []).append(v)
+    return out
+
+
+def _reads(node: Node) -> set[Value]:
+    """The values a node reads: its inputs, and those its subgraphs read from outside themselves."""
+    reads = {v for v in node.inputs if v is not None}
+    for g in node.subgraphs():
+        inner = set(g.inputs) | set(g.initializers.values())
+        for n in g.nodes:
+            reads |= {v for v in _reads(n) if v not in inner}
+            inner.update(n.outputs)
+        reads |= {v for v in g.outputs if v not in inner}
+    return reads
