@@ -1,7 +1,8 @@
 """Batching audit (issue 16): may ``kiln serve`` stack requests for each model, and is the verdict true?
 
 For every model of the public model suite (bench/suite_models.py) and of the test zoo (tests/zoo.py):
-trace it with kiln as bench/model_suite.py does (``kiln.trace(model, example, dynamic=...)``), run the
+trace it with kiln as bench/model_suite.py does (``kiln.trace(model, example, dynamic=...)``, with
+the trace check unless --no-check), run the
 batch-independence analysis (kiln/ir/batch_independence.py) on the graph the runtime runs, and then
 check the claim with kiln's CPU runtime: a batch of 4 distinct rows run stacked against each row run
 alone. A model classified batchable must agree row for row (scale-aware: max|a - b| <= 1e-5 + 1e-4 x
@@ -97,8 +98,9 @@ def distinct_rows(inputs: dict, rows: int, seed: int = 16) -> dict:
     return out
 
 
-def audit(name: str) -> dict:
-    """Trace, analyse and check one model; the record of the table."""
+def audit(name: str, check: bool = True) -> dict:
+    """Trace (with kiln's trace check unless ``check`` is False, as bench/model_suite.py traces),
+    analyse and check one model; the record of the table."""
     import numpy as np
     import torch
 
@@ -112,7 +114,7 @@ def audit(name: str) -> dict:
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            graph = kiln.trace(model, inputs, dynamic=dynamic, check=False)
+            graph = kiln.trace(model, inputs, dynamic=dynamic, check=check)
         except Exception as e:  # noqa: BLE001 - a model kiln cannot trace has no verdict
             rec.update(status="not traced", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
             rec["seconds"] = round(time.perf_counter() - t0, 1)
@@ -149,7 +151,7 @@ def audit(name: str) -> dict:
 
 
 # ---------------------------------------------------------------------------- the run
-def run_one(name: str, timeout: float, logs: Path) -> dict:
+def run_one(name: str, timeout: float, logs: Path, check: bool = True) -> dict:
     env = dict(os.environ, **{v: "1" for v in THREAD_VARS})
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
         out = Path(f.name)
@@ -157,7 +159,8 @@ def run_one(name: str, timeout: float, logs: Path) -> dict:
     t0 = time.perf_counter()
     try:
         with open(log, "w") as lf:
-            proc = subprocess.run([sys.executable, __file__, "--worker", name, "--worker-out", str(out)],
+            proc = subprocess.run([sys.executable, __file__, "--worker", name, "--worker-out", str(out),
+                                   *([] if check else ["--no-check"])],
                                   env=env, stdout=lf, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT)
         text = out.read_text()
         if proc.returncode != 0 or not text:
@@ -252,6 +255,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--no-zoo", dest="zoo", action="store_false", help="leave the test zoo out")
     ap.add_argument("--zoo-only", action="store_true", help="only the test zoo")
     ap.add_argument("--timeout-per-model", type=float, default=600.0)
+    ap.add_argument("--no-check", dest="check", action="store_false",
+                    help="trace without kiln's trace check (faster; guards the check would drop stay)")
     ap.add_argument("--out", default=str(OUT), help=f"markdown report (default {OUT.relative_to(ROOT)})")
     ap.add_argument("--jsonl", help="also write one JSON line a model here")
     ap.add_argument("--logs", default=str(Path(tempfile.gettempdir()) / "kiln-batching-logs"))
@@ -259,7 +264,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        rec = audit(args.worker)
+        rec = audit(args.worker, args.check)
         Path(args.worker_out).write_text(json.dumps(rec))
         return
     names = selected(args)
@@ -268,14 +273,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     rows: list[dict] = []
     t0 = time.perf_counter()
     for name in names:
-        rec = run_one(name, args.timeout_per_model, logs)
+        rec = run_one(name, args.timeout_per_model, logs, args.check)
         rows.append(rec)
         print(f"{name:40s} {verdict_cell(rec):10s} {check_cell(rec)[:60]:60s} {(rec.get('reason') or '')[:120]}",
               flush=True)
         if args.jsonl:
             with open(args.jsonl, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-    command = "python bench/batching_audit.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    python = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else "python"
+    command = f"{python} bench/batching_audit.py " + " ".join(argv if argv is not None else sys.argv[1:])
     everything = not args.models and not args.sample and not args.zoo_only
     print(write_report(rows, Path(args.out), command.strip(), time.perf_counter() - t0, everything))
 

@@ -68,8 +68,9 @@ class ModelConfig:
 
     - ``max_batch_size = 32``: batching is on by default, because a user serving a model with a symbolic
       batch dimension expects concurrent requests to be batched, and it is where a CPU server gets its
-      throughput. The batcher only stacks requests for models whose inputs all share a symbolic dim 0;
-      other models run request by request whatever this says. 32 rows keeps one batch's latency bounded
+      throughput. The batcher only stacks requests for models whose inputs all share a symbolic dim 0
+      and (with ``batching = "auto"``) whose graph is proven row-independent; other models run request
+      by request whatever this says. 32 rows keeps one batch's latency bounded
       for mid-sized models; raise it for tiny ones. ``0`` turns batching off (``1`` has the same effect).
     - ``max_queue_delay_ms = 0.5``: the longest the batcher holds a request back hoping to fill a batch,
       which it does only while some but not all of the executor's slots are busy (an idle model runs a

@@ -26,10 +26,9 @@ EXPECTED_BATCHABLE = {"mlp", "resnet18", "resnet50", "mobilenet_v3", "transforme
                       "hf_bert"}
 # Refused, with a word the reason must contain:
 # - sdpa takes a second input without a batch dim (memory_scale [1, 1, 1, 1]): requests cannot be stacked;
-# - hf_gpt2 (transformers' masking_utils) carries a kiln.Guard on the batch size (`batch_size !=
-#   position_ids.shape[0]`, True at the traced batch of 2, False at 1), so stacking would change which
-#   requests it refuses; the analysis stops earlier, at a Reshape of position ids whose dims it cannot
-#   recover (conservative there, right overall).
+# - hf_gpt2 is refused at a Reshape of transformers' masking_utils position ids whose dims the analysis
+#   cannot recover: conservative (an analysis gap, reported in bench/BATCHING.md); traced without the
+#   check its graph also keeps a kiln.Guard on the batch size (`batch_size != position_ids.shape[0]`).
 EXPECTED_NOT = {"sdpa": "memory_scale", "hf_gpt2": "masking_utils"}
 ROWS = 4
 
