@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import warnings
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -135,6 +136,14 @@ def _tracing_context(tracer: Tracer):
     # Libraries test torch.jit.is_tracing() to avoid data-dependent shortcuts (transformers drops an
     # all-ones attention mask, torchvision skips checks); kiln records a trace, so it answers True.
     torch.jit.is_tracing = _is_tracing
+    # Code written for torch.jit.trace, where sizes are 0-dim tensors, rounds them with torch.ceil /
+    # torch.floor (transformers' MobileViT: ``torch.ceil(orig_height / patch_height)``); kiln's sizes
+    # are Python ints, so these two accept a Python number while kiln records, as the jit sees it.
+    rounding = {name: getattr(torch, name) for name in _SIZE_ROUNDING}
+    import kiln.frontend.torch_ops  # noqa: F401  (the mapping table keys the real functions: fill it first)
+
+    for name, func in rounding.items():
+        setattr(torch, name, _numbers_as_tensors(func))
     try:
         with torch.no_grad():
             yield
@@ -143,6 +152,21 @@ def _tracing_context(tracer: Tracer):
         post.remove()
         torch.backends.mha.set_fastpath_enabled(fastpath)
         torch.jit.is_tracing = is_tracing
+        for name, func in rounding.items():
+            setattr(torch, name, func)
+
+
+_SIZE_ROUNDING = ("ceil", "floor")
+
+
+def _numbers_as_tensors(func: Callable) -> Callable:
+    @functools.wraps(func)
+    def wrapper(input: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(input, (int, float)) and not isinstance(input, bool):
+            input = torch.tensor(float(input))  # what a traced size divided by an int is under the jit
+        return func(input, *args, **kwargs)
+
+    return wrapper
 
 
 def _is_tracing() -> bool:
@@ -161,7 +185,23 @@ def _record(model: Callable, module, tracer: Tracer, names: list[str], tensors: 
         tracer.dependent.add(v)
     with _tracing_context(tracer):
         with tracer:
-            return model(*tensors)
+            return call_model(model, names, tensors)
+
+
+def call_model(model: Callable, names: list[str], tensors: Sequence[torch.Tensor]) -> Any:
+    """Call the model with its inputs bound to the parameters they were named for: positionally
+    when the names are the leading positional parameters in order (or a ``*args`` tail), else by
+    keyword (a dict of example inputs that skips a parameter: ``input_ids`` and ``attention_mask``
+    of a GPT-2 whose ``past_key_values`` sits between them)."""
+    fn = model.forward if isinstance(model, torch.nn.Module) else model
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if all(i >= len(params) or params[i].name == n for i, n in enumerate(names)):
+        return model(*tensors)
+    pos = 0
+    while pos < len(names) and pos < len(params) and params[pos].name == names[pos]:
+        pos += 1
+    return model(*tensors[:pos], **dict(zip(names[pos:], tensors[pos:])))
 
 
 def _flatten_outputs(out: Any, prefix: str) -> list[tuple[str, torch.Tensor]]:
@@ -259,7 +299,7 @@ def _run_both(graph: Graph, model: Callable, names: list[str], inputs: list, lab
 
     try:
         with torch.no_grad():
-            want = [to_numpy(t) for _, t in _flatten_outputs(model(*inputs), "output")]
+            want = [to_numpy(t) for _, t in _flatten_outputs(call_model(model, names, inputs), "output")]
     except AssertionError as eager_error:
         try:
             evaluate(graph, {n: to_numpy(t) for n, t in zip(names, inputs)})

@@ -1,5 +1,7 @@
 """The tracer's core: inputs/outputs/names, parameters as initializers, scopes, symbolic sizes,
 warnings for data-dependent Python values, checks, and unsupported ops."""
+import math
+
 import numpy as np
 import pytest
 
@@ -150,3 +152,32 @@ def test_python_composites_trace_without_the_public_redispatch_function(monkeypa
     monkeypatch.delattr(torch._C, "_skip_one_hop_torch_function", raising=False)
     graph = kiln.trace(layer, (x,))
     np.testing.assert_allclose(kiln.evaluate(graph, [x.numpy()])[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_dict_inputs_that_skip_a_parameter_bind_by_name():
+    """transformers' GPT-2: forward(input_ids, past_key_values=None, attention_mask=None, ...)."""
+    class Skips(torch.nn.Module):
+        def forward(self, input_ids, past=None, attention_mask=None):
+            assert past is None
+            return input_ids * attention_mask
+
+    g = kiln.trace(Skips(), {"input_ids": torch.randn(2, 3), "attention_mask": torch.randn(2, 3)})
+    assert [v.name for v in g.inputs] == ["input_ids", "attention_mask"]
+    a, b = np.random.rand(2, 3).astype(np.float32), np.random.rand(2, 3).astype(np.float32)
+    (got,) = evaluate(g, {"input_ids": a, "attention_mask": b})
+    np.testing.assert_allclose(got, a * b, rtol=1e-6)
+
+
+def test_jit_style_rounding_of_sizes():
+    """transformers' MobileViT under is_tracing(): torch.ceil(size / patch) on Python numbers."""
+    def f(x):
+        if torch.jit.is_tracing():
+            h = int(torch.ceil(x.shape[-1] / 4) * 4)
+        else:
+            h = int(math.ceil(x.shape[-1] / 4) * 4)
+        return torch.nn.functional.pad(x, (0, h - x.shape[-1]))
+
+    g = kiln.trace(f, torch.randn(2, 10))
+    (got,) = evaluate(g, {"x": np.ones((2, 10), np.float32)})
+    assert got.shape == (2, 12)
+    assert torch.ceil(torch.tensor(2.5)).item() == 3.0 and not torch.jit.is_tracing()  # restored after
