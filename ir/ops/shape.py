@@ -220,6 +220,10 @@ def _infer_concat(ctx: InferContext) -> TensorType:
 
 def _propagate_concat(ctx: InferContext) -> Optional[tuple]:
     parts = [ctx.symbolic(i) for i in range(len(ctx.inputs))]
+    for i, p in enumerate(parts):
+        t = ctx.inputs[i]
+        if p is None and t is not None and t.shape is not None and len(t.shape) == 1 and isinstance(t.shape[0], int):
+            parts[i] = (None,) * t.shape[0]  # values unknown, count known: the other parts stay known
     if any(p is None for p in parts):
         return None
     return sum(parts, ())

@@ -237,3 +237,19 @@ def test_view_of_size_keeps_the_batch_symbol():
     assert g.outputs[0].type.shape == ("batch", 12)
     (out,) = evaluate(g, {"x": torch.randn(7, 3, 4).numpy()})
     assert out.shape == (7, 12)
+
+
+def test_view_with_a_computed_leading_size_keeps_the_static_dims():
+    """timm's Hiera: the batch is multiplied into B (B *= 4) and viewed as [B, 14, 2, 14, 2, 96];
+    the static sizes must stay static, or a later unbind of one of them is refused."""
+    def f(x):
+        b = x.shape[0]
+        y = x.view(b, 2, 2, 6, 4).flatten(0, 2)
+        b *= 4
+        z = y.view([b, 3, 2, 2, 2]).permute(0, 2, 4, 1, 3)
+        p, q = z.unbind(1)
+        return p - q
+
+    g = check_traced(f, (torch.randn(2, 2, 2, 6, 4),), dynamic_batch=True,
+                     other_inputs=[(torch.randn(3, 2, 2, 6, 4),)])
+    assert g.outputs[0].type.shape[1:] == (2, 3, 2)
