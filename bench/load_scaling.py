@@ -64,7 +64,9 @@ try:
     fn(path, **kw)
     outcome = "loaded"
 except kiln.KilnError as e:
-    outcome = type(e).__name__ + ": " + str(e).splitlines()[0][-110:]
+    msg = str(e).splitlines()[0]
+    limit = msg[msg.find("LoadLimits."):].split(")")[0] if "LoadLimits." in msg else ""
+    outcome = type(e).__name__ + ": " + (f"refused by {limit}" if limit else msg[-110:])
 w, c = time.perf_counter() - w, time.process_time() - c
 print(json.dumps({"wall": w, "cpu": c, "peak_added": rss("VmHWM:") - before, "outcome": outcome}))
 """
