@@ -74,7 +74,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kiln.checks import GuardFailed
-from kiln.errors import InputError, KilnError
+from kiln.errors import InputError, KilnError, ResourceError
 from kiln.ir.ops.assertion import AssertionFailed
 from kiln.runtime.program import check_inputs
 from kiln.server import protocol
@@ -595,6 +595,8 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
         raise ApiError(504, str(e) or f"request timed out after {timeout_ms:g} ms", outcome="timeout") from None
     except InputError as e:  # also BatchTooLarge
         raise ApiError(400, str(e)) from None
+    except ResourceError as e:  # the request's shapes make the run need more than the model's memory budget
+        raise ApiError(413, str(e)) from None
     except _REFUSALS as e:  # a kiln.Guard or a scripted assert: the model does not take this input
         raise ApiError(400, f"the model refuses this input: {e}") from None
     except WorkerError as e:

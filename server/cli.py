@@ -85,6 +85,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="a request body may take S seconds plus 1 s per 32 KiB received, else 408 (default 30)")
     p.add_argument("--keep-alive-s", type=float, default=5.0, metavar="S",
                    help="an idle keep-alive connection is closed after S seconds (default 5)")
+    p.add_argument("--memory-budget", metavar="BYTES",
+                   help="the most buffer memory one run may allocate, e.g. 4GiB: a model needing more fails to "
+                        "load, a request needing more gets 413 (default: KILN_MEMORY_BUDGET, else none)")
     p.add_argument("--backend", choices=("kiln", "onnxruntime"),
                    help="execution engine (default kiln; onnxruntime needs pip install kiln[onnx])")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
@@ -95,7 +98,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def _overrides(args: argparse.Namespace) -> dict:
     return {"workers": args.workers, "max_batch_size": args.max_batch_size,
             "max_queue_delay_ms": args.max_queue_delay_ms, "queue_size": args.queue_size,
-            "timeout_ms": args.timeout_ms, "backend": args.backend, "batching": args.batching}
+            "timeout_ms": args.timeout_ms, "backend": args.backend, "batching": args.batching,
+            "memory_budget": args.memory_budget}
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -102,6 +102,10 @@ class ModelConfig:
       set-based heads) answers every request wrongly with status 200. ``"force"`` stacks any model
       whose inputs and outputs share a symbolic dim 0, for users who know better than the analysis
       (an op it has no rule for); ``"off"`` never stacks (like ``max_batch_size`` 0).
+    - ``memory_budget = None``: the most buffer memory one run (one batch) may allocate, in bytes or a
+      string like ``"4GiB"`` (``kiln.load(..., memory_budget=)``); a model whose fixed shapes need
+      more fails to load, a request whose shapes need more gets 413. None: the environment variable
+      ``KILN_MEMORY_BUDGET``, else no budget. CPU runtime (``backend = "kiln"``) only.
     """
 
     max_batch_size: int = 32
@@ -113,6 +117,7 @@ class ModelConfig:
     version_policy: VersionPolicy = field(default_factory=lambda: {"latest": 1})
     backend: str = "kiln"
     batching: str = "auto"
+    memory_budget: Optional[Union[int, str]] = None
 
     def __hash__(self) -> int:  # the generated one fails on the dict-valued version_policy
         return hash(json.dumps(self.to_json(), sort_keys=True))
@@ -230,6 +235,17 @@ def _batching(value: Any, where: str) -> str:
     return value
 
 
+def _memory_budget(value: Any, where: str) -> Optional[Union[int, str]]:
+    from kiln.runtime.program import parse_bytes
+
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise KilnError(f"{where} must be a number of bytes or a string such as \"4GiB\", got {value!r}")
+    parse_bytes(value, where)  # raises KilnError naming the field
+    return value
+
+
 def _version_policy(value: Any, where: str) -> VersionPolicy:
     """Normalize a version policy to ``"all"``, ``{"latest": N}`` or ``{"specific": [sorted versions]}``."""
     usage = 'use "all", {"latest": N} or {"specific": [versions]}'
@@ -263,6 +279,7 @@ _VALIDATORS = {
     "version_policy": _version_policy,
     "backend": _backend,
     "batching": _batching,
+    "memory_budget": _memory_budget,
 }
 
 

@@ -107,6 +107,7 @@ class ThreadExecutor:
     def __init__(self, path: Any, config: Any):
         self.path = path
         self.backend = getattr(config, "backend", "kiln") or "kiln"
+        self.memory_budget = getattr(config, "memory_budget", None)
         self.instances = _instances(config)
         self.program = None
         self.inputs: List[Any] = []
@@ -117,7 +118,7 @@ class ThreadExecutor:
 
     def start(self) -> None:
         from kiln.runtime.program import load
-        self.program = load(self.path, backend=self.backend)
+        self.program = load(self.path, backend=self.backend, **_budget(self.backend, self.memory_budget))
         self.inputs, self.outputs = list(self.program.inputs), list(self.program.outputs)
         self.batch_analysis = batch_analysis(self.program)
         self._pool = ThreadPoolExecutor(self.instances, thread_name_prefix="kiln-run")
@@ -170,14 +171,19 @@ def _portable(e: BaseException) -> BaseException:
         return ExecutionError(f"{type(e).__name__}: {e}")
 
 
-def _worker_main(conn, path: str, backend: str, threads: int) -> None:
+def _budget(backend: str, memory_budget: Any) -> dict:
+    """kiln.load's memory_budget= where one is set (the CPU runtime's option; none: KILN_MEMORY_BUDGET)."""
+    return {"memory_budget": memory_budget} if memory_budget is not None and backend == "kiln" else {}
+
+
+def _worker_main(conn, path: str, backend: str, threads: int, memory_budget: Optional[str] = None) -> None:
     """The worker process: load the model, report its signature, then serve ``run`` messages until the
     server says ``stop`` or its end of the pipe closes."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the server decides when workers stop (see module docstring)
     try:
         from kiln.runtime.program import load
-        program = load(path, backend=backend)
+        program = load(path, backend=backend, **_budget(backend, memory_budget))
     except BaseException as e:  # noqa: BLE001 - reported to the server, which raises it from start()
         conn.send(("failed", _portable(e)))
         return
@@ -222,10 +228,10 @@ def _worker_main(conn, path: str, backend: str, threads: int) -> None:
 
 
 def _worker_entry(argv: Sequence[str]) -> None:
-    """``python -c`` entry point of a worker: argv is [fd, path, backend, threads]."""
+    """``python -c`` entry point of a worker: argv is [fd, path, backend, threads, memory budget or ""]."""
     from multiprocessing.connection import Connection
-    fd, path, backend, threads = argv
-    _worker_main(Connection(int(fd)), path, backend, int(threads))
+    fd, path, backend, threads, budget = argv
+    _worker_main(Connection(int(fd)), path, backend, int(threads), budget or None)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -331,6 +337,7 @@ class ProcessExecutor:
     def __init__(self, path: Any, config: Any, n_workers: Optional[int] = None):
         self.path = os.fspath(path)
         self.backend = getattr(config, "backend", "kiln") or "kiln"
+        self.memory_budget = getattr(config, "memory_budget", None)
         self.instances = _instances(config)
         self.n_workers = int(n_workers if n_workers is not None else getattr(config, "workers", 1))
         if self.n_workers < 1:
@@ -375,7 +382,7 @@ class ProcessExecutor:
         env = worker_env(self.n_workers)
         try:
             popen = subprocess.Popen([sys.executable, "-c", _ENTRY, str(theirs.fileno()), self.path, self.backend,
-                                      str(self.instances)], pass_fds=(theirs.fileno(),), env=env,
+                                      str(self.instances), "" if self.memory_budget is None else str(self.memory_budget)], pass_fds=(theirs.fileno(),), env=env,
                                      stdin=subprocess.DEVNULL)
         except BaseException:
             ours.close()

@@ -314,6 +314,29 @@ def test_body_over_limit_is_413_before_parsing(program):
         good_request_works(client, program)
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_request_over_the_memory_budget_is_413(tmp_path, program, workers):
+    """memory_budget (config.json / --memory-budget): a batch whose shapes make the run need more
+    buffers than the budget is refused with 413 before any kernel runs; smaller ones are answered."""
+    app = create_app([entry(MLP, max_batch_size=0, workers=workers, memory_budget="256KiB")])
+    with TestClient(app) as client:
+        wait_ready(client)
+        good_request_works(client, program)
+        big = np.zeros((4096, 16), np.float32)
+        r = client.post("/v2/models/mlp/infer", json=infer_body(big))
+        assert r.status_code == 413, r.text
+        assert "memory budget" in r.json()["error"]
+        good_request_works(client, program)
+
+
+def test_memory_budget_config_is_checked():
+    with pytest.raises(kiln.KilnError, match="memory_budget"):
+        ModelConfig.from_json({"memory_budget": "lots"})
+    with pytest.raises(kiln.KilnError, match="memory_budget"):
+        ModelConfig.from_json({"memory_budget": True})
+    assert ModelConfig.from_json({"memory_budget": "4GiB"}).memory_budget == "4GiB"
+
+
 class FakeExecutor:
     """A real program behind the Executor interface, with knobs: a delay per run, a start that waits for
     an event, a run that fails. ``capacity`` 1, so requests queue behind a slow run."""
