@@ -183,11 +183,23 @@ def _infer_scatter_nd(ctx: InferContext) -> TensorType:
 @op("ScatterND", inputs=[In("data", ALL), In("indices", INT64), In("updates", ALL)], outputs=["output"],
     attrs=[Attr("reduction", AttrKind.STRING, "none")], infer=_infer_scatter_nd)
 def scatter_nd(data, indices, updates, *, reduction="none"):
-    combine = _SCATTER_REDUCTIONS[reduction]
     out = data.copy()
-    for pos in np.ndindex(*indices.shape[:-1]):
-        where = tuple(int(i) for i in indices[pos])
-        out[where] = combine(out[where], updates[pos])
+    k = indices.shape[-1]
+    if k == 0:  # every index tuple addresses the whole tensor
+        combine = _SCATTER_REDUCTIONS[reduction]
+        for pos in np.ndindex(*indices.shape[:-1]):
+            out[...] = combine(out, updates[pos])
+        return out
+    flat = indices.reshape(-1, k)
+    dims = np.asarray(data.shape[:k], np.int64)
+    if flat.size and (np.any(flat < -dims) or np.any(flat >= dims)):
+        raise IndexError(f"an index tuple is outside data of shape {list(data.shape)}")
+    where = tuple(flat[:, j] for j in range(k))
+    upd = updates.reshape((flat.shape[0],) + data.shape[k:])
+    if reduction == "none":
+        out[where] = upd  # duplicate tuples: the last one wins (ONNX leaves it undefined)
+    else:
+        _SCATTER_REDUCTIONS[reduction].at(out, where, upd)  # duplicates accumulate in order
     return out
 
 

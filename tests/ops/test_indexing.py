@@ -186,6 +186,42 @@ def test_scatter_nd_reductions(reduction, want):
     check_op("ScatterND", [data, idx, upd], np.array(want, np.int64), {"reduction": reduction})
 
 
+def _scatter_nd_one_by_one(data, indices, updates, reduction):
+    """ONNX's definition, one index tuple at a time (what the vectorized reference must equal)."""
+    combine = {"none": lambda old, new: new, "add": np.add, "mul": np.multiply, "max": np.maximum,
+               "min": np.minimum}[reduction]
+    out = data.copy()
+    for pos in np.ndindex(*indices.shape[:-1]):
+        where = tuple(int(i) for i in indices[pos])
+        out[where] = combine(out[where], updates[pos])
+    return out
+
+
+@given(st.integers(0, 2**31), st.sampled_from(["none", "add", "mul", "max", "min"]), st.integers(0, 3))
+def test_scatter_nd_vectorized_equals_one_by_one(seed, reduction, k):
+    rng = np.random.default_rng(seed)
+    shape = tuple(int(d) for d in rng.integers(1, 4, size=3))
+    data = rng.integers(-5, 5, size=shape).astype(np.int64)
+    lead = tuple(int(d) for d in rng.integers(1, 3, size=int(rng.integers(1, 3))))
+    dims = np.array(shape[:k], np.int64)
+    idx = (rng.integers(0, 1 << 20, size=lead + (k,)) % np.maximum(dims, 1)).astype(np.int64)
+    if reduction == "none" and k:  # duplicates are undefined without a reduction: make the tuples distinct
+        flat = np.array(sorted({tuple(r) for r in idx.reshape(-1, k).tolist()}), np.int64)
+        idx = flat.reshape(len(flat), k)
+        lead = (len(flat),)
+    elif reduction == "none":
+        idx, lead = idx[:1].reshape(1, 0), (1,)
+    idx = np.where(rng.random(idx.shape) < 0.3, idx - dims, idx)  # negative indices count from the back
+    upd = rng.integers(-5, 5, size=lead + shape[k:]).astype(np.int64)
+    want = _scatter_nd_one_by_one(data, idx, upd, reduction)
+    check_op("ScatterND", [data, idx, upd], want, {"reduction": reduction})
+
+
+def test_scatter_nd_refuses_an_index_outside_the_data():
+    with pytest.raises(EvaluationError, match="outside data"):
+        evaluate(*build_single("ScatterND", [arange((4, 3)), i64(4).reshape(1, 1), arange((1, 3))]))
+
+
 def test_scatter_nd_inference_errors():
     data = arange((4, 3))
     with pytest.raises(ShapeInferenceError, match="must have shape"):
