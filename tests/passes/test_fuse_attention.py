@@ -352,11 +352,11 @@ import graph_feeds
 
 TRANSFORMERS = [e for e in zoo.params() if e.values[0].name in ("transformer_encoder", "gpt", "sdpa", "hf_bert")]
 
-# FusedAttention nodes the traced zoo models get. transformer_encoder gets none: the tracer's
-# decomposition of F.multi_head_attention_forward leaves the keys' length unknown ([batch, 4, 8, ?]),
-# and the layout wants every dim known. gpt (masked_fill with -inf) and sdpa (is_causal) fuse
-# through their Where masks.
-EXPECTED = {"transformer_encoder": 0, "gpt": 2, "sdpa": 1}
+# FusedAttention nodes the traced zoo models get: one per layer. transformer_encoder's keys' length
+# is known since shape inference keeps the known pieces of a partly computed shape (a Concat of
+# [batch * heads, seq, head_dim] pieces: it fused none while the whole shape came out unknown);
+# gpt (masked_fill with -inf) and sdpa (is_causal) fuse through their Where masks.
+EXPECTED = {"transformer_encoder": 2, "gpt": 2, "sdpa": 1}
 
 
 def fused_zoo_graph(name: str):
