@@ -152,11 +152,10 @@ class JsonErrors:
 
 
 def default_executor(entry: ModelEntry):
-    """The executor ``kiln serve`` uses: worker processes, or threads in the server with ``workers=0``."""
-    from kiln.server.workers import ProcessExecutor, ThreadExecutor
-    if entry.config.workers == 0:
-        return ThreadExecutor(entry.path, entry.config)
-    return ProcessExecutor(entry.path, entry.config, entry.config.workers)
+    """The executor ``kiln serve`` uses: worker processes, or threads in the server with ``workers=0``, in
+    batch buckets when the config asks (server/workers.py make_executor; readiness waits for warm-up)."""
+    from kiln.server.workers import make_executor
+    return make_executor(entry.path, entry.config)
 
 
 @dataclass

@@ -34,6 +34,9 @@ of the instruction loop), so under load the server runs fewer, larger batches. T
   a batch could start now on a spare slot while others are running: there a short wait turns a
   stream of single requests into fewer, larger batches instead of spreading them one by one over
   the slots. The oldest dispatchable group goes first (FIFO within a group).
+* **Batch buckets.** An executor with ``run_parts`` (server/buckets.py's BucketedExecutor) is given the
+  batch's requests, not their concatenation: it copies their rows into its own bucket-sized staging
+  buffers. One with ``max_batch_rows`` (its largest bucket) lowers ``max_batch_size`` to it.
 * **A request too big.** A request whose own dim 0 exceeds ``max_batch_size`` is refused with
   :class:`BatchTooLarge` (400); with ``max_batch_size == 0`` nothing is stacked and it runs alone.
 * **Backpressure.** The queue holds at most ``queue_size`` requests (0: unbounded, as in Triton);
@@ -215,6 +218,9 @@ class DynamicBatcher:
         return self._accepting
 
     def _layout(self) -> None:
+        cap = getattr(self.executor, "max_batch_rows", None)  # the largest batch bucket (server/buckets.py)
+        if isinstance(cap, int) and 0 < cap < self.max_batch_size:
+            self.max_batch_size = cap
         specs = list(self.executor.inputs)
         self._specs = specs
         self.symbol = batch_dim(specs, list(self.executor.outputs))
@@ -418,12 +424,18 @@ class DynamicBatcher:
             self._notify()
 
     async def _execute(self, reqs: List[_Request]) -> None:
-        if len(reqs) == 1:
-            inputs = reqs[0].inputs
-        else:
-            inputs = {n: np.concatenate([r.inputs[n] for r in reqs]) for n in self._names}
+        # An executor with run_parts (server/buckets.py) copies the requests' rows straight into its own
+        # (bucket-sized) buffers: no concatenate here.
+        run_parts = getattr(self.executor, "run_parts", None) if self.batching else None
         try:
-            outputs = await self.executor.run(inputs)
+            if run_parts is not None:
+                outputs = await run_parts([r.inputs for r in reqs])
+            else:
+                if len(reqs) == 1:
+                    inputs = reqs[0].inputs
+                else:
+                    inputs = {n: np.concatenate([r.inputs[n] for r in reqs]) for n in self._names}
+                outputs = await self.executor.run(inputs)
         except ExecutionError as e:
             if len(reqs) == 1:
                 _fail(reqs, e)

@@ -154,7 +154,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from kiln.server.app import create_app
     except ImportError as e:
         raise KilnError(f"kiln serve needs the server extra: pip install 'kiln[serve]' ({e.name} is missing)") from None
-    from kiln.server.repository import discover
+    from kiln.server.repository import check_cpu_only, discover
 
     from kiln.server.connections import ConnectionLimits, ConnectionTracker, make_protocol_class, raise_open_file_limit
 
@@ -173,6 +173,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               keep_alive_s=args.keep_alive_s, max_connections=args.max_connections,
                               max_connections_per_client=args.max_connections_per_client).resolve()
     entries = discover(args.path, name=args.name, overrides=_overrides(args))
+    check_cpu_only(entries)  # a gpu instance_group is refused before any port is bound
     sock = bind_socket(args.host, args.port)
     url = _url(sock, args.host)
     failure: list[BaseException] = []
@@ -189,6 +190,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"  {e.name} version {e.version}: {e.path} ({how}, {batching}, backend {c.backend})", flush=True)
             if decision is not None and c.may_batch:
                 print(f"    batching: {decision.reason}", flush=True)
+            buckets = getattr(state.models[e.name][e.version].executor, "buckets", None)
+            if c.uses_buckets and isinstance(buckets, tuple):
+                print(f"    batch buckets: {list(buckets) or 'none (runs unbatched)'}, each warmed up", flush=True)
         per_client = limits.max_connections_per_client or "no cap"
         print(f"  connections: at most {limits.max_connections:,} ({per_client} per client, the last "
               f"{limits.health_reserve} for health checks); a request head within {limits.header_timeout_s:g} s, "

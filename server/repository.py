@@ -106,6 +106,19 @@ class ModelConfig:
       string like ``"4GiB"`` (``kiln.load(..., memory_budget=)``); a model whose fixed shapes need
       more fails to load, a request whose shapes need more gets 413. None: the environment variable
       ``KILN_MEMORY_BUDGET``, else no budget. CPU runtime (``backend = "kiln"``) only.
+    - ``preferred_batch_size = None``: extra batch-bucket sizes (Triton's key), each an integer in
+      1..``max_batch_size``; setting it turns batch buckets on (server/buckets.py).
+    - ``buckets = None``: batch buckets -- every batch padded to the next of a few sizes (powers of two up
+      to ``max_batch_size``, ``max_batch_size`` itself, and ``preferred_batch_size``), each run once at
+      load (warm-up; the model is not ready before). This is what lets a GPU executor capture one CUDA
+      graph per bucket; on the CPU runtime it is correct but no faster. ``None``: on when
+      ``preferred_batch_size`` is set, else off; ``true``/``false`` force it (``false`` with
+      ``preferred_batch_size`` is refused as a contradiction).
+    - ``instance_group = None``: Triton's shape, ``[{"kind": "cpu"|"gpu", "count": N, "gpus": [0, 1]}]``
+      (``KIND_CPU``/``KIND_GPU`` accepted, ``count`` defaults to 1). CPU groups set ``instances`` to the
+      sum of their counts (set one or the other in a file, not both; a CLI ``--instances`` still wins).
+      ``gpus`` only with kind ``gpu``. This server runs models on the CPU only for now: ``kiln serve``
+      refuses a ``gpu`` group at start, naming the model (server/cli.py).
     """
 
     max_batch_size: int = 32
@@ -118,6 +131,9 @@ class ModelConfig:
     backend: str = "kiln"
     batching: str = "auto"
     memory_budget: Optional[Union[int, str]] = None
+    preferred_batch_size: Optional[list] = None
+    buckets: Optional[bool] = None
+    instance_group: Optional[list] = None
 
     def __hash__(self) -> int:  # the generated one fails on the dict-valued version_policy
         return hash(json.dumps(self.to_json(), sort_keys=True))
@@ -171,7 +187,36 @@ class ModelConfig:
             if key not in known:
                 raise KilnError(f"{source}: unknown model config key {key!r}; known keys: {', '.join(sorted(known))}")
             changes[key] = _VALIDATORS[key](value, f"{source}: {key!r}")
-        return replace(self, **changes)
+        groups = changes.get("instance_group")
+        if groups:
+            if "instances" in changes:
+                raise KilnError(f"{source}: set 'instances' or 'instance_group', not both")
+            if all(g["kind"] == "cpu" for g in groups):
+                changes["instances"] = sum(g["count"] for g in groups)
+        config = replace(self, **changes)
+        config._check_buckets(source)
+        return config
+
+    def _check_buckets(self, source: str) -> None:
+        """The checks that involve several keys (after each file or set of overrides)."""
+        preferred = self.preferred_batch_size or []
+        over = [p for p in preferred if p > self.max_batch_size]
+        if over:
+            raise KilnError(f"{source}: preferred_batch_size {preferred} has size(s) {over} above max_batch_size "
+                            f"{self.max_batch_size}; each must be at most max_batch_size")
+        if preferred and self.buckets is False:
+            raise KilnError(f"{source}: preferred_batch_size {preferred} asks for batch buckets but 'buckets' is "
+                            "false; drop one of them")
+
+    @property
+    def uses_buckets(self) -> bool:
+        """Whether the executor runs batches in batch buckets (see ``buckets``)."""
+        return bool(self.buckets) if self.buckets is not None else bool(self.preferred_batch_size)
+
+    @property
+    def gpu_groups(self) -> list:
+        """The instance groups of kind ``gpu``."""
+        return [g for g in self.instance_group or [] if g["kind"] == "gpu"]
 
     def select_versions(self, versions: list[int], model: str = "model") -> list[int]:
         """The versions this config's policy serves out of ``versions`` (ascending)."""
@@ -269,6 +314,62 @@ def _version_policy(value: Any, where: str) -> VersionPolicy:
     raise KilnError(f"{where}: unknown policy {kind!r}; {usage}")
 
 
+def _preferred_batch_size(value: Any, where: str) -> Optional[list]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or isinstance(value, int):
+        value = [value]  # Triton's config takes a list; a lone number is what people type
+    if not isinstance(value, list):
+        raise KilnError(f"{where} must be a list of integers, got {_json_type(value)} ({value!r})")
+    sizes = [_int(1)(v, f"{where} entry") for v in value]
+    return sorted(set(sizes)) or None
+
+
+def _buckets(value: Any, where: str) -> Optional[bool]:
+    if value is not None and not isinstance(value, bool):
+        raise KilnError(f"{where} must be true, false or null, got {_json_type(value)} ({value!r})")
+    return value
+
+
+_KINDS = {"cpu": "cpu", "gpu": "gpu", "KIND_CPU": "cpu", "KIND_GPU": "gpu"}
+_GROUP_KEYS = ("kind", "count", "gpus")
+
+
+def _instance_group(value: Any, where: str) -> Optional[list]:
+    """Normalize Triton's instance_group to ``[{"kind": "cpu"|"gpu", "count": N[, "gpus": [...]]}]``."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value:
+        raise KilnError(f"{where} must be a non-empty list of groups like {{\"kind\": \"gpu\", \"count\": 1, "
+                        f"\"gpus\": [0]}}, got {value!r}")
+    groups = []
+    for i, g in enumerate(value):
+        at = f"{where}[{i}]"
+        if not isinstance(g, dict):
+            raise KilnError(f"{at} must be an object, got {_json_type(g)} ({g!r})")
+        unknown = sorted(set(g) - set(_GROUP_KEYS))
+        if unknown:
+            raise KilnError(f"{at}: unknown key(s) {unknown}; known keys: {', '.join(_GROUP_KEYS)}")
+        if "kind" not in g:
+            raise KilnError(f"{at} needs a 'kind': \"cpu\" or \"gpu\"")
+        kind = _KINDS.get(g["kind"]) if isinstance(g["kind"], str) else None
+        if kind is None:
+            raise KilnError(f"{at} 'kind' must be \"cpu\" or \"gpu\" (or KIND_CPU / KIND_GPU), got {g['kind']!r}")
+        group = {"kind": kind, "count": _int(1)(g.get("count", 1), f"{at} 'count'")}
+        if "gpus" in g:
+            if kind != "gpu":
+                raise KilnError(f"{at}: 'gpus' only applies to kind \"gpu\", this group is {kind!r}")
+            gpus = g["gpus"]
+            if not isinstance(gpus, list) or not gpus:
+                raise KilnError(f"{at} 'gpus' must be a non-empty list of GPU indices, got {gpus!r}")
+            ids = [_int(0)(d, f"{at} 'gpus' entry") for d in gpus]
+            if len(set(ids)) != len(ids):
+                raise KilnError(f"{at} 'gpus' lists a GPU twice: {ids}")
+            group["gpus"] = ids
+        groups.append(group)
+    return groups
+
+
 _VALIDATORS = {
     "max_batch_size": _int(0),
     "max_queue_delay_ms": _number(0.0),
@@ -280,7 +381,20 @@ _VALIDATORS = {
     "backend": _backend,
     "batching": _batching,
     "memory_budget": _memory_budget,
+    "preferred_batch_size": _preferred_batch_size,
+    "buckets": _buckets,
+    "instance_group": _instance_group,
 }
+
+
+def check_cpu_only(entries: list) -> None:
+    """Refuse models whose config asks for GPU instances: this server runs the CPU runtime only (issue 17
+    brings ``--device cuda``). A KilnError naming each such model and its file."""
+    gpu = [e for e in entries if e.config.gpu_groups]
+    if gpu:
+        names = ", ".join(f"{e.name} (version {e.version})" for e in gpu)
+        raise KilnError(f"model(s) {names}: instance_group asks for kind \"gpu\", but this kiln serve runs "
+                        "models on the CPU only; use kind \"cpu\" (or drop instance_group) for now")
 
 
 @dataclass(frozen=True)

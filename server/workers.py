@@ -145,6 +145,20 @@ class ThreadExecutor:
             await asyncio.to_thread(self._pool.shutdown, True)
 
 
+def make_executor(path: Any, config: Any) -> Any:
+    """The executor ``kiln serve`` runs a model on: worker processes (``config.workers``), or threads in the
+    server with ``workers=0``; wrapped in a BucketedExecutor (server/buckets.py) when the config asks for
+    batch buckets (``buckets``, ``preferred_batch_size``). A ``gpu`` instance group is refused: this
+    server runs the CPU runtime only."""
+    from kiln.server.buckets import BucketedExecutor, uses_buckets
+    if any(g.get("kind") == "gpu" for g in getattr(config, "instance_group", None) or []):
+        raise KilnError(f"{path}: instance_group asks for kind \"gpu\", but this kiln serve runs models on the "
+                        "CPU only; use kind \"cpu\" (or drop instance_group) for now")
+    workers = int(getattr(config, "workers", 1))
+    inner = ThreadExecutor(path, config) if workers == 0 else ProcessExecutor(path, config, workers)
+    return BucketedExecutor(inner, config) if uses_buckets(config) else inner
+
+
 def batch_analysis(program: Any) -> Any:
     """The batch-independence analysis of the graph a loaded program runs (None if it has no graph):
     whether the batcher may stack requests for it (server/batcher.py)."""
