@@ -326,6 +326,70 @@ def test_concurrent_requests_real_model_equal_program_run_alone():
     assert max(seen_sizes) > 1, "requests should have been stacked"
 
 
+def test_one_bad_request_fails_alone_through_buckets():
+    """The batcher's culprit isolation still works: a batch that fails is re-run request by request, each
+    padded with copies of its own rows, so only the request with the bad row gets the error."""
+
+    class NanFake(RowFake):
+        async def run(self, inputs):
+            if np.isnan(inputs["x"]).any():
+                raise ExecutionError("NaN in the input")
+            return await super().run(inputs)
+
+    fake = NanFake()
+    ex = BucketedExecutor(fake, config(max_batch_size=8))
+    xs = [np.full((2, 4), i, np.float32) for i in range(6)]
+    xs[3][1, 2] = np.nan
+
+    async def main():
+        await ex.start()
+        fake.gate = asyncio.Event()
+        b = DynamicBatcher(ex, config(max_batch_size=8), None, "fake", "1")
+        first = asyncio.ensure_future(b.submit({"x": np.zeros((1, 4), np.float32)}))  # holds the executor
+        while not fake.gate or not b.running:
+            await asyncio.sleep(0.001)
+        rest = [asyncio.ensure_future(b.submit({"x": x})) for x in xs]
+        await asyncio.sleep(0.01)
+        fake.gate.set()
+        results = await asyncio.gather(first, *rest, return_exceptions=True)
+        await b.close()
+        return results[1:]
+
+    results = arun(main())
+    for i, (x, got) in enumerate(zip(xs, results)):
+        if i == 3:
+            assert isinstance(got, ExecutionError)
+        else:
+            np.testing.assert_array_equal(got["y"], x * 2 + 1)
+
+
+def test_buckets_around_worker_processes():
+    """make_executor's ProcessExecutor inside buckets: warm-up through the worker, answers equal
+    Program.run alone."""
+    program = kiln.load(MLP)
+    cfg = ModelConfig(workers=1, max_batch_size=6, preferred_batch_size=[3])
+    ex = make_executor(MLP, cfg)
+    rng = np.random.default_rng(11)
+    xs = [rng.standard_normal((int(rng.integers(1, 4)), 16)).astype(np.float32) for _ in range(40)]
+
+    async def main():
+        await ex.start()
+        try:
+            b = DynamicBatcher(ex, cfg, None, "mlp", "1")
+            results = await asyncio.gather(*(b.submit({"x": x}) for x in xs))
+            await b.close()
+        finally:
+            await ex.close()
+        return results
+
+    results = arun(main())
+    assert ex.buckets == (1, 2, 3, 4, 6) and ex.warm_up_runs == {b: 1 for b in ex.buckets}
+    for x, got in zip(xs, results):
+        want = program.run({"x": x})
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
+
+
 def test_outputs_that_alias_the_staging_buffer_are_copied():
     fake = RowFake(identity=True)
     ex = BucketedExecutor(fake, config(max_batch_size=4))
