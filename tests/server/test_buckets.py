@@ -14,7 +14,6 @@ import pytest
 
 import kiln
 from kiln.errors import ExecutionError, KilnError
-from kiln.ir import Graph
 from kiln.ir.batch_independence import BatchAnalysis
 from kiln.ir.types import TensorType
 from kiln.runtime.program import TensorSpec
