@@ -31,9 +31,22 @@ kernels of runtime/kernels/cuda. What differs, and why:
   ``kernel.ignores``; a constant whose every reader ignores it (and that is no graph output)
   stays a host array in the template, so each weight is on the device once (ResNet-50 held
   its conv weights twice before this).
-- **TF32.** Off by default: float32 matmuls/convolutions use full float32 (CuPy's compute type
-  for float32 is set to the default, not TF32). ``tf32=True`` allows TF32 (about 3e-4 relative
-  error). CuPy's setting is per process, so the last program loaded decides.
+- **Settings, per program** (issue 17). ``CudaProgram(graph, options=CudaOptions(...))`` or the
+  same fields as keywords (``tf32``, ``conv``, ``attention``, ``cudnn_workspace_mib``,
+  ``cudnn_epilogue``, ``cuda_graphs``, ``fuse``, ``output``; runtime/cuda_options.py): fields
+  left out come from the environment (``KILN_CUDA_CONV``, ``KILN_ATTENTION``,
+  ``KILN_CUDNN_WORKSPACE_MIB``, ``KILN_CUDNN_EPILOGUE``), read once when the options are made.
+  The kernels are bound with them at load and each run executes under them
+  (``kernels.cuda.bound``), so two programs in one process, on one thread or several, never see
+  each other's settings, eager or inside a CUDA graph (captured under the program's own).
+  ``options`` holds them. Nothing process-wide is changed: not CuPy's compute type, not a live
+  cuBLAS handle's math mode.
+- **TF32.** Off by default: float32 matmuls/convolutions use full float32. ``tf32=True`` allows
+  TF32 (about 3e-4 relative error) for kiln's cuBLAS (a TF32-math handle per stream beside the
+  default one), cuBLASLt (the plan's compute type) and cuDNN (engines with tensor-core notes)
+  calls. CuPy's own products (Einsum, rare ``cupy.matmul`` fallbacks) keep CuPy's process
+  setting, which kiln leaves alone (strict unless ``CUPY_TF32=1``). ``set_tf32`` is deprecated:
+  it only sets the default of programs made afterwards.
 - **CUDA graphs** (``cuda_graphs=True``; the default ``"auto"`` uses them for plans of at least
   ``GRAPH_MIN_INSTRUCTIONS`` instructions). The first run for an input-shape signature
   runs eagerly on a private stream and memory pool, then the plan is captured into a CUDA graph
@@ -47,6 +60,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from collections import OrderedDict
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -56,6 +70,7 @@ import numpy as np
 from kiln.errors import KilnError
 from kiln.ir.graph import Graph, Node, Value
 from kiln.runtime.kernels import cpu, cuda
+from kiln.runtime.cuda_options import CudaOptions, set_process_tf32
 from kiln.runtime.kernels.cuda.elementwise import host_fallback
 from kiln.runtime.plan import Plan, PlanBuilder, execute
 from kiln.runtime.program import TensorSpec, _execution_error, check_inputs
@@ -68,12 +83,12 @@ OUTPUTS = ("cupy", "numpy")
 
 
 def set_tf32(allowed: bool) -> None:
-    """Let cuBLAS use TF32 for float32 products (CuPy's per-process compute type)."""
-    from cupy._core import _routines_linalg as rl
-
-    from kiln.runtime.kernels.cuda import linalg
-    rl.set_compute_type(np.float32, rl.COMPUTE_TYPE_TF32 if allowed else rl.COMPUTE_TYPE_DEFAULT)
-    linalg.set_tf32(allowed)
+    """Deprecated (issue 17): the ``tf32`` default of programs made afterwards without one.
+    Programs already loaded keep their own; nothing process-wide in CuPy or cuBLAS changes.
+    Pass ``tf32=`` to ``CudaProgram``/``kiln.load`` (or a ``CudaOptions``) instead."""
+    warnings.warn("kiln.runtime.cuda_program.set_tf32 is deprecated: TF32 is per program now "
+                  "(CudaProgram(graph, tf32=...) / kiln.load(..., tf32=...))", DeprecationWarning, stacklevel=2)
+    set_process_tf32(bool(allowed))
 
 
 def _static_size(v: Value) -> Optional[int]:
@@ -93,13 +108,23 @@ class CudaProgram:
 
     backend = "kiln-cuda"
 
-    def __init__(self, graph: Graph, *, output: str = "cupy", tf32: bool = False,
-                 cuda_graphs: Union[bool, str] = "auto", fuse: bool = True):
-        if output not in OUTPUTS:
-            raise KilnError(f"output must be one of {', '.join(map(repr, OUTPUTS))}, not {output!r}")
-        set_tf32(tf32)
-        self.output = output
-        self.tf32 = tf32
+    def __init__(self, graph: Graph, *, options: Optional[CudaOptions] = None, output: Optional[str] = None,
+                 tf32: Optional[bool] = None, cuda_graphs: Union[bool, str, None] = None,
+                 fuse: Optional[bool] = None, conv: Optional[str] = None, attention: Optional[str] = None,
+                 cudnn_workspace_mib: Union[float, str, None] = None, cudnn_epilogue: Optional[bool] = None):
+        # Keywords left None take the field of ``options`` (or its defaults: the environment).
+        # A cuDNN workspace without a cap is cudnn_workspace_mib="none" here (None: not given).
+        self.options = opts = CudaOptions.build(
+            options, output=output, tf32=tf32, cuda_graphs=cuda_graphs, fuse=fuse, conv=conv,
+            attention=attention, cudnn_workspace_mib=cudnn_workspace_mib, cudnn_epilogue=cudnn_epilogue)
+        with cuda.bound(opts):
+            self._load(graph)
+
+    def _load(self, graph: Graph) -> None:
+        opts = self.options
+        self.output = opts.output
+        self.tf32 = opts.tf32
+        fuse, cuda_graphs = opts.fuse, opts.cuda_graphs
         self.fused_groups = 0
         self.fused_epilogues = 0
         self.fused_attention = 0
@@ -123,8 +148,6 @@ class CudaProgram:
         md = graph.metadata
         self.metadata = {"producer_name": md.producer_name, "producer_version": md.producer_version,
                          "doc_string": md.doc_string, **md.props}
-        if cuda_graphs not in (True, False, "auto"):
-            raise KilnError(f"cuda_graphs must be True, False or 'auto', not {cuda_graphs!r}")
         # "auto": graphs where launches are many; a plan of a few kernels gains nothing from a
         # graph and would pay its input and output copies (a fused 8192^2 chain: 0.14 ms eager,
         # 0.60 ms through a graph's copies on an H200).
@@ -153,7 +176,7 @@ class CudaProgram:
             k = _host_kernel(cpu.choose(node, attrs))
             self._kernels.append((node, k))
             return k
-        k = cuda.choose(node, attrs)
+        k = cuda.choose(node, attrs, self.options)
         if k is None:
             k = host_fallback(cpu.choose(node, attrs))
         elif node.op in ("Shape", "Size") and node.domain == "":
@@ -254,6 +277,29 @@ class CudaProgram:
         return counts
 
     @property
+    def conv_paths(self) -> dict:
+        """``{"cudnn"|"im2col": count}`` of the (Conv node, input shape, epilogue) combinations
+        this program's Conv kernels ran, by the path they took (the program's ``conv`` option and
+        the shape decide; FusedEpilogue anchors included). Filled as shapes are run."""
+        counts: dict = {}
+        for _node, k in self._kernels:
+            paths = _find_attr(k, "conv_paths")
+            for p in (paths or {}).values():
+                counts[p] = counts.get(p, 0) + 1
+        return counts
+
+    @property
+    def attention_paths(self) -> dict:
+        """``{"kernel"|"ops": calls}`` of this program's FusedAttention kernels (eager calls and
+        the calls that were captured; a graph replay runs no Python and counts nothing)."""
+        counts = {"kernel": 0, "ops": 0}
+        for _node, k in self._kernels:
+            paths = _find_attr(k, "attention_paths")
+            for p, n in (paths or {}).items():
+                counts[p] += n
+        return counts
+
+    @property
     def host_ops(self) -> dict:
         counts: dict = {}
         for node in self._host_nodes:
@@ -311,12 +357,15 @@ class CudaProgram:
             slots[s] = a
         records = records or _GuardRecords(mapped=False)
         slots[self._guard_slot] = records
+        token = cuda.bind(self.options)  # what kernels decide per call follows this program
         try:
             execute(self.plan, slots)
         except KilnError:
             raise
         except Exception as e:  # noqa: BLE001 - re-raised naming the node
             raise _execution_error(self.plan, slots, e) from e
+        finally:
+            cuda.unbind(token)
         return [slots[s] for s in self.plan.output_slots], records
 
     def _run_graph(self, arrays: list) -> Optional[list]:
@@ -409,6 +458,16 @@ class CudaProgram:
 
     def captured_graphs(self) -> int:
         return len(self._graphs)
+
+
+def _find_attr(k, name: str):
+    """``name`` of the kernel or of a kernel it wraps (through ``inner``), or None."""
+    while k is not None:
+        v = getattr(k, name, None)
+        if v is not None:
+            return v
+        k = getattr(k, "inner", None)
+    return None
 
 
 def _strategy(k) -> str:
@@ -573,4 +632,4 @@ def device_count() -> int:
         return 0
 
 
-__all__ = ["CudaProgram", "set_tf32", "device_count", "SMALL", "MAX_GRAPHS"]
+__all__ = ["CudaProgram", "CudaOptions", "set_tf32", "device_count", "SMALL", "MAX_GRAPHS"]

@@ -303,7 +303,10 @@ def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize
 
     ``device="cuda"`` (kiln backend): a ``CudaProgram`` on the current CUDA device through CuPy
     (``pip install kiln[gpu]``); ``cuda_options`` go to it (``output="cupy"|"numpy"``,
-    ``tf32=False``, ``cuda_graphs=True``, ``fuse=True``).
+    ``tf32=False``, ``cuda_graphs=True|False|"auto"``, ``fuse=True``, ``conv="auto"|"cudnn"|"im2col"``,
+    ``attention="auto"|"kernel"|"ops"``, ``cudnn_workspace_mib=32`` (``"none"``: no cap),
+    ``cudnn_epilogue=True``, or a whole ``options=kiln.runtime.cuda_options.CudaOptions(...)``):
+    settings of that program alone, never of the process (issue 17).
 
     Untrusted files (issue 16): ``limits`` (a ``kiln.LoadLimits``) bounds what reading a .kiln file
     may cost -- nodes, values, nesting, graph bytes, memory, seconds -- refusing a file past one
@@ -335,6 +338,11 @@ def _load(model, device: str, *, optimize: bool, backend: str, threads: Optional
         raise KilnError(f"unknown device '{device}': kiln runs on 'cpu' or 'cuda' ('auto' is the CPU)")
     if cuda_options and not cuda:
         raise KilnError(f"options {sorted(cuda_options)} are for device='cuda'")
+    if cuda_options:  # named wrong: said before any loading (runtime/cuda_options.py has the fields)
+        from kiln.runtime.cuda_options import FIELDS
+        unknown = sorted(set(cuda_options) - set(FIELDS) - {"options"})
+        if unknown:
+            raise KilnError(f"unknown CUDA option(s) {unknown}; known: options, {', '.join(FIELDS)}")
     if threads is not None:
         raise KilnError("threads= sets ONNX Runtime's intra-op threads (backend='onnxruntime'); kiln's CPU runtime "
                         "uses numpy's BLAS threads, set by OMP_NUM_THREADS/OPENBLAS_NUM_THREADS before numpy is "

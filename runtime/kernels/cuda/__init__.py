@@ -11,10 +11,20 @@ what is native stays visible.
 Reshape's target shape, a Slice's starts): the program keeps those values in numpy when it
 can (constants, ``Shape`` arithmetic), and a kernel turns them into Python values with
 ``host``. CuPy is imported only in this package and runtime/cuda_program.py.
+
+Settings (issue 17): a kernel takes the program's ``CudaOptions`` (runtime/cuda_options.py) from
+``options()`` while its factory runs: ``choose(node, attrs, options)`` binds them for the factory
+and for the factories it calls in turn (FusedEpilogue's anchor, a body run node by node), and a
+factory keeps what it needs (the TF32 switch, the conv and attention paths, the cuDNN cap) in
+its closure. ``CudaProgram`` also runs each plan under ``bound(options)``, so what is decided per
+call (``cublas_matmul``'s handle, for callers that pass no ``tf32``) follows the running program.
+The binding is a context variable: per thread, never process-wide.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -41,10 +51,49 @@ def kernel(*ops: str, domain: str = "", host: tuple = ()) -> Callable[[Factory],
     return deco
 
 
-def choose(node: Node, attrs: dict) -> Optional[Callable[..., Any]]:
-    """The node's CUDA kernel, or None when there is no native path for it."""
+_BOUND: contextvars.ContextVar = contextvars.ContextVar("kiln_cuda_options", default=None)
+
+
+def options():
+    """The CudaOptions bound now (the program being loaded or run), else fresh process defaults
+    (the environment read now: for kernels used outside a program)."""
+    o = _BOUND.get()
+    if o is None:
+        from kiln.runtime.cuda_options import CudaOptions
+        o = CudaOptions()
+    return o
+
+
+@contextlib.contextmanager
+def bound(opts) -> Iterator[Any]:
+    """Bind ``opts`` (a CudaOptions) for the kernels chosen or run inside the block (this thread only)."""
+    token = _BOUND.set(opts)
+    try:
+        yield opts
+    finally:
+        _BOUND.reset(token)
+
+
+def bind(opts):
+    """``bound`` without the context manager's cost (per run: CudaProgram): returns the token
+    for ``unbind``."""
+    return _BOUND.set(opts)
+
+
+def unbind(token) -> None:
+    _BOUND.reset(token)
+
+
+def choose(node: Node, attrs: dict, options=None) -> Optional[Callable[..., Any]]:
+    """The node's CUDA kernel, or None when there is no native path for it. ``options`` (a
+    CudaOptions) are bound while the factory runs; None keeps the current binding."""
     factory = KERNELS.get((node.domain, node.op))
-    return None if factory is None else factory(node, attrs)
+    if factory is None:
+        return None
+    if options is None:
+        return factory(node, attrs)
+    with bound(options):
+        return factory(node, attrs)
 
 
 def host_inputs(node: Node) -> tuple:

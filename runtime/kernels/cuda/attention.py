@@ -20,19 +20,23 @@ projection, read without a copy); leading dims beyond two are merged. A first ve
 gave each warp one query row at a time (lane = key) ran 411 us a layer on BERT-base at batch
 32, slower than the unfused ops: its dependent FMA chains left the SMs waiting.
 
-Where it does not apply (float64, a head dim over 64, fewer blocks than SMs: ``MODE``), the
-body runs node by node with the CUDA kernels of its ops, as an unfused graph would.
+Where it does not apply (float64, a head dim over 64, fewer blocks than SMs in "auto" mode), the
+body runs node by node with the CUDA kernels of its ops, as an unfused graph would. The mode is
+the program's ``CudaOptions.attention`` ("auto", "kernel", "ops"; default KILN_ATTENTION or the
+deprecated process-wide ``MODE["mode"]``), bound into each FusedAttention kernel at load (issue
+17); each kernel counts the calls that took each path (``run.attention_paths``: {"kernel": n,
+"ops": n}; under CUDA graphs only the eager warm-up and the capture call count, not replays).
 """
 from __future__ import annotations
 
 import math
-import os
 from typing import Any, Callable, Optional
 
 import cupy as cp
 import numpy as np
 
-from kiln.runtime.kernels.cuda import kernel
+from kiln.runtime.cuda_options import ATTENTION_DEFAULT
+from kiln.runtime.kernels.cuda import kernel, options
 
 _SOURCE = r"""
 #define BQ 64    // query rows a block
@@ -182,9 +186,10 @@ MAX_HEAD = 64   # head dims (q/k and v) up to this; wider heads run the body op 
 ROWS_PER_BLOCK = 64
 # Too few blocks leave most SMs idle while each block walks every key tile on its own (BERT at
 # batch 1: 24 blocks on 132 SMs); then the unfused ops, each spread over the whole GPU, win.
-# "auto" runs the kernel from this many blocks per SM; KILN_ATTENTION=kernel|ops forces one.
+# "auto" runs the kernel from this many blocks per SM; CudaOptions.attention (KILN_ATTENTION)
+# = kernel|ops forces one. MODE: the deprecated process default (None: the environment's).
 MIN_BLOCKS_PER_SM = 1.0
-MODE = {"mode": os.environ.get("KILN_ATTENTION", "auto")}
+MODE = ATTENTION_DEFAULT
 _KERNEL: dict = {}
 
 
@@ -214,9 +219,12 @@ def _as4(x):
     return x, tuple(s // x.itemsize for s in x.strides)
 
 
-def attention(q, kt, v, mask, scale: float):
+def attention(q, kt, v, mask, scale: float, mode: Optional[str] = None):
     """softmax(q @ kt * scale + mask) @ v for float32 arrays of one rank >= 3 (mask broadcastable
-    to the scores, or None), or None when the kernel does not apply."""
+    to the scores, or None), or None when the kernel does not apply. ``mode``: "auto" leaves
+    grids smaller than the GPU to the caller; None: the bound program's option."""
+    if mode is None:
+        mode = options().attention
     if q.dtype != np.float32 or kt.dtype != np.float32 or v.dtype != np.float32 or q.ndim < 3 \
             or not (q.ndim == kt.ndim == v.ndim) or (mask is not None and mask.dtype != np.float32):
         return None
@@ -229,7 +237,7 @@ def attention(q, kt, v, mask, scale: float):
         return None
     nbh = math.prod(batch)
     blocks = -(-lq // ROWS_PER_BLOCK) * nbh
-    if nbh > 65535 or (MODE["mode"] == "auto" and blocks < MIN_BLOCKS_PER_SM * _sms()):
+    if nbh > 65535 or (mode == "auto" and blocks < MIN_BLOCKS_PER_SM * _sms()):
         return None
     out = cp.empty(batch + (lq, dv), np.float32)
     if out.size == 0:
@@ -260,13 +268,19 @@ def fused_attention(node, attrs) -> Optional[Callable[..., Any]]:
     parts = attention_parts(body)
     scale, has_mask = float(parts["scale"]), bool(parts["mask"])
     by_nodes = _interpret(node, body)
+    mode = options().attention  # the program's, bound at load
+    paths = {"kernel": 0, "ops": 0}
 
     def run(q, kt, v, mask=None):
-        out = None if MODE["mode"] == "ops" else attention(q, kt, v, mask if has_mask else None, scale)
+        out = None if mode == "ops" else attention(q, kt, v, mask if has_mask else None, scale, mode)
         if out is None:
+            paths["ops"] += 1
             return by_nodes(*((q, kt, v, mask) if has_mask else (q, kt, v)))
+        paths["kernel"] += 1
         return out
     run.strategy = "fused kernel"
+    run.attention_paths = paths
+    run.attention_mode = mode
     return run
 
 

@@ -13,7 +13,7 @@ TF32): ``conv_fprop``, then the epilogue the caller asks for (the [1, M, 1, 1] b
 residual tensor, ReLU: the ``kiln.FusedEpilogue`` patterns of ResNet-style blocks) as pointwise
 ops of the same cuDNN graph, built once: validate, build_operation_graph,
 create_execution_plans (heuristics A, then FALLBACK), deselect engines by numerical note,
-deselect engines needing more workspace than ``WORKSPACE_CAP`` (unless none is left),
+deselect engines needing more workspace than the program's cap (unless none is left),
 check_support, build_plans (the heuristics' first engine that builds). When no engine takes the
 whole epilogue, shorter prefixes of it are tried down to the bare convolution, and the caller
 applies what is left (``Plan.fused`` says how far cuDNN got). N-d convolutions (1-D as 2-D
@@ -22,9 +22,17 @@ with a unit height, 3-D as is) and grouped convolutions are described by the wei
 keeps im2col for it.
 
 TF32: for float32, engines whose numerical notes say TENSOR_CORE or DOWN_CONVERT_INPUTS (the
-TF32 ones) are deselected unless TF32 is allowed (``CudaProgram(tf32=True)``, read from
-linalg's switch), the same filter torch applies for ``cudnn.allow_tf32 = False``. Only float32
-takes this path; float64 stays on im2col.
+TF32 ones) are deselected unless TF32 is allowed (the program's ``CudaOptions.tf32``), the same
+filter torch applies for ``cudnn.allow_tf32 = False``. Only float32 takes this path; float64
+stays on im2col.
+
+Settings (issue 17): each ``Executor`` takes its program's TF32 switch, workspace cap and
+epilogue fusion when it is made (at load, from the bound ``CudaOptions``), and the plan cache is
+keyed by the two that change which engine is chosen (TF32, the cap; epilogue fusion changes the
+epilogue asked for, already in the key): two programs with different settings share a plan only
+where it is the same plan. ``set_mode``, ``WORKSPACE_CAP`` and ``FUSE_EPILOGUE`` are the
+deprecated process defaults (``set_mode`` sets the default of programs made afterwards; the two
+constants are what the environment said at import, for reports, and are read by nothing here).
 
 Streams and CUDA graphs: one cuDNN handle per (device, stream), like linalg's cuBLAS handles,
 created on first use outside a capture, and one workspace per (device, stream), shared by every
@@ -43,21 +51,28 @@ from typing import Optional
 import cupy as cp
 import numpy as np
 
+from kiln.runtime.cuda_options import CONV_DEFAULT, CONV_MODES, DEFAULT_WORKSPACE_MIB
+from kiln.runtime.kernels.cuda import options
+
 _STATE: dict = {"module": None, "checked": False, "why": None, "capture": None, "handles": {}}
 _PLANS: dict = {}   # key -> Plan, or an Unsupported instance (the reason is kept)
 _WORKSPACES: dict = {}  # (device, stream ptr) -> the stream's workspace (see workspace())
 _LOCK = threading.Lock()
 # "auto": cuDNN from nn.CUDNN_MIN_BATCH samples up, im2col below (nn.py explains why);
-# "cudnn" / "im2col": force one (tests, benchmarks). KILN_CUDA_CONV sets the default.
-_MODE = {"mode": os.environ.get("KILN_CUDA_CONV", "auto")}
+# "cudnn" / "im2col": force one (tests, benchmarks). Per program: CudaOptions.conv; KILN_CUDA_CONV
+# or set_mode (deprecated) set the default.
+_MODE = CONV_DEFAULT
 # Engines needing a workspace above this many bytes are passed over while another engine takes
 # the same graph (then, and only then, the cap is dropped): the heuristics' first choice for some
-# of ResNet-50's shapes at batch 32 wanted 170 MiB on an H200. KILN_CUDNN_WORKSPACE_MIB sets it
-# ("none": no cap). The workspace is one buffer per stream (``workspace``), so the cap bounds it.
+# of ResNet-50's shapes at batch 32 wanted 170 MiB on an H200. Per program:
+# CudaOptions.cudnn_workspace_mib (default KILN_CUDNN_WORKSPACE_MIB, "none": no cap); the constant
+# below is the environment's value at import, kept for reports. The workspace is one buffer per
+# stream (``workspace``), so the cap bounds it.
 _cap = os.environ.get("KILN_CUDNN_WORKSPACE_MIB", "32")
 WORKSPACE_CAP = None if _cap.lower() == "none" else int(float(_cap) * (1 << 20))
 # Residual add and ReLU inside the cuDNN graph (where an engine takes them); KILN_CUDNN_EPILOGUE=0
-# keeps cuDNN to convolution + bias, the rest then being one pass after it (for A/B timing).
+# (per program: CudaOptions.cudnn_epilogue=False) keeps cuDNN to convolution + bias, the rest then
+# being one pass after it (for A/B timing). The constant is the environment's at import (reports).
 FUSE_EPILOGUE = os.environ.get("KILN_CUDNN_EPILOGUE", "1") != "0"
 
 
@@ -65,19 +80,21 @@ class Unsupported(Exception):
     """cuDNN has no engine for this convolution (or the frontend refused it)."""
 
 
-def set_mode(mode: str) -> None:
-    if mode not in ("auto", "cudnn", "im2col"):
+def set_mode(mode: Optional[str]) -> None:
+    """Deprecated (issue 17): the conv path of programs made afterwards without ``conv=``
+    (None: back to KILN_CUDA_CONV / "auto"). Programs already loaded keep theirs."""
+    if mode is not None and mode not in CONV_MODES:
         raise ValueError(f"conv mode must be auto, cudnn or im2col, not {mode!r}")
     _MODE["mode"] = mode
 
 
 def mode() -> str:
-    return _MODE["mode"]
+    """The conv path of the bound program (or of a program made now)."""
+    return options().conv
 
 
-def _tf32() -> bool:
-    from kiln.runtime.kernels.cuda.linalg import _STATE as blas
-    return bool(blas["tf32"])
+_DEFAULT_CAP = int(DEFAULT_WORKSPACE_MIB * (1 << 20))
+_FROM_OPTIONS = object()
 
 
 def _module():
@@ -121,11 +138,12 @@ class Plan:
     ever shorter prefixes of it, down to the bare convolution; ``fused`` is the prefix that
     built, and the caller applies the rest itself."""
 
-    def __init__(self, cudnn, x_shape, w_shape, pre, post, strides, dilations, epilogue: tuple, tf32: bool):
+    def __init__(self, cudnn, x_shape, w_shape, pre, post, strides, dilations, epilogue: tuple, tf32: bool,
+                 workspace_cap: Optional[int] = _DEFAULT_CAP):
         f32 = cudnn.data_type.FLOAT
         last = None
         attempts = [(n, cap) for n in range(len(epilogue), -1, -1)
-                    for cap in ((WORKSPACE_CAP, None) if WORKSPACE_CAP is not None else (None,))]
+                    for cap in ((workspace_cap, None) if workspace_cap is not None else (None,))]
         for n, cap in attempts:
             try:
                 self._build(cudnn, f32, x_shape, w_shape, pre, post, strides, dilations, epilogue[:n], tf32, cap)
@@ -200,13 +218,19 @@ def _row_major(shape) -> list:
     return strides[::-1]
 
 
-def plan(x_shape, w_shape, pre, post, strides, dilations, epilogue=()) -> Plan:
-    """The built plan for this float32 convolution and epilogue (cached), or raise Unsupported."""
+def plan(x_shape, w_shape, pre, post, strides, dilations, epilogue=(), *, tf32: Optional[bool] = None,
+         workspace_cap=_FROM_OPTIONS) -> Plan:
+    """The built plan for this float32 convolution and epilogue (cached), or raise Unsupported.
+    ``tf32`` and ``workspace_cap`` (bytes, None: no cap) default to the bound program's."""
     cudnn = _module()
     if cudnn is None:
         raise Unsupported(_STATE["why"])
+    if tf32 is None:
+        tf32 = options().tf32
+    if workspace_cap is _FROM_OPTIONS:
+        workspace_cap = options().workspace_cap_bytes
     key = (tuple(x_shape), tuple(w_shape), tuple(pre), tuple(post), tuple(strides), tuple(dilations),
-           tuple(epilogue), _tf32())
+           tuple(epilogue), bool(tf32), workspace_cap)
     with _LOCK:
         p = _PLANS.get(key)
         if p is None:
@@ -252,11 +276,17 @@ def pinned(stream) -> list:
 
 class Executor:
     """One Conv node's cuDNN path; the plans are shared across nodes of the same key, the
-    workspace across everything on the stream (``workspace``)."""
+    workspace across everything on the stream (``workspace``). ``tf32``, ``workspace_cap``
+    (bytes) and ``fuse_epilogue`` default to the bound program's options, taken now (at load)."""
 
-    def __init__(self, w, b, strides, dilations):
+    def __init__(self, w, b, strides, dilations, *, tf32: Optional[bool] = None, workspace_cap=_FROM_OPTIONS,
+                 fuse_epilogue: Optional[bool] = None):
         self.w, self.b = w, b  # device arrays: [M, C/group, *k] and [1, M, 1, ...] (or None)
         self.strides, self.dilations = tuple(strides), tuple(dilations)
+        opts = options() if tf32 is None or workspace_cap is _FROM_OPTIONS or fuse_epilogue is None else None
+        self.tf32 = opts.tf32 if tf32 is None else bool(tf32)
+        self.workspace_cap = opts.workspace_cap_bytes if workspace_cap is _FROM_OPTIONS else workspace_cap
+        self.fuse_epilogue = opts.cudnn_epilogue if fuse_epilogue is None else bool(fuse_epilogue)
 
     def epilogue(self, residual: bool = False, relu: bool = False) -> tuple:
         return tuple(s for s, on in (("bias", self.b is not None), ("residual", residual), ("relu", relu)) if on)
@@ -264,13 +294,14 @@ class Executor:
     def plan_for(self, x_shape, pre, post, epilogue=None) -> Plan:
         if epilogue is None:
             epilogue = self.epilogue()
-        return plan(x_shape, self.w.shape, pre, post, self.strides, self.dilations, epilogue)
+        return plan(x_shape, self.w.shape, pre, post, self.strides, self.dilations, epilogue,
+                    tf32=self.tf32, workspace_cap=self.workspace_cap)
 
     def __call__(self, x, pre, post, out_shape, residual=None, relu: bool = False, finish=None):
         """conv(x) + bias [+ residual] [then relu]. The steps cuDNN did not fuse are done by
         ``finish(y, bias or None, residual or None, relu)`` in place (default: CuPy ops)."""
         ep = self.epilogue(residual is not None, relu)
-        if not FUSE_EPILOGUE:
+        if not self.fuse_epilogue:
             ep = ep[:1] if ep[:1] == ("bias",) else ()
         p = self.plan_for(x.shape, pre, post, ep)
         expected = (x.shape[0], self.w.shape[0]) + tuple(out_shape)
@@ -346,7 +377,9 @@ def _self_test() -> None:
     w = rng.standard_normal((16, 8, 3, 3)).astype(np.float32)
     b = rng.standard_normal(16).astype(np.float32)
     want = _reference(x, w, b, 1, 2)
-    ex = Executor(cp.asarray(w), cp.asarray(b.reshape(1, 16, 1, 1)), (2, 2), (1, 1))
+    # Strict float32 and the default cap, whatever program asked first.
+    ex = Executor(cp.asarray(w), cp.asarray(b.reshape(1, 16, 1, 1)), (2, 2), (1, 1), tf32=False,
+                  workspace_cap=_DEFAULT_CAP, fuse_epilogue=True)
     got = ex(cp.asarray(x), (1, 1), (1, 1), want.shape[2:]).get()
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
     if not err < 1e-5:

@@ -30,7 +30,7 @@ import cupy as cp
 import numpy as np
 
 from kiln.ir.graph import Node
-from kiln.runtime.kernels.cuda import FLOATS, codegen, ignored_inputs, in_dtype, kernel
+from kiln.runtime.kernels.cuda import FLOATS, codegen, ignored_inputs, in_dtype, kernel, options
 from kiln.runtime.kernels.cuda.codegen import ElementwiseKernel, Unsupported
 
 
@@ -71,6 +71,7 @@ def fused_epilogue(node, attrs) -> Optional[Callable[..., Any]]:
     rest = list(body.nodes[1:])
     single = len(body.outputs) == 1
     position = {v: i for i, v in enumerate(body.inputs)}
+    tf32 = options().tf32  # the program's, bound at load (the anchor's kernel takes the rest)
 
     def const(v) -> Optional[np.ndarray]:
         return outer[v].const if v in outer else v.const
@@ -91,7 +92,7 @@ def fused_epilogue(node, attrs) -> Optional[Callable[..., Any]]:
             if relu:
                 t = steps[0].outputs[0]
                 steps.pop(0)
-            lt = LtBias(cp.asarray(np.ascontiguousarray(c.reshape(-1))), relu=relu)
+            lt = LtBias(cp.asarray(np.ascontiguousarray(c.reshape(-1))), relu=relu, tf32=tf32)
             bias_at = position.get(b)
     # ---- MatMul then a multiply by a one-element constant (attention's 1/sqrt(d)) -> the GEMM's alpha.
     alpha = None
@@ -129,6 +130,7 @@ def fused_epilogue(node, attrs) -> Optional[Callable[..., Any]]:
             def run_conv(*args):
                 return conv(args[0], None if residual_at is None else args[residual_at], relu)
             run_conv.ignores = ignored_inputs(anchor_k)
+            run_conv.inner = anchor_k  # reports walk through (CudaProgram.conv_paths)
             run_conv.strategy = "conv with " + "+".join(s for s, on in (("residual", residual_at is not None),
                                                                        ("relu", relu)) if on)
             return run_conv
@@ -163,8 +165,8 @@ def fused_epilogue(node, attrs) -> Optional[Callable[..., Any]]:
             bm = b_dev if b_dev is not None else (args[1].T if tb else args[1])
             out = lt(a, bm)
             if out is None:  # a layout cublasLt cannot take: cuBLAS, then the bias (and ReLU)
-                out = cublas_matmul(a, bm) if a.ndim == 2 or bm.ndim != 2 else \
-                    cublas_matmul(a.reshape(-1, a.shape[-1]), bm).reshape(a.shape[:-1] + (bm.shape[1],))
+                out = cublas_matmul(a, bm, tf32=tf32) if a.ndim == 2 or bm.ndim != 2 else \
+                    cublas_matmul(a.reshape(-1, a.shape[-1]), bm, tf32=tf32).reshape(a.shape[:-1] + (bm.shape[1],))
                 out += lt.bias
                 if lt.relu:
                     cp.maximum(out, 0, out=out)
@@ -176,7 +178,7 @@ def fused_epilogue(node, attrs) -> Optional[Callable[..., Any]]:
         from kiln.runtime.kernels.cuda.linalg import matmul2
 
         def first(args):
-            return matmul2(args[0], args[1], alpha)
+            return matmul2(args[0], args[1], alpha, tf32)
         ignored = ()
         strategy = "cuBLAS alpha"
     else:
@@ -201,6 +203,8 @@ def fused_epilogue(node, attrs) -> Optional[Callable[..., Any]]:
             outs = ew(*operands)
         return outs[0] if single else tuple(outs)
     run.ignores = ignored
+    if anchor_k is not None:
+        run.inner = anchor_k  # reports walk through (CudaProgram.conv_paths)
     run.strategy = strategy + (f" + generated epilogue ({', '.join(s.op for s in steps)})" if steps else "")
     if ew is not None:
         run.launcher = ew

@@ -9,24 +9,36 @@ at all. cuBLAS itself supports capture once its workspace is fixed: each handle 
 workspace at creation (``cublasSetWorkspace``). Layouts cuBLAS cannot take directly (a batch that is not one
 uniform stride) go through ``cupy.matmul`` (never captured then).
 
-TF32: off unless ``set_tf32(True)`` (CudaProgram's ``tf32=True``), for these handles and for
-CuPy's own float32 compute type. A stack times a matrix is folded into one 2-D GEMM; constant
-weights are uploaded once, already transposed where Gemm asks for it. Integer and half inputs
-run on the host.
+TF32 (issue 17: per program, never per process): each (device, stream) has two cuBLAS handles,
+one per math mode (default and TF32), sharing the stream's one workspace; a product takes the
+handle of its program's ``tf32`` (bound into the kernel at load; ``cublas_matmul(..., tf32=None)``
+takes the running program's, see kernels/cuda/__init__.py). No math mode is ever switched on a
+live handle, so two programs with different settings on one stream, one thread or several,
+cannot see each other's mode, and a capture records the mode of the program being captured.
+cuBLASLt's compute type is part of each LtBias plan (keyed by its tf32). CuPy's own products
+(``cupy.einsum`` for Einsum, the ``cupy.matmul`` fallbacks for layouts cuBLAS cannot take) run at
+CuPy's process-wide compute type, which kiln no longer sets: full float32 unless the process
+itself asks CuPy for TF32 (``CUPY_TF32=1``); a ``tf32=True`` program may so run those few ops
+strict (TF32 is a permission, not a promise). A stack times a matrix is folded into one 2-D
+GEMM; constant weights are uploaded once, already transposed where Gemm asks for it. Integer and
+half inputs run on the host.
 """
 from __future__ import annotations
 
 import ctypes
 import math
+import threading
 from typing import Any, Callable, Optional
 
 import cupy as cp
 import numpy as np
 
-from kiln.runtime.kernels.cuda import FLOATS, const_input, in_dtype, kernel
+from kiln.runtime.kernels.cuda import FLOATS, const_input, in_dtype, kernel, options
 
 
-_STATE: dict = {"tf32": False, "handles": {}, "lt": {}, "lib": None}
+# handles: (device, stream ptr) -> {"ws": workspace, False: default-math handle, True: TF32 handle}
+_STATE: dict = {"handles": {}, "lt": {}, "lib": None}
+_CREATE = threading.Lock()
 WORKSPACE_BYTES = 32 << 20
 _OP_N, _OP_T = 0, 1
 _DEFAULT_MATH, _TF32_MATH = 0, 3
@@ -67,27 +79,51 @@ def _check(status: int, what: str) -> None:
 
 
 def set_tf32(allowed: bool) -> None:
-    _STATE["tf32"] = bool(allowed)
-    for h, _ws in _STATE["handles"].values():
-        _check(_lib().cublasSetMathMode(h, _TF32_MATH if allowed else _DEFAULT_MATH), "cublasSetMathMode")
+    """Deprecated (issue 17): the process default for programs made afterwards without ``tf32``;
+    no live handle changes (see the module docstring)."""
+    from kiln.runtime.cuda_options import set_process_tf32
+    set_process_tf32(bool(allowed))
 
 
-def _handle(stream):
-    """kiln's cuBLAS handle for ``stream`` (one per stream, with a fixed workspace)."""
+def _default_tf32() -> bool:
+    return bool(options().tf32)
+
+
+def _stream_entry(stream) -> dict:
     key = (cp.cuda.Device().id, stream.ptr)
     entry = _STATE["handles"].get(key)
     if entry is None:
-        lib = _lib()
-        h = ctypes.c_void_p()
-        _check(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
-        _check(lib.cublasSetStream_v2(h, ctypes.c_void_p(stream.ptr)), "cublasSetStream")
-        # A fixed workspace: nothing is allocated inside a capture.
-        ws = cp.cuda.memory.alloc(WORKSPACE_BYTES)
-        _check(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(ws.ptr), ctypes.c_size_t(WORKSPACE_BYTES)),
-               "cublasSetWorkspace")
-        _check(lib.cublasSetMathMode(h, _TF32_MATH if _STATE["tf32"] else _DEFAULT_MATH), "cublasSetMathMode")
-        entry = _STATE["handles"][key] = (h, ws)
-    return entry[0]
+        with _CREATE:
+            entry = _STATE["handles"].get(key)
+            if entry is None:
+                # A fixed workspace: nothing is allocated inside a capture.
+                entry = _STATE["handles"][key] = {"ws": cp.cuda.memory.alloc(WORKSPACE_BYTES)}
+    return entry
+
+
+def stream_workspace(stream):
+    """The cuBLAS workspace of ``stream`` (shared by its two handles and by cublasLt calls on it)."""
+    return _stream_entry(stream)["ws"]
+
+
+def _handle(stream, tf32: bool = False):
+    """kiln's cuBLAS handle for ``stream`` and math mode (two per stream, one workspace)."""
+    entry = _stream_entry(stream)
+    h = entry.get(tf32)
+    if h is None:
+        with _CREATE:
+            h = entry.get(tf32)
+            if h is None:
+                lib = _lib()
+                h = ctypes.c_void_p()
+                _check(lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
+                _check(lib.cublasSetStream_v2(h, ctypes.c_void_p(stream.ptr)), "cublasSetStream")
+                ws = entry["ws"]
+                _check(lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(ws.ptr), ctypes.c_size_t(WORKSPACE_BYTES)),
+                       "cublasSetWorkspace")
+                _check(lib.cublasSetMathMode(h, _TF32_MATH if tf32 else _DEFAULT_MATH), "cublasSetMathMode")
+                entry[tf32] = h
+    return h
 
 
 _ONE = {np.dtype(np.float32): np.ones(1, np.float32), np.dtype(np.float64): np.ones(1, np.float64)}
@@ -112,10 +148,11 @@ def _operand(x):
     return None
 
 
-def cublas_matmul(a, b, alpha: float = 1.0):
+def cublas_matmul(a, b, alpha: float = 1.0, tf32: Optional[bool] = None):
     """``alpha * (a @ b)`` for float32/float64 stacks (batch dims broadcast as numpy's matmul),
     through cuBLAS on kiln's handle (alpha is the GEMM's own scale: free). Falls back to
-    ``cupy.matmul`` for layouts it cannot describe."""
+    ``cupy.matmul`` for layouts it cannot describe. ``tf32``: allow TF32 for float32 (None:
+    the bound program's setting)."""
     if a.ndim < 2 or b.ndim < 2 or a.dtype != b.dtype or a.dtype not in _ONE:
         y = cp.matmul(a, b)
         if alpha != 1.0:
@@ -153,7 +190,9 @@ def cublas_matmul(a, b, alpha: float = 1.0):
     # Row-major C = A @ B is column-major C^T = B^T @ A^T: cuBLAS gets B first.
     lib = _lib()
     fn = lib.cublasSgemmStridedBatched if a.dtype == np.float32 else lib.cublasDgemmStridedBatched
-    h = _handle(cp.cuda.get_current_stream())
+    if tf32 is None:
+        tf32 = _default_tf32()
+    h = _handle(cp.cuda.get_current_stream(), bool(tf32) and a.dtype == np.float32)
     one, zero = (_ONE[a.dtype] if alpha == 1.0 else np.full(1, alpha, a.dtype)), _ZERO[a.dtype]
     _check(fn(h, _OP_T if tb else _OP_N, _OP_T if ta else _OP_N, n, m, k, one.ctypes.data, b3.data.ptr, ldb, sb,
               a3.data.ptr, lda, sa, zero.ctypes.data, out.data.ptr, n, m * n, nb), "cublasGemmStridedBatched")
@@ -209,11 +248,12 @@ class LtBias:
     heuristic's algorithm are built once per operand layout, outside any capture; the workspace
     is the cuBLAS handle's of the same stream (calls on one stream never overlap).
     ``__call__`` returns None for operands it cannot describe (the caller then multiplies and
-    adds on its own)."""
+    adds on its own). ``tf32``: the compute type (None: the bound program's, taken now)."""
 
-    def __init__(self, bias, relu: bool = False):
+    def __init__(self, bias, relu: bool = False, tf32: Optional[bool] = None):
         self.bias = bias
         self.relu = relu
+        self.tf32 = _default_tf32() if tf32 is None else bool(tf32)
         self._plans: dict = {}
 
     def __call__(self, a, b):
@@ -228,7 +268,7 @@ class LtBias:
             return None
         (a3, ta, lda, _), (b3, tb, ldb, _) = da, db
         m, k, n = a.shape[0], a.shape[1], b.shape[1]
-        key = (a.dtype, ta, lda, tb, ldb, m, k, n, bool(_STATE["tf32"]))
+        key = (a.dtype, ta, lda, tb, ldb, m, k, n, self.tf32)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(*key)
@@ -237,8 +277,7 @@ class LtBias:
         lib, h, desc, la, lb, ld, algo = plan
         out = cp.empty((m, n), a.dtype)
         stream = cp.cuda.get_current_stream()
-        _handle(stream)  # the stream's cuBLAS workspace
-        ws = _STATE["handles"][(cp.cuda.Device().id, stream.ptr)][1]
+        ws = stream_workspace(stream)
         one, zero = _ONE[a.dtype], _ZERO[a.dtype]
         # Row-major D = A @ B is column-major D^T = B^T @ A^T: cublasLt gets B first (as cublas_matmul).
         _check(lib.cublasLtMatmul(h, desc, one.ctypes.data, b3.data.ptr, la, a3.data.ptr, lb, zero.ctypes.data,
@@ -298,31 +337,35 @@ def _as_rows(a):
         return cp.ascontiguousarray(a).reshape(rows, a.shape[-1])
 
 
-def matmul2(a, b, alpha: float = 1.0):
+def matmul2(a, b, alpha: float = 1.0, tf32: Optional[bool] = None):
     """``alpha * (a @ b)`` with a stacked ``a`` against a matrix ``b`` as one 2-D product."""
     if a.ndim > 2 and b.ndim == 2:
-        return cublas_matmul(_as_rows(a), b, alpha).reshape(a.shape[:-1] + (b.shape[1],))
+        return cublas_matmul(_as_rows(a), b, alpha, tf32).reshape(a.shape[:-1] + (b.shape[1],))
     if a.ndim == 1 or b.ndim == 1:
         y = cp.matmul(a, b)
         if alpha != 1.0:
             y *= alpha
         return y
-    return cublas_matmul(a, b, alpha)
+    return cublas_matmul(a, b, alpha, tf32)
 
 
 @kernel("MatMul")
 def matmul(node, attrs) -> Optional[Callable[..., Any]]:
     if in_dtype(node) not in FLOATS:
         return None
+    tf32 = options().tf32  # the program's, bound at load
     w = const_input(node, 1)
     if w is not None and w.ndim == 2:
         wd = cp.asarray(w)
 
         def run(a, unused):
-            return matmul2(a, wd)
+            return matmul2(a, wd, tf32=tf32)
         run.ignores = (1,)  # the weight is read from wd (CudaProgram then skips its slot's upload)
         return run
-    return matmul2
+
+    def run_dynamic(a, b):
+        return matmul2(a, b, tf32=tf32)
+    return run_dynamic
 
 
 @kernel("Gemm")
@@ -331,13 +374,14 @@ def gemm(node, attrs) -> Optional[Callable[..., Any]]:
         return None
     alpha, beta = attrs["alpha"], attrs["beta"]
     ta, tb = attrs["transA"], attrs["transB"]
+    tf32 = options().tf32
     b_const = const_input(node, 1)
     b_fixed = None if b_const is None else cp.ascontiguousarray(cp.asarray(b_const.T if tb else b_const))
     c_const = const_input(node, 2)
     c_fixed = None if c_const is None else cp.asarray(c_const * beta if beta != 1.0 else c_const)
 
     def run(a, b, c=None):
-        y = cublas_matmul(a.T if ta else a, b_fixed if b_fixed is not None else (b.T if tb else b))
+        y = cublas_matmul(a.T if ta else a, b_fixed if b_fixed is not None else (b.T if tb else b), tf32=tf32)
         if alpha != 1.0:
             y *= alpha
         if c is not None:

@@ -13,8 +13,13 @@ samples up (on an H200 it ran ResNet-50's convolution classes 1.3-2.4x faster th
 batch 32), im2col below it. Timing both paths per shape on first use was tried and dropped: at
 batch 1 both times are host and launch overhead, which picked cuDNN everywhere and made
 ResNet-50 at batch 1 under CUDA graphs 1.1 -> 2.1 ms. ``CONV_CHOICES`` records each shape's
-decision; a shape cuDNN refuses stays on im2col. ``cudnn.set_mode`` (or
-KILN_CUDA_CONV=cudnn|im2col) forces one path. While a stream is capturing, an undecided shape
+decision; a shape cuDNN refuses stays on im2col. The program's ``CudaOptions.conv`` (default
+KILN_CUDA_CONV=cudnn|im2col, or the deprecated ``cudnn.set_mode``) forces one path; it is bound
+into each Conv kernel at load, with the program's TF32 switch, cuDNN workspace cap and epilogue
+fusion, and is part of the ``CONV_CHOICES`` key (so are those three), so programs with different
+settings never reuse each other's decisions. Each Conv kernel also records the paths it took
+(``run.conv_paths``: {(input shape, residual?, relu?): path}; ``CudaProgram.conv_paths`` sums them per
+program). While a stream is capturing, an undecided shape
 runs im2col (nothing is built or timed inside a capture), and so does every shape if cuDNN's
 execute failed the capture probe. The Conv kernel also takes an epilogue (a residual add, a
 ReLU: ``run.with_epilogue``, used by ``kiln.FusedEpilogue``): inside the cuDNN graph where an
@@ -40,7 +45,7 @@ from cupy.lib.stride_tricks import as_strided
 from kiln.ir.dtypes import DType
 from kiln.ir.ops.nn import make_window, static_pads, window_out_shape
 from kiln.ir.types import normalize_axis
-from kiln.runtime.kernels.cuda import FLOATS, const_input, in_dtype, kernel
+from kiln.runtime.kernels.cuda import FLOATS, const_input, in_dtype, kernel, options
 from kiln.runtime.kernels.cuda import cudnn, rowwise
 from kiln.runtime.kernels.cuda.linalg import cublas_matmul
 
@@ -61,8 +66,9 @@ def _windows(x, window, fill) -> tuple:
     return view, out
 
 
-# (x shape, w shape, pads, strides, dilations, group, bias) -> {"path": "cudnn"|"im2col", "why",
-# "fused": the epilogue steps cuDNN took}: the auto mode's decisions, shared by every Conv of that shape.
+# (x shape, w shape, pads, strides, dilations, group, epilogue, (conv mode, tf32, workspace cap,
+# cudnn epilogue)) -> {"path": "cudnn"|"im2col", "why", "fused": the epilogue steps cuDNN took}:
+# the decisions, shared by every Conv of that shape and those settings.
 CONV_CHOICES: dict = {}
 # The auto mode's rule: cuDNN for convolutions of at least this many samples (module docstring).
 CUDNN_MIN_BATCH = 8
@@ -135,26 +141,31 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
         wdw = wd.reshape((1, m) + ks + (1,) * nsp)
     else:
         wg = wd.reshape(group, m // group, cg * math.prod(ks))
+    opts = options()  # the program's, bound at load
+    conv_mode, tf32 = opts.conv, opts.tf32
+    settings = (conv_mode, tf32, opts.workspace_cap_bytes, opts.cudnn_epilogue)
+    taken: dict = {}  # (input shape, epilogue) -> the path this kernel took
     exe = None
-    if in_dtype(node) == np.float32 and cudnn.mode() != "im2col" and cudnn.available():
+    if in_dtype(node) == np.float32 and conv_mode != "im2col" and cudnn.available():
         # 1-D runs as 2-D with a unit height (cuDNN's own convolutions are 2-D and 3-D).
         w_dnn = wd.reshape((m, cg, 1) + ks) if nsp == 1 else wd
         b_dnn = None if bias_d is None else (bias_d.reshape(1, m, 1, 1) if nsp == 1 else bias_d)
         exe = cudnn.Executor(w_dnn, b_dnn, ((1,) if nsp == 1 else ()) + tuple(window.strides),
-                             ((1,) if nsp == 1 else ()) + tuple(window.dilations))
+                             ((1,) if nsp == 1 else ()) + tuple(window.dilations), tf32=tf32,
+                             workspace_cap=opts.workspace_cap_bytes, fuse_epilogue=opts.cudnn_epilogue)
 
     def im2col(x, residual=None, relu=False):
         n, c = x.shape[:2]
         if pointwise:
             hw = x.shape[2:]
-            y = cublas_matmul(w2, x.reshape(n, c, math.prod(hw))).reshape((n, m) + hw)
+            y = cublas_matmul(w2, x.reshape(n, c, math.prod(hw)), tf32=tf32).reshape((n, m) + hw)
         else:
             view, out = _windows(x, window, 0)
             if depthwise:
                 y = (view * wdw).sum(axis=tuple(range(2, 2 + nsp)))
             else:
                 cols = cp.ascontiguousarray(view).reshape(n, group, cg * math.prod(ks), math.prod(out))
-                y = cublas_matmul(wg, cols).reshape((n, m) + tuple(out))
+                y = cublas_matmul(wg, cols, tf32=tf32).reshape((n, m) + tuple(out))
         _im2col_epilogue(y, bias_d, residual, relu)
         return y
 
@@ -163,7 +174,7 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
         entry = {"path": "im2col"}
         try:
             entry["fused"] = exe.plan_for(x.shape, pre, post, ep).fused
-            if cudnn.mode() == "cudnn" or x.shape[0] >= CUDNN_MIN_BATCH:
+            if conv_mode == "cudnn" or x.shape[0] >= CUDNN_MIN_BATCH:
                 entry["path"] = "cudnn"
             else:
                 entry["why"] = f"batch {x.shape[0]} < {CUDNN_MIN_BATCH}: im2col (see the module docstring)"
@@ -183,7 +194,8 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
             if nsp == 1 and residual is not None:
                 r4 = residual.reshape(residual.shape[:2] + (1, residual.shape[2]))
             ep = exe.epilogue(residual is not None, relu)
-            key = (x4.shape, w.shape, tuple(begin), tuple(end), window.strides, window.dilations, group, ep)
+            key = (x4.shape, w.shape, tuple(begin), tuple(end), window.strides, window.dilations, group, ep,
+                   settings)
             entry = CONV_CHOICES.get(key)
             if cudnn.capturing():
                 path = entry["path"] if entry is not None and cudnn.capture_ok() else "im2col"
@@ -192,14 +204,17 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
             if path == "cudnn":
                 try:
                     y = exe(x4, begin, end, out, residual=r4, relu=relu, finish=_im2col_epilogue)
+                    taken[(x.shape, residual is not None, relu)] = "cudnn"
                     return y.reshape((x.shape[0], m) + tuple(out[1:])) if nsp == 1 else y
                 except cudnn.Unsupported:  # e.g. a plan first needed inside a capture
                     pass
+        taken[(x.shape, residual is not None, relu)] = "im2col"
         return im2col(x, residual, relu)
 
     def run(x, w_unused, b_unused=None):
         return with_epilogue(x)
     run.with_epilogue = with_epilogue
+    run.conv_paths = taken
     run.ignores = (1, 2)  # the weights and bias are read from the copies prepared above
     return run
 
@@ -207,6 +222,8 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
 def _conv_dynamic(attrs):
     """Conv whose weights (or bias) are computed in the graph, not constants: im2col + cuBLAS on
     the arrays as they come (their layouts prepared per call; no cuDNN plan per weight)."""
+    tf32 = options().tf32
+
     def run(x, w, b=None):
         if w.ndim not in (3, 4, 5) or x.ndim != w.ndim:
             raise ValueError(f"Conv: X of rank {x.ndim} and W of rank {w.ndim}")
@@ -219,7 +236,8 @@ def _conv_dynamic(attrs):
         view, out = _windows(x, window, 0)
         k = cg * math.prod(w.shape[2:])
         cols = cp.ascontiguousarray(view).reshape(n, group, k, math.prod(out))
-        y = cublas_matmul(cp.ascontiguousarray(w).reshape(group, m // group, k), cols).reshape((n, m) + tuple(out))
+        y = cublas_matmul(cp.ascontiguousarray(w).reshape(group, m // group, k), cols, tf32=tf32).reshape(
+            (n, m) + tuple(out))
         if b is not None:
             y += b.reshape((1, m) + (1,) * nsp)
         return y
