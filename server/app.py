@@ -9,9 +9,20 @@
 ``GET  /v2``                                             server metadata (name, version, extensions)
 ``GET  /v2/models/{m}[/versions/{v}]``                   model metadata; symbolic dims are -1
 ``GET  /v2/models/{m}[/versions/{v}]/ready``             200 ready, 503 not (yet / any more) ready
-``GET  /v2/models/{m}[/versions/{v}]/config``            the model's serving config and its batching decision
-                                                         (stacked or not, and why: the op and module path)
-``POST /v2/models/{m}[/versions/{v}]/infer``             inference (JSON tensors or the binary extension)
+``GET  /v2/models/{m}[/versions/{v}]/config``            Triton's model configuration (name, platform, backend,
+                                                         max_batch_size, input/output with TYPE_* data_type
+                                                         and dims, dynamic_batching, instance_group); kiln's
+                                                         own config and batching decision (stacked or not, and
+                                                         why: the op and module path) under ``"kiln"``
+``GET  /v2/models[/{m}[/versions/{v}]]/stats``           Triton's statistics extension (``model_stats``)
+``POST /v2/repository/index``                            Triton's repository index: every served version with
+                                                         its state (READY, LOADING, UNAVAILABLE, UNLOADING)
+``POST /v2/models/{m}[/versions/{v}]/infer``             inference (JSON tensors, the binary extension, or
+                                                         system shared memory regions)
+``GET  /v2/systemsharedmemory[/region/{r}]/status``      registered regions (server/shm.py; registering needs
+``POST /v2/systemsharedmemory/region/{r}/register``      ``allow_client_shm``, or KILN_ALLOW_CLIENT_SHM=1)
+``POST /v2/systemsharedmemory[/region/{r}]/unregister``
+``GET  /v2/cudasharedmemory[/region/{r}]/status``        no CUDA regions yet (``[]``); register answers 400
 ``GET  /metrics``                                        Prometheus text (see server/metrics.py)
 ``GET  /docs``, ``/openapi.json``                        FastAPI's OpenAPI documentation
 =======================================================  ===============================================
@@ -60,6 +71,7 @@ import asyncio
 import inspect
 import logging
 import math
+import os
 import time
 import zlib
 from contextlib import asynccontextmanager
@@ -82,6 +94,9 @@ from kiln.server.errors import QueueFull, RequestTimeout, WorkerError
 from kiln.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kiln.server.metrics import Metrics
 from kiln.server.repository import ModelEntry
+from kiln.server.shm import DEFAULT_MAX_BYTES as SHM_MAX_BYTES
+from kiln.server.shm import DEFAULT_MAX_REGIONS as SHM_MAX_REGIONS
+from kiln.server.shm import SystemSharedMemory
 from kiln.version import __version__
 
 log = logging.getLogger("kiln.server")
@@ -199,6 +214,7 @@ class ServerState:
     load_error: Optional[BaseException] = None
     draining: bool = False
     connections: Any = None  # the ConnectionTracker of server/connections.py, when kiln serve runs the app
+    shm: Optional[SystemSharedMemory] = None  # the system shared memory regions (server/shm.py)
     _load_task: Optional[asyncio.Task] = None
     _drain_task: Optional[asyncio.Task] = None
 
@@ -294,6 +310,8 @@ class ServerState:
                     await model.executor.close()
             except Exception as e:  # noqa: BLE001 - keep closing the others
                 log.error("closing model %s version %s failed: %s", model.name, model.version, e)
+        if self.shm is not None:
+            self.shm.close()  # every region unmapped (or, if a view is still alive, when it goes)
 
 
 # ---------------------------------------------------------------------------------------------- the app
@@ -355,14 +373,19 @@ def _error_doc(*codes: int) -> dict:
 def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                executor_factory: Optional[ExecutorFactory] = None, metrics: Optional[Metrics] = None,
                on_ready: Optional[Callable[[ServerState], Any]] = None,
-               on_load_error: Optional[Callable[[BaseException], Any]] = None) -> FastAPI:
+               on_load_error: Optional[Callable[[BaseException], Any]] = None,
+               allow_client_shm: Optional[bool] = None, shm_max_regions: int = SHM_MAX_REGIONS,
+               shm_max_bytes: int = SHM_MAX_BYTES) -> FastAPI:
     """The V2 inference app for ``entries`` (from :func:`kiln.server.repository.discover`).
 
     ``executor_factory(entry)`` builds each model version's executor (default: :func:`default_executor`;
     tests pass fakes). Executors are started, and batchers built, in the background once the app's
     lifespan starts; ``on_ready(state)`` is called when all are loaded, ``on_load_error(exc)`` if one
-    fails. The lifespan's shutdown drains every batcher and closes every executor. ``app.state.kiln``
-    is the :class:`ServerState`."""
+    fails. The lifespan's shutdown drains every batcher, closes every executor and releases every shared
+    memory region. ``allow_client_shm`` lets clients register system shared memory regions (at most
+    ``shm_max_regions`` of ``shm_max_bytes`` in all; see server/shm.py for why it is off by default);
+    None reads the environment variable ``KILN_ALLOW_CLIENT_SHM`` (``1``/``true``/``yes`` turn it on).
+    ``app.state.kiln`` is the :class:`ServerState`."""
     if not entries:
         raise KilnError("nothing to serve: no model entries")
     if max_body_bytes <= 0:
@@ -375,6 +398,9 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
             raise KilnError(f"model {entry.name!r} version {entry.version} is listed twice")
         models.setdefault(entry.name, {})[entry.version] = ServedModel(entry)
     state = ServerState(models, metrics, max_body_bytes, factory, on_ready, on_load_error)
+    if allow_client_shm is None:
+        allow_client_shm = os.environ.get("KILN_ALLOW_CLIENT_SHM", "").strip().lower() in ("1", "true", "yes")
+    state.shm = SystemSharedMemory(allow_client_shm, shm_max_regions, shm_max_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -427,7 +453,10 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
 
     @app.get("/v2", tags=["metadata"], summary="Server metadata")
     async def server_metadata():
-        return {"name": "kiln", "version": __version__, "extensions": ["binary_tensor_data"]}
+        extensions = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
+        if state.shm.enabled:
+            extensions.append("system_shared_memory")
+        return {"name": "kiln", "version": __version__, "extensions": extensions}
 
     async def model_metadata(model_name: str, model_version: Optional[str] = None):
         model = state.resolve(model_name, model_version)
@@ -452,9 +481,17 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
         model = state.resolve(model_name, model_version)
         if not model.loaded:
             raise ApiError(503, _model_not_ready_reason(state, model), {"Retry-After": str(RETRY_AFTER_S)})
-        decision = getattr(model.batcher, "decision", None)
-        return {"name": model.name, "version": model.version, "config": model.entry.config.to_json(),
-                "dynamic_batching": None if decision is None else decision.to_json()}
+        return triton_model_config(model)
+
+    async def model_stats(model_name: Optional[str] = None, model_version: Optional[str] = None):
+        if model_name is None:
+            chosen = state.served()
+        elif model_version is None:
+            state.resolve(model_name, None)  # 404 for an unknown model
+            chosen = [state.models[model_name][v] for v in sorted(state.models[model_name], key=int)]
+        else:
+            chosen = [state.resolve(model_name, model_version)]
+        return {"model_stats": [metrics.model_stats(m.name, m.version) for m in chosen]}
 
     async def infer(request: Request, model_name: str, model_version: Optional[str] = None):
         return await _infer(state, request, model_name, model_version)
@@ -470,13 +507,86 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
                      openapi_extra=_INFER_DOC,
                      responses={200: {"description": "the outputs (JSON, or JSON header + binary tensors)"},
                                 **_error_doc(400, 404, 413, 415, 500, 503, 504)})
+    stats_doc = dict(tags=["metadata"], summary="Triton's statistics extension: per model version counts and "
+                                                "cumulative durations (ns)", responses=_error_doc(404))
+    # Before /v2/models/{model_name}, which would take "stats" for a model name.
+    app.add_api_route("/v2/models/stats", model_stats, methods=["GET"], **stats_doc)
     for prefix in ("/v2/models/{model_name}", "/v2/models/{model_name}/versions/{model_version}"):
         app.add_api_route(prefix, model_metadata, methods=["GET"], **meta_doc)
+        app.add_api_route(prefix + "/stats", model_stats, methods=["GET"], **stats_doc)
         app.add_api_route(prefix + "/ready", model_ready, methods=["GET"], **ready_doc)
         app.add_api_route(prefix + "/config", model_config, methods=["GET"], tags=["metadata"],
-                          summary="Model config and batching decision (whether requests are stacked, and why)",
+                          summary="Triton-shaped model configuration; kiln's config and batching decision "
+                                  "(whether requests are stacked, and why) under \"kiln\"",
                           responses=_error_doc(404, 503))
         app.add_api_route(prefix + "/infer", infer, methods=["POST"], **infer_doc)
+
+    # -------------------------------------------------------------- repository index
+    @app.post("/v2/repository/index", tags=["repository"], summary="Every served model version and its state",
+              responses=_error_doc(400))
+    async def repository_index(request: Request):
+        body = await _small_json(request, "repository index request")
+        only_ready = body.get("ready", False)
+        if not isinstance(only_ready, bool):
+            raise ApiError(400, f"'ready' must be true or false, got {only_ready!r}")
+        index = [_index_entry(state, m) for name in sorted(state.models)
+                 for m in (state.models[name][v] for v in sorted(state.models[name], key=int))]
+        return [e for e in index if e["state"] == "READY"] if only_ready else index
+
+    # -------------------------------------------------------------- shared memory (server/shm.py)
+    shm = state.shm
+
+    @app.get("/v2/systemsharedmemory/status", tags=["shared memory"], summary="Registered system shared "
+             "memory regions")
+    async def shm_status():
+        return shm.status()
+
+    @app.get("/v2/systemsharedmemory/region/{region_name}/status", tags=["shared memory"],
+             summary="One registered region", responses=_error_doc(400))
+    async def shm_region_status(region_name: str):
+        return _shm_call(shm.status, region_name)
+
+    @app.post("/v2/systemsharedmemory/region/{region_name}/register", tags=["shared memory"],
+              summary="Register a region: {key, offset, byte_size} of /dev/shm/<key>", responses=_error_doc(400))
+    async def shm_register(region_name: str, request: Request):
+        body = await _small_json(request, "register request", empty_ok=False)
+        _shm_call(shm.register, region_name, body)
+        log.info("registered system shared memory region %s: %s", region_name, shm.status(region_name)[0])
+        return {}
+
+    @app.post("/v2/systemsharedmemory/unregister", tags=["shared memory"], summary="Unregister every region")
+    async def shm_unregister_all():
+        shm.unregister(None)
+        return {}
+
+    @app.post("/v2/systemsharedmemory/region/{region_name}/unregister", tags=["shared memory"],
+              summary="Unregister one region (an unknown name is not an error)")
+    async def shm_unregister(region_name: str):
+        shm.unregister(region_name)
+        return {}
+
+    @app.get("/v2/cudasharedmemory/status", tags=["shared memory"], summary="CUDA shared memory regions (none)")
+    async def cuda_shm_status():
+        return []
+
+    @app.get("/v2/cudasharedmemory/region/{region_name}/status", tags=["shared memory"],
+             summary="One CUDA shared memory region (there are none)", responses=_error_doc(400))
+    async def cuda_shm_region_status(region_name: str):
+        raise ApiError(400, f"no CUDA shared memory region named '{region_name}' is registered")
+
+    @app.post("/v2/cudasharedmemory/region/{region_name}/register", tags=["shared memory"],
+              summary="Not yet: CUDA shared memory comes with the GPU server", responses=_error_doc(400))
+    async def cuda_shm_register(region_name: str):
+        raise ApiError(400, "CUDA shared memory needs kiln serve --device cuda")
+
+    @app.post("/v2/cudasharedmemory/unregister", tags=["shared memory"], summary="Unregister CUDA regions (none)")
+    async def cuda_shm_unregister_all():
+        return {}
+
+    @app.post("/v2/cudasharedmemory/region/{region_name}/unregister", tags=["shared memory"],
+              summary="Unregister a CUDA region (none)")
+    async def cuda_shm_unregister(region_name: str):
+        return {}
 
     @app.get("/metrics", tags=["metrics"], summary="Prometheus metrics (text exposition format 0.0.4)",
              response_class=Response, responses={200: {"content": {"text/plain": {}}}})
@@ -499,6 +609,116 @@ def _check_signature(model: ServedModel) -> None:
             except protocol.ProtocolError as e:
                 raise KilnError(f"model '{model.name}' version {model.version} cannot be served: {kind} "
                                 f"{e.message}") from None
+
+
+# ----------------------------------------------------------------------- Triton's config, index, shm
+#: Triton's model-config data types (model_config.proto) by V2 datatype.
+_TRITON_TYPES = {"BOOL": "TYPE_BOOL", "UINT8": "TYPE_UINT8", "UINT16": "TYPE_UINT16", "UINT32": "TYPE_UINT32",
+                 "UINT64": "TYPE_UINT64", "INT8": "TYPE_INT8", "INT16": "TYPE_INT16", "INT32": "TYPE_INT32",
+                 "INT64": "TYPE_INT64", "FP16": "TYPE_FP16", "FP32": "TYPE_FP32", "FP64": "TYPE_FP64",
+                 "BF16": "TYPE_BF16", "BYTES": "TYPE_STRING"}
+_TRITON_PLATFORMS = {"onnxruntime": "onnxruntime_onnx"}
+
+
+def _triton_version_policy(policy: Any) -> dict:
+    if policy == "all":
+        return {"all": {}}
+    if isinstance(policy, dict) and "latest" in policy:
+        return {"latest": {"num_versions": policy["latest"]}}
+    if isinstance(policy, dict) and "specific" in policy:
+        return {"specific": {"versions": list(policy["specific"])}}
+    return {"latest": {"num_versions": 1}}
+
+
+def triton_model_config(model: ServedModel) -> dict:
+    """A loaded model version's configuration in Triton's JSON shape (model_config.proto as JSON, what
+    ``tritonclient``'s ``get_model_config`` returns), with kiln's own config and batching decision under
+    ``"kiln"``.
+
+    As in Triton, ``max_batch_size > 0`` means the first dim of every input and output is the batch dim
+    and is left out of ``dims``; kiln reports it only when it really stacks requests (the batching
+    decision), and otherwise ``max_batch_size: 0`` with full dims (-1 for symbolic ones), since then a
+    request's first dim is not a batch the server forms. ``dynamic_batching`` is present only then too.
+    ``instance_group`` counts the model's parallel executions: worker processes x instances each (kind
+    ``KIND_CPU``)."""
+    config = model.entry.config
+    decision = getattr(model.batcher, "decision", None)
+    stacks = bool(decision is not None and decision.stacks)
+    batch = config.max_batch_size if stacks else 0
+
+    def tensors(specs) -> list[dict]:
+        out = []
+        for spec in specs:
+            meta = protocol.tensor_metadata(spec)
+            dims = meta["shape"][1:] if stacks else meta["shape"]
+            out.append({"name": meta["name"], "data_type": _TRITON_TYPES[meta["datatype"]],
+                        "format": "FORMAT_NONE", "dims": dims, "optional": False})
+        return out
+
+    body: dict[str, Any] = {
+        "name": model.name,
+        "platform": _TRITON_PLATFORMS.get(config.backend, config.backend),
+        "backend": config.backend,
+        "version_policy": _triton_version_policy(config.version_policy),
+        "max_batch_size": batch,
+        "input": tensors(model.executor.inputs),
+        "output": tensors(model.executor.outputs),
+        "instance_group": _triton_instance_group(model.name, config),
+    }
+    if stacks:
+        preferred = getattr(config, "preferred_batch_size", None) or []
+        body["dynamic_batching"] = {
+            "preferred_batch_size": list(preferred),
+            "max_queue_delay_microseconds": int(round(config.max_queue_delay_ms * 1000)),
+            "preserve_ordering": False,
+        }
+    body["kiln"] = {"version": model.version, "config": config.to_json(),
+                    "batching": None if decision is None else decision.to_json()}
+    return body
+
+
+def _triton_instance_group(name: str, config: Any) -> list[dict]:
+    groups = getattr(config, "instance_group", None)
+    if groups:  # the config's own (Triton's shape, kinds normalized to "cpu"/"gpu")
+        return [{"name": f"{name}_{i}", "kind": "KIND_" + str(g.get("kind", "cpu")).upper(),
+                 "count": g.get("count", 1), "gpus": list(g.get("gpus") or [])} for i, g in enumerate(groups)]
+    return [{"name": name, "kind": "KIND_CPU", "count": max(config.workers, 1) * config.instances, "gpus": []}]
+
+
+def _index_entry(state: ServerState, model: ServedModel) -> dict:
+    """A model version's ``$repository_index_response`` entry (Triton's states)."""
+    if state.draining:
+        status, reason = "UNLOADING", "server is shutting down"
+    elif model.ready:
+        status, reason = "READY", ""
+    elif model.error is not None or model.loaded:
+        status, reason = "UNAVAILABLE", _model_not_ready_reason(state, model)
+    else:
+        status, reason = "LOADING", ""
+    return {"name": model.name, "version": model.version, "state": status, "reason": reason}
+
+
+async def _small_json(request: Request, what: str, empty_ok: bool = True) -> dict:
+    """The JSON object body of a control request (at most 64 KiB; empty means ``{}`` if ``empty_ok``)."""
+    body = await _read_body(request, 64 << 10)
+    if not body.strip():
+        if empty_ok:
+            return {}
+        raise ApiError(400, f"the {what} needs a JSON body")
+    try:
+        value = protocol._loads(body)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"malformed JSON in the {what}: {e}") from None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"the {what} must be a JSON object")
+    return value
+
+
+def _shm_call(fn: Callable, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except protocol.ProtocolError as e:
+        raise ApiError(e.status, e.message) from None
 
 
 def _not_ready_reason(state: ServerState) -> str:
@@ -559,12 +779,14 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
             raise ApiError(400, f"Inference-Header-Content-Length must be >= 0, got {header_length}")
     body = await _read_body(request, state.max_body_bytes)
 
+    decode_started = time.perf_counter()
     try:
         if len(body) > _OFFLOAD_BYTES:
             req = await asyncio.to_thread(protocol.parse_infer_request, body, header_length,
-                                          max_elements=state.max_body_bytes)
+                                          max_elements=state.max_body_bytes, shared_memory=state.shm)
         else:
-            req = protocol.parse_infer_request(body, header_length, max_elements=state.max_body_bytes)
+            req = protocol.parse_infer_request(body, header_length, max_elements=state.max_body_bytes,
+                                               shared_memory=state.shm)
     except protocol.ProtocolError as e:
         raise ApiError(e.status, e.message) from None
     del body
@@ -580,6 +802,7 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
         if unknown:
             raise ApiError(400, f"unknown output(s) {unknown}; the model's outputs are {output_names}")
 
+    decode_seconds = time.perf_counter() - decode_started
     timeout_ms = model.entry.config.timeout_ms
     if req.timeout_ms is not None:
         if req.timeout_ms <= 0:
@@ -609,7 +832,8 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
     if req.outputs is not None:
         outputs = {o.name: outputs[o.name] for o in req.outputs}
     encode = protocol.encode_infer_response
-    args = (model.name, model.version, req.id, outputs, req.outputs, req.binary_default)
+    args = (model.name, model.version, req.id, outputs, req.outputs, req.binary_default, state.shm)
+    encode_started = time.perf_counter()
     try:
         if sum(np.asarray(a).nbytes for a in outputs.values()) > _OFFLOAD_BYTES:
             body, extra = await asyncio.to_thread(encode, *args)
@@ -619,6 +843,7 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
         log.error("encoding the response of model %s version %s failed: %s", model.name, model.version, e)
         raise ApiError(e.status, f"cannot encode the response: {e.message}",
                        outcome="backend" if e.status >= 500 else "invalid_request") from None
+    state.metrics.observe_codec(model.name, model.version, decode_seconds, time.perf_counter() - encode_started)
     return Response(content=body, status_code=200, headers=extra)
 
 

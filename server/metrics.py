@@ -21,6 +21,9 @@ nv_inference_request_duration_us               counter    total end-to-end time 
 nv_inference_queue_duration_us                 counter    total time requests waited in the queue, us
 nv_inference_compute_infer_duration_us         counter    total compute time, counted per request as Triton
                                                           does (a batch of 4 requests adds its time 4 times)
+nv_inference_compute_input_duration_us         counter    total time decoding successful requests' inputs
+                                                          (JSON, binary or shared memory into arrays), us
+nv_inference_compute_output_duration_us        counter    total time encoding successful responses, us
 nv_inference_pending_request_count             gauge      requests queued, not yet executing
 kiln_request_duration_seconds{outcome}         histogram  end-to-end request latency, every outcome
 kiln_queue_duration_seconds                    histogram  time each request waited before its batch ran
@@ -28,6 +31,16 @@ kiln_compute_duration_seconds                  histogram  time each batch took t
 kiln_batch_size                                histogram  rows per executed batch
 kiln_batch_requests                            histogram  requests per executed batch
 =============================================  =========  ===================================================
+
+The same numbers answer Triton's statistics extension (``GET /v2/models[/{m}[/versions/{v}]]/stats``,
+what ``tritonclient``'s ``get_inference_statistics`` reads): :meth:`Metrics.model_stats` builds one
+``$model_stat`` from them under the registry lock, so it is consistent with a scrape taken at the same
+moment. Mapping: ``success`` and ``fail`` are request counts and end-to-end durations by outcome;
+``queue`` the per-request queue wait; ``compute_infer`` the batch compute time counted once per request
+in the batch (as Triton counts it); ``compute_input``/``compute_output`` the request decode/encode time
+(kiln's input preparation happens per request in the HTTP layer, not per batch, so ``batch_stats`` carry
+only ``compute_infer`` durations, with ``compute_input``/``compute_output`` counted at 0 ns);
+``batch_stats`` one entry per exact batch size executed.
 
 ``outcome`` is ``"success"`` or a failure reason. The server reports these reasons: ``invalid_request``
 (4xx: bad input), ``rejected`` (503: queue full or shutting down), ``timeout`` (504), ``backend`` (500:
@@ -38,6 +51,7 @@ from __future__ import annotations
 import math
 import re
 import threading
+import time
 from bisect import bisect_left
 from typing import Iterable, Optional, Sequence
 
@@ -303,6 +317,12 @@ class Metrics:
         self.compute_duration_us = r.counter("nv_inference_compute_infer_duration_us",
                                              "Cumulative compute time of inference requests, in microseconds "
                                              "(a batch's time counted once per request in it)", _MV)
+        self.compute_input_us = r.counter("nv_inference_compute_input_duration_us",
+                                          "Cumulative time decoding the inputs of successful inference "
+                                          "requests, in microseconds", _MV)
+        self.compute_output_us = r.counter("nv_inference_compute_output_duration_us",
+                                           "Cumulative time encoding the outputs of successful inference "
+                                           "requests, in microseconds", _MV)
         self.pending = r.gauge("nv_inference_pending_request_count",
                                "Number of inference requests queued and not yet executing", _MV)
         self.request_seconds = r.histogram("kiln_request_duration_seconds",
@@ -316,16 +336,29 @@ class Metrics:
         self.batch_size = r.histogram("kiln_batch_size", "Rows per executed batch", _MV, BATCH_BUCKETS)
         self.batch_requests = r.histogram("kiln_batch_requests", "Requests per executed batch", _MV,
                                           BATCH_BUCKETS)
+        # For the statistics extension, what the series above do not keep: per (model, version), the time of
+        # the last successful request (ms since the epoch), the number of decoded/encoded requests, and
+        # {exact batch size: [executions, total compute ns]}.
+        self._stats: dict[tuple[str, str], dict] = {}
+
+    def _model_stats(self, labels: dict) -> dict:  # caller holds the lock
+        key = (labels["model"], labels["version"])
+        stats = self._stats.get(key)
+        if stats is None:
+            stats = self._stats[key] = {"last_inference": 0, "codec_count": 0, "batches": {}}
+        return stats
 
     def add_model(self, model: str, version: str) -> None:
         """Create a model version's series at zero, so a scrape shows it (and rates work) before traffic."""
         labels = {"model": model, "version": str(version)}
         with self.registry.lock:
             for metric in (self.request_success, self.inference_count, self.exec_count, self.request_duration_us,
-                           self.queue_duration_us, self.compute_duration_us, self.pending, self.queue_seconds,
+                           self.queue_duration_us, self.compute_duration_us, self.compute_input_us,
+                           self.compute_output_us, self.pending, self.queue_seconds,
                            self.compute_seconds, self.batch_size, self.batch_requests):
                 metric.touch(**labels)
             self.request_seconds.touch(outcome="success", **labels)
+            self._model_stats(labels)
 
     def observe_request(self, model: str, version: str, outcome: str, seconds: float) -> None:
         """One inference request finished: ``outcome`` is ``"success"`` or a failure reason."""
@@ -334,6 +367,7 @@ class Metrics:
             if outcome == "success":
                 self.request_success.inc(**labels)
                 self.request_duration_us.inc(max(seconds, 0.0) * 1e6, **labels)
+                self._model_stats(labels)["last_inference"] = int(time.time() * 1000)
             else:
                 self.request_failure.inc(reason=outcome, **labels)
             self.request_seconds.observe(seconds, outcome=outcome, **labels)
@@ -353,6 +387,58 @@ class Metrics:
             self.compute_seconds.observe(compute_seconds, **labels)
             self.batch_size.observe(size, **labels)
             self.batch_requests.observe(n_requests, **labels)
+            entry = self._model_stats(labels)["batches"].setdefault(int(size), [0, 0])
+            entry[0] += 1
+            entry[1] += int(max(compute_seconds, 0.0) * 1e9)
+
+    def observe_codec(self, model: str, version: str, input_seconds: float, output_seconds: float) -> None:
+        """A successful request's inputs took ``input_seconds`` to decode and its outputs ``output_seconds``
+        to encode (Triton's compute_input / compute_output)."""
+        labels = {"model": model, "version": str(version)}
+        with self.registry.lock:
+            self.compute_input_us.inc(max(input_seconds, 0.0) * 1e6, **labels)
+            self.compute_output_us.inc(max(output_seconds, 0.0) * 1e6, **labels)
+            self._model_stats(labels)["codec_count"] += 1
+
+    def model_stats(self, model: str, version: str) -> dict:
+        """One ``$model_stat`` of Triton's statistics extension (see the module docstring)."""
+        labels = {"model": model, "version": str(version)}
+        mv = (labels["model"], labels["version"])
+
+        def ns(counter: Counter) -> int:  # a counter of microseconds, in nanoseconds
+            return int(round(counter.value(**labels) * 1000))
+
+        with self.registry.lock:
+            stats = self._model_stats(labels)
+            fail_count = sum(int(c[0]) for k, c in self.request_failure._children.items() if k[:2] == mv)
+            fail_s = sum(c.sum for k, c in self.request_seconds._children.items()
+                         if k[:2] == mv and k[2] != "success")
+            _, queue_s, queue_n = self.queue_seconds.snapshot(**labels)
+            codec_n = stats["codec_count"]
+            return {
+                "name": model,
+                "version": str(version),
+                "last_inference": stats["last_inference"],
+                "inference_count": int(self.inference_count.value(**labels)),
+                "execution_count": int(self.exec_count.value(**labels)),
+                "inference_stats": {
+                    "success": {"count": int(self.request_success.value(**labels)), "ns": ns(self.request_duration_us)},
+                    "fail": {"count": fail_count, "ns": int(round(fail_s * 1e9))},
+                    "queue": {"count": queue_n, "ns": int(round(queue_s * 1e9))},
+                    "compute_input": {"count": codec_n, "ns": ns(self.compute_input_us)},
+                    "compute_infer": {"count": queue_n, "ns": ns(self.compute_duration_us)},
+                    "compute_output": {"count": codec_n, "ns": ns(self.compute_output_us)},
+                    "cache_hit": {"count": 0, "ns": 0},
+                    "cache_miss": {"count": 0, "ns": 0},
+                },
+                "batch_stats": [
+                    {"batch_size": size,
+                     "compute_input": {"count": n, "ns": 0},
+                     "compute_infer": {"count": n, "ns": total_ns},
+                     "compute_output": {"count": n, "ns": 0}}
+                    for size, (n, total_ns) in sorted(stats["batches"].items())
+                ],
+            }
 
     def set_queue_depth(self, model: str, version: str, n: int) -> None:
         self.pending.set(n, model=model, version=str(version))

@@ -50,6 +50,12 @@ Decisions, documented here because clients see them:
   ``timeout_ms`` is a 400, not an ``OverflowError``.
 * Binary inputs are zero-copy read-only views of the body (copied only when misaligned): the
   runtime never writes its inputs. JSON inputs are fresh arrays.
+* System shared memory (server/shm.py): an input whose parameters name a ``shared_memory_region``
+  (with ``shared_memory_byte_size``, optional ``shared_memory_offset``) is a read-only view of that
+  registered region, and must carry no ``data`` or ``binary_data_size``; its byte size must be
+  exactly prod(shape) * itemsize. A requested output with those parameters is written into the
+  region, and its response entry carries only ``parameters`` (no data), as in Triton. Unknown
+  regions and spans outside a region are refused with 400 before inference.
 * ``"outputs": []`` means the same as no ``outputs``: every output. This module knows nothing
   of models: missing, extra or unknown inputs and outputs, and shapes or datatypes that do not
   match the model, are the caller's checks (``inputs: []`` parses fine here).
@@ -162,6 +168,7 @@ class RequestedOutput:
 
     name: str
     binary: bool
+    shared_memory: Optional[dict] = None  # the output's parameters when it goes to a shared memory region
 
 
 @dataclass
@@ -210,11 +217,14 @@ def tensor_metadata(spec) -> dict:
 # Requests
 
 
-def parse_infer_request(body: bytes, header_length: Optional[int], *, max_elements: int) -> InferRequest:
+def parse_infer_request(body: bytes, header_length: Optional[int], *, max_elements: int,
+                        shared_memory: Any = None) -> InferRequest:
     """Parse and validate a V2 infer request body (see the module docstring for the rules).
 
     ``header_length`` is the value of the ``Inference-Header-Content-Length`` HTTP header (None
-    when absent: the whole body is JSON). Raises :class:`ProtocolError` for anything invalid.
+    when absent: the whole body is JSON). ``shared_memory`` is the server's region registry
+    (:class:`kiln.server.shm.SystemSharedMemory`); without it, inputs and outputs naming a shared
+    memory region are refused. Raises :class:`ProtocolError` for anything invalid.
     """
     if not body:
         raise ProtocolError(400, "empty request body: expected a JSON inference request")
@@ -265,12 +275,23 @@ def parse_infer_request(body: bytes, header_length: Optional[int], *, max_elemen
         what = f"input '{name}'"
         datatype = _datatype(item.get("datatype"), what)
         shape = _shape(item.get("shape"), what)
-        count = _element_count(shape, max_elements, what)
         in_params = _object(item.get("parameters"), f"{what} 'parameters'")
-        if "shared_memory_region" in in_params:
-            raise ProtocolError(400, f"{what} uses shared memory, which this server does not support")
-        size = in_params.get("binary_data_size")
         has_data = "data" in item
+        size = in_params.get("binary_data_size")
+        if "shared_memory_region" in in_params:
+            if shared_memory is None:
+                raise ProtocolError(400, f"{what} uses shared memory, which this server does not support")
+            if has_data or size is not None:
+                raise ProtocolError(400, f"{what} names a shared memory region and also carries data")
+            # No allocation follows from the shape (the input is a view of the region, whose size the
+            # registry bounds), so the body-size cap on elements does not apply; the byte size check does.
+            count = _element_count(shape, max(max_elements, shared_memory.max_bytes), what)
+            inputs[name] = shared_memory.read(in_params, what, datatype, shape, count)
+            continue
+        for key in ("shared_memory_byte_size", "shared_memory_offset"):
+            if key in in_params:
+                raise ProtocolError(400, f"{what} has '{key}' but no 'shared_memory_region'")
+        count = _element_count(shape, max_elements, what)
         if size is not None:
             if has_data:
                 raise ProtocolError(400, f"{what} has both 'data' and a binary_data_size")
@@ -290,7 +311,8 @@ def parse_infer_request(body: bytes, header_length: Optional[int], *, max_elemen
         raise ProtocolError(400, f"the inputs' binary_data_size values add up to {offset} bytes but "
                                  f"{len(binary)} bytes follow the JSON header")
 
-    return InferRequest(id=request_id, inputs=inputs, outputs=_requested_outputs(request, binary_default),
+    return InferRequest(id=request_id, inputs=inputs,
+                        outputs=_requested_outputs(request, binary_default, shared_memory),
                         binary_default=binary_default, timeout_ms=timeout_ms, parameters=params)
 
 
@@ -514,7 +536,8 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _requested_outputs(request: dict, binary_default: bool) -> Optional[list[RequestedOutput]]:
+def _requested_outputs(request: dict, binary_default: bool,
+                       shared_memory: Any = None) -> Optional[list[RequestedOutput]]:
     outputs_json = request.get("outputs")
     if outputs_json is None:
         return None
@@ -534,9 +557,18 @@ def _requested_outputs(request: dict, binary_default: bool) -> Optional[list[Req
             raise ProtocolError(400, f"output '{name}' is requested more than once")
         seen.add(name)
         params = _object(item.get("parameters"), f"output '{name}' 'parameters'")
+        shm_params = None
         if "shared_memory_region" in params:
-            raise ProtocolError(400, f"output '{name}' asks for shared memory, which this server does "
-                                     f"not support")
+            if shared_memory is None:
+                raise ProtocolError(400, f"output '{name}' asks for shared memory, which this server does "
+                                         f"not support")
+            shared_memory.check(params, f"output '{name}'")  # unknown region or out of bounds: 400 now
+            shm_params = {k: params[k] for k in ("shared_memory_region", "shared_memory_byte_size",
+                                                 "shared_memory_offset") if k in params}
+        else:
+            for key in ("shared_memory_byte_size", "shared_memory_offset"):
+                if key in params:
+                    raise ProtocolError(400, f"output '{name}' has '{key}' but no 'shared_memory_region'")
         if params.get("classification", 0) not in (0, None):
             raise ProtocolError(400, f"output '{name}' asks for classification, which this server does "
                                      f"not support")
@@ -544,7 +576,7 @@ def _requested_outputs(request: dict, binary_default: bool) -> Optional[list[Req
         if not isinstance(binary, bool):
             raise ProtocolError(400, f"output '{name}' parameter 'binary_data' must be true or false, "
                                      f"got {binary!r}")
-        outputs.append(RequestedOutput(name, binary))
+        outputs.append(RequestedOutput(name, binary and shm_params is None, shm_params))
     return outputs
 
 
@@ -554,12 +586,15 @@ def _requested_outputs(request: dict, binary_default: bool) -> Optional[list[Req
 
 def encode_infer_response(model_name: str, model_version: str, request_id: Optional[str],
                           outputs: dict[str, np.ndarray], requested: Optional[list[RequestedOutput]],
-                          binary_default: bool) -> tuple[bytes, dict[str, str]]:
+                          binary_default: bool, shared_memory: Any = None) -> tuple[bytes, dict[str, str]]:
     """Encode outputs as a V2 response body; returns ``(body, headers)``.
 
     ``requested`` None sends every output (in dict order), binary iff ``binary_default``;
-    otherwise the requested outputs in request order with their own binary flags. Headers hold
-    ``Content-Type`` and, when any output is binary, ``Inference-Header-Content-Length``.
+    otherwise the requested outputs in request order with their own binary flags. An output
+    requested into a shared memory region is written there through ``shared_memory`` (the
+    registry) and its entry carries no data, only ``parameters.shared_memory_*`` (the byte size
+    written). Headers hold ``Content-Type`` and, when any output is binary,
+    ``Inference-Header-Content-Length``.
     """
     chosen = ([RequestedOutput(name, binary_default) for name in outputs] if requested is None
               else requested)
@@ -574,7 +609,14 @@ def encode_infer_response(model_name: str, model_version: str, request_id: Optio
             raise ProtocolError(500, f"output '{req.name}' has dtype {arr.dtype}, which this protocol "
                                      f"cannot send")
         entry: dict[str, Any] = {"name": req.name, "datatype": datatype, "shape": list(arr.shape)}
-        if req.binary:
+        if req.shared_memory is not None:
+            if shared_memory is None:
+                raise ProtocolError(400, f"output '{req.name}' asks for shared memory, which this server "
+                                         f"does not support")
+            written = shared_memory.write(req.shared_memory, f"output '{req.name}'",
+                                          np.asarray(arr, dtype=_wire(arr.dtype.newbyteorder("="))))
+            entry["parameters"] = {**req.shared_memory, "shared_memory_byte_size": written}
+        elif req.binary:
             data = np.ascontiguousarray(arr, dtype=_wire(arr.dtype.newbyteorder("=")))
             raw = memoryview(data.reshape(-1).view(np.uint8)) if data.size else b""
             entry["parameters"] = {"binary_data_size": data.nbytes}

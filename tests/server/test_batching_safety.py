@@ -106,7 +106,7 @@ def test_row_mixing_model_is_served_request_by_request(tmp_path, caplog, workers
     assert wrong_answers(path, requests, answers) == 0
     assert max(metrics.sizes) <= 3  # each request has 1 to 3 rows
     assert len(metrics.sizes) == REQUESTS  # one run per request: nothing was stacked
-    decision = cfg["dynamic_batching"]
+    decision = cfg["kiln"]["batching"]
     assert decision["stacks_requests"] is False and decision["batching"] == "auto"
     for words in ("ReduceMean", "head.center", "model.py:7", "reduces over the batch axis", "force"):
         assert words in decision["reason"], decision["reason"]
@@ -121,8 +121,8 @@ def test_force_overrides_the_analysis_and_shows_the_hazard(tmp_path):
     path = centered_model(tmp_path / "centered.kiln")
     requests = distinct_requests(4, 60)
     answers, metrics, cfg = serve(path, "centered", requests, batching="force")
-    assert cfg["dynamic_batching"]["stacks_requests"] is True
-    assert "could not prove" in cfg["dynamic_batching"]["reason"]
+    assert cfg["kiln"]["batching"]["stacks_requests"] is True
+    assert "could not prove" in cfg["kiln"]["batching"]["reason"]
     assert max(metrics.sizes) > 3  # requests were stacked
     assert wrong_answers(path, requests, answers) > 0
 
@@ -132,8 +132,9 @@ def test_row_independent_model_still_batches(workers):
     requests = distinct_requests(16)
     answers, metrics, cfg = serve(MLP, "mlp", requests, workers=workers)
     assert wrong_answers(MLP, requests, answers) == 0
-    assert cfg["dynamic_batching"]["stacks_requests"] is True, cfg["dynamic_batching"]["reason"]
-    assert "row" in cfg["dynamic_batching"]["reason"]
+    assert cfg["kiln"]["batching"]["stacks_requests"] is True, cfg["kiln"]["batching"]["reason"]
+    assert "row" in cfg["kiln"]["batching"]["reason"]
+    assert cfg["max_batch_size"] == 16 and cfg["dynamic_batching"]["max_queue_delay_microseconds"] == 5000
     assert len(metrics.sizes) < REQUESTS and max(metrics.sizes) > 3  # stacked batches were run
     assert sum(metrics.sizes) == sum(len(x) for x in requests)
 
@@ -143,6 +144,7 @@ def test_batching_off_runs_request_by_request(tmp_path):
     answers, metrics, cfg = serve(MLP, "mlp", requests, batching="off")
     assert wrong_answers(MLP, requests, answers) == 0
     assert len(metrics.sizes) == len(requests)
-    assert cfg["dynamic_batching"]["stacks_requests"] is False
-    assert '"off"' in cfg["dynamic_batching"]["reason"]
-    assert cfg["config"]["batching"] == "off"
+    assert cfg["kiln"]["batching"]["stacks_requests"] is False
+    assert '"off"' in cfg["kiln"]["batching"]["reason"]
+    assert cfg["kiln"]["config"]["batching"] == "off"
+    assert "dynamic_batching" not in cfg and cfg["max_batch_size"] == 0  # Triton's shape: not stacked

@@ -206,6 +206,7 @@ def test_empty_metrics_render_valid_families_with_help_and_type():
         "nv_inference_count": "counter", "nv_inference_exec_count": "counter",
         "nv_inference_request_duration_us": "counter", "nv_inference_queue_duration_us": "counter",
         "nv_inference_compute_infer_duration_us": "counter", "nv_inference_pending_request_count": "gauge",
+        "nv_inference_compute_input_duration_us": "counter", "nv_inference_compute_output_duration_us": "counter",
         "kiln_request_duration_seconds": "histogram", "kiln_queue_duration_seconds": "histogram",
         "kiln_compute_duration_seconds": "histogram", "kiln_batch_size": "histogram",
         "kiln_batch_requests": "histogram",
@@ -214,6 +215,36 @@ def test_empty_metrics_render_valid_families_with_help_and_type():
     assert all(f["help"] for f in fams.values())
     assert all(not f["samples"] for f in fams.values())
     assert CONTENT_TYPE.startswith("text/plain; version=0.0.4")
+
+
+def test_model_stats_are_tritons_statistics_from_the_same_counters():
+    m = Metrics()
+    m.add_model("mlp", "1")
+    empty = m.model_stats("mlp", "1")
+    assert empty["inference_count"] == 0 and empty["batch_stats"] == [] and empty["last_inference"] == 0
+    assert set(empty["inference_stats"]) >= {"success", "fail", "queue", "compute_input", "compute_infer",
+                                              "compute_output"}
+    m.observe_batch("mlp", "1", 5, [0.001, 0.002], 0.010)  # 2 requests stacked into 5 rows
+    m.observe_batch("mlp", "1", 1, [0.0005], 0.004)
+    m.observe_batch("other", "1", 7, [0.1], 1.0)  # another model: not counted
+    for _ in range(3):
+        m.observe_request("mlp", "1", "success", 0.02)
+        m.observe_codec("mlp", "1", 0.0001, 0.0002)
+    m.observe_request("mlp", "1", "invalid_request", 0.003)
+    m.observe_request("mlp", "1", "timeout", 0.5)
+    m.observe_request("other", "1", "backend", 9.0)
+    s = m.model_stats("mlp", "1")
+    assert (s["name"], s["version"], s["inference_count"], s["execution_count"]) == ("mlp", "1", 6, 2)
+    assert s["last_inference"] > 0
+    inf = s["inference_stats"]
+    assert inf["success"] == {"count": 3, "ns": 60_000_000}
+    assert inf["fail"] == {"count": 2, "ns": 503_000_000}
+    assert inf["queue"] == {"count": 3, "ns": 3_500_000}
+    assert inf["compute_infer"] == {"count": 3, "ns": 24_000_000}  # 10 ms twice (2 requests) + 4 ms
+    assert inf["compute_input"] == {"count": 3, "ns": 300_000}
+    assert inf["compute_output"] == {"count": 3, "ns": 600_000}
+    assert [(b["batch_size"], b["compute_infer"]) for b in s["batch_stats"]] == [
+        (1, {"count": 1, "ns": 4_000_000}), (5, {"count": 1, "ns": 10_000_000})]
 
 
 def test_add_model_creates_zero_series():
