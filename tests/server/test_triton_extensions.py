@@ -429,3 +429,58 @@ def test_shared_memory_is_off_by_default_and_released_at_shutdown(tmp_path, monk
         assert Path("/proc/self/maps").read_text().count(key) == 1
     finally:
         shm.destroy_shared_memory_region(handle)
+
+
+def test_kiln_serve_process_with_shared_memory(program):
+    """The real ``kiln serve`` in its own process (KILN_ALLOW_CLIENT_SHM=1, a worker process): inputs and
+    outputs through shared memory equal Program.run, the extensions answer, and SIGTERM exits 0."""
+    import re
+    import signal
+    import subprocess
+    env = dict(os.environ, PYTHONUNBUFFERED="1", KILN_ALLOW_CLIENT_SHM="1")
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(MLP), "--name", "mlp", "--workers", "1",
+                             "--host", "127.0.0.1", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    key = f"{TAG}_proc"
+    handles = []
+    try:
+        url = None
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(r"ready at http://(127\.0\.0\.1:\d+)", line)
+            if m:
+                url = m.group(1)
+            if url and "docs at" in line:
+                break
+        assert url, "".join(lines)
+        client = tc.InferenceServerClient(url)
+        n = 4
+        ih = shm.create_shared_memory_region(key + "_in", f"/{key}_in", n * 16 * 4, create_only=True)
+        oh = shm.create_shared_memory_region(key + "_out", f"/{key}_out", n * 4 * 4, create_only=True)
+        handles = [ih, oh]
+        client.register_system_shared_memory(key + "_in", f"/{key}_in", n * 16 * 4)
+        client.register_system_shared_memory(key + "_out", f"/{key}_out", n * 4 * 4)
+        rng = np.random.default_rng(21)
+        for _ in range(3):
+            x = rng.standard_normal((n, 16)).astype(np.float32)
+            shm.set_shared_memory_region(ih, [x])
+            inp = tc.InferInput("x", [n, 16], "FP32").set_shared_memory(key + "_in", n * 16 * 4)
+            out = tc.InferRequestedOutput("probs")
+            out.set_shared_memory(key + "_out", n * 4 * 4)
+            client.infer("mlp", [inp], outputs=[out])
+            np.testing.assert_array_equal(shm.get_contents_as_numpy(oh, np.float32, [n, 4]),
+                                          program.run({"x": x})["probs"])
+        assert client.get_model_config("mlp")["max_batch_size"] == 32
+        stats = client.get_inference_statistics("mlp")["model_stats"][0]
+        assert stats["inference_count"] == 3 * n and stats["inference_stats"]["success"]["count"] == 3
+        assert [e["state"] for e in client.get_model_repository_index()] == ["READY"]
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, "".join(lines) + proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for handle in handles:
+            shm.destroy_shared_memory_region(handle)
