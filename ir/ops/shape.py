@@ -218,11 +218,16 @@ def _infer_concat(ctx: InferContext) -> TensorType:
     return TensorType(dtype, out)
 
 
+# Values are followed through Concat for shape vectors: a longer tensor is data, not a shape.
+_SHAPE_PIECES = 64
+
+
 def _propagate_concat(ctx: InferContext) -> Optional[tuple]:
     parts = [ctx.symbolic(i) for i in range(len(ctx.inputs))]
     for i, p in enumerate(parts):
         t = ctx.inputs[i]
-        if p is None and t is not None and t.shape is not None and len(t.shape) == 1 and isinstance(t.shape[0], int):
+        if p is None and t is not None and t.shape is not None and len(t.shape) == 1 and \
+                isinstance(t.shape[0], int) and t.shape[0] <= _SHAPE_PIECES:
             parts[i] = (None,) * t.shape[0]  # values unknown, count known: the other parts stay known
     if any(p is None for p in parts):
         return None
