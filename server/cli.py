@@ -85,6 +85,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="a request body may take S seconds plus 1 s per 32 KiB received, else 408 (default 30)")
     p.add_argument("--keep-alive-s", type=float, default=5.0, metavar="S",
                    help="an idle keep-alive connection is closed after S seconds (default 5)")
+    p.add_argument("--allow-client-shm", action="store_true",
+                   help="let clients register system shared memory regions (/v2/systemsharedmemory, Triton's "
+                        "extension; off by default, as in Triton: a client can then make the server read and "
+                        "write /dev/shm objects its user can open). Also KILN_ALLOW_CLIENT_SHM=1")
     p.add_argument("--memory-budget", metavar="BYTES",
                    help="the most buffer memory one run may allocate, e.g. 4GiB: a model needing more fails to "
                         "load, a request needing more gets 413 (default: KILN_MEMORY_BUDGET, else none)")
@@ -206,7 +210,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = create_app(entries, max_body_bytes=int(args.max_body_mb * (1 << 20)),
-                     on_ready=on_ready, on_load_error=on_load_error)
+                     on_ready=on_ready, on_load_error=on_load_error,
+                     allow_client_shm=True if args.allow_client_shm else None)
     state = app.state.kiln
     # Drained: the batchers' drain (started by the signal) is over, or none was started (uvicorn is stopping
     # for another reason, a failed load say), so idle connections need not wait for one.

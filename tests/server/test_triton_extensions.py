@@ -432,14 +432,15 @@ def test_shared_memory_is_off_by_default_and_released_at_shutdown(tmp_path, monk
 
 
 def test_kiln_serve_process_with_shared_memory(program):
-    """The real ``kiln serve`` in its own process (KILN_ALLOW_CLIENT_SHM=1, a worker process): inputs and
+    """The real ``kiln serve`` in its own process (--allow-client-shm, a worker process): inputs and
     outputs through shared memory equal Program.run, the extensions answer, and SIGTERM exits 0."""
     import re
     import signal
     import subprocess
-    env = dict(os.environ, PYTHONUNBUFFERED="1", KILN_ALLOW_CLIENT_SHM="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("KILN_ALLOW_CLIENT_SHM", None)
     proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(MLP), "--name", "mlp", "--workers", "1",
-                             "--host", "127.0.0.1", "--port", "0"],
+                             "--host", "127.0.0.1", "--port", "0", "--allow-client-shm"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     key = f"{TAG}_proc"
