@@ -682,6 +682,10 @@ def _triton_instance_group(name: str, config: Any) -> list[dict]:
     if groups:  # the config's own (Triton's shape, kinds normalized to "cpu"/"gpu")
         return [{"name": f"{name}_{i}", "kind": "KIND_" + str(g.get("kind", "cpu")).upper(),
                  "count": g.get("count", 1), "gpus": list(g.get("gpus") or [])} for i, g in enumerate(groups)]
+    device = str(getattr(config, "device", "cpu") or "cpu")
+    if device.startswith("cuda"):  # kiln serve --device cuda[:N]: workers on that GPU (server/gpu.py)
+        return [{"name": name, "kind": "KIND_GPU", "count": max(config.workers, 1),
+                 "gpus": [int(device[5:]) if device.startswith("cuda:") else 0]}]
     return [{"name": name, "kind": "KIND_CPU", "count": max(config.workers, 1) * config.instances, "gpus": []}]
 
 

@@ -92,6 +92,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", metavar="BYTES",
                    help="the most buffer memory one run may allocate, e.g. 4GiB: a model needing more fails to "
                         "load, a request needing more gets 413 (default: KILN_MEMORY_BUDGET, else none)")
+    p.add_argument("--device", metavar="DEV",
+                   help="cpu (default), cuda or cuda:N: run models as CudaPrograms in GPU worker processes, one "
+                        "per GPU instance (instance_group kind gpu in config.json: count workers on each listed "
+                        "GPU; else --workers on GPU N), batch buckets on with a CUDA graph captured per bucket "
+                        "before ready; needs CuPy and a GPU")
     p.add_argument("--backend", choices=("kiln", "onnxruntime"),
                    help="execution engine (default kiln; onnxruntime needs pip install kiln[onnx])")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
@@ -103,7 +108,7 @@ def _overrides(args: argparse.Namespace) -> dict:
     return {"workers": args.workers, "max_batch_size": args.max_batch_size,
             "max_queue_delay_ms": args.max_queue_delay_ms, "queue_size": args.queue_size,
             "timeout_ms": args.timeout_ms, "backend": args.backend, "batching": args.batching,
-            "memory_budget": args.memory_budget}
+            "memory_budget": args.memory_budget, "device": getattr(args, "device", None)}
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -177,7 +182,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               keep_alive_s=args.keep_alive_s, max_connections=args.max_connections,
                               max_connections_per_client=args.max_connections_per_client).resolve()
     entries = discover(args.path, name=args.name, overrides=_overrides(args))
-    check_cpu_only(entries)  # a gpu instance_group is refused before any port is bound
+    check_cpu_only(entries)  # a gpu instance_group on the CPU is refused before any port is bound
+    from kiln.server.gpu import check_gpus
+    check_gpus(entries)  # --device cuda: CuPy and the GPUs named, before any port is bound
     sock = bind_socket(args.host, args.port)
     url = _url(sock, args.host)
     failure: list[BaseException] = []
@@ -188,6 +195,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for e in entries:
             c = e.config
             how = f"{c.workers} worker process{'es' if c.workers != 1 else ''}" if c.workers else "threads"
+            gpus = getattr(state.models[e.name][e.version].executor, "slots", None)
+            if gpus:
+                how = f"{len(gpus)} GPU worker process{'es' if len(gpus) != 1 else ''} on GPU(s) {sorted(set(gpus))}"
             decision = getattr(state.models[e.name][e.version].batcher, "decision", None)
             stacks = decision.stacks if decision is not None else c.may_batch
             batching = f"batches up to {c.max_batch_size}" if stacks else "no batching"

@@ -117,8 +117,11 @@ class ModelConfig:
     - ``instance_group = None``: Triton's shape, ``[{"kind": "cpu"|"gpu", "count": N, "gpus": [0, 1]}]``
       (``KIND_CPU``/``KIND_GPU`` accepted, ``count`` defaults to 1). CPU groups set ``instances`` to the
       sum of their counts (set one or the other in a file, not both; a CLI ``--instances`` still wins).
-      ``gpus`` only with kind ``gpu``. This server runs models on the CPU only for now: ``kiln serve``
-      refuses a ``gpu`` group at start, naming the model (server/cli.py).
+      ``gpus`` only with kind ``gpu``: N GPU worker processes per listed GPU (server/gpu.py), only with
+      ``device`` cuda; on the CPU ``kiln serve`` refuses a ``gpu`` group at start, naming the model.
+    - ``device = "cpu"``: ``"cuda"`` / ``"cuda:N"`` runs the model as a CudaProgram in GPU worker
+      processes (server/gpu.py; ``kiln serve --device``); batch buckets are then on unless ``buckets``
+      is false.
     """
 
     max_batch_size: int = 32
@@ -134,6 +137,7 @@ class ModelConfig:
     preferred_batch_size: Optional[list] = None
     buckets: Optional[bool] = None
     instance_group: Optional[list] = None
+    device: str = "cpu"
 
     def __hash__(self) -> int:  # the generated one fails on the dict-valued version_policy
         return hash(json.dumps(self.to_json(), sort_keys=True))
@@ -211,7 +215,9 @@ class ModelConfig:
     @property
     def uses_buckets(self) -> bool:
         """Whether the executor runs batches in batch buckets (see ``buckets``)."""
-        return bool(self.buckets) if self.buckets is not None else bool(self.preferred_batch_size)
+        if self.buckets is not None:
+            return bool(self.buckets)
+        return bool(self.preferred_batch_size) or self.device != "cpu"
 
     @property
     def gpu_groups(self) -> list:
@@ -370,6 +376,15 @@ def _instance_group(value: Any, where: str) -> Optional[list]:
     return groups
 
 
+def _device(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise KilnError(f"{where} must be \"cpu\", \"cuda\" or \"cuda:N\", got {_json_type(value)}")
+    d = value.strip().lower()
+    if d in ("cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit()):
+        return d
+    raise KilnError(f"{where} must be \"cpu\", \"cuda\" or \"cuda:N\", got {value!r}")
+
+
 _VALIDATORS = {
     "max_batch_size": _int(0),
     "max_queue_delay_ms": _number(0.0),
@@ -384,17 +399,19 @@ _VALIDATORS = {
     "preferred_batch_size": _preferred_batch_size,
     "buckets": _buckets,
     "instance_group": _instance_group,
+    "device": _device,
 }
 
 
 def check_cpu_only(entries: list) -> None:
-    """Refuse models whose config asks for GPU instances: this server runs the CPU runtime only (issue 17
-    brings ``--device cuda``). A KilnError naming each such model and its file."""
-    gpu = [e for e in entries if e.config.gpu_groups]
+    """Refuse models whose config asks for GPU instances but which are served on the CPU (no ``--device
+    cuda``, no ``"device": "cuda"``). A KilnError naming each such model. Models on ``cuda`` pass
+    (server/gpu.py's ``check_gpus`` checks their GPUs)."""
+    gpu = [e for e in entries if e.config.gpu_groups and e.config.device == "cpu"]
     if gpu:
         names = ", ".join(f"{e.name} (version {e.version})" for e in gpu)
-        raise KilnError(f"model(s) {names}: instance_group asks for kind \"gpu\", but this kiln serve runs "
-                        "models on the CPU only; use kind \"cpu\" (or drop instance_group) for now")
+        raise KilnError(f"model(s) {names}: instance_group asks for kind \"gpu\", but they are served on the "
+                        "CPU only; serve with kiln serve --device cuda, or use kind \"cpu\"")
 
 
 @dataclass(frozen=True)

@@ -148,12 +148,17 @@ class ThreadExecutor:
 def make_executor(path: Any, config: Any) -> Any:
     """The executor ``kiln serve`` runs a model on: worker processes (``config.workers``), or threads in the
     server with ``workers=0``; wrapped in a BucketedExecutor (server/buckets.py) when the config asks for
-    batch buckets (``buckets``, ``preferred_batch_size``). A ``gpu`` instance group is refused: this
-    server runs the CPU runtime only."""
+    batch buckets (``buckets``, ``preferred_batch_size``). ``config.device`` ``cuda[:N]``: GPU worker
+    processes (server/gpu.py), buckets on unless ``buckets`` is false. A ``gpu`` instance group on the
+    CPU device is refused."""
     from kiln.server.buckets import BucketedExecutor, uses_buckets
+    device = str(getattr(config, "device", "cpu") or "cpu")
+    if device.startswith("cuda"):
+        from kiln.server.gpu import make_gpu_executor
+        return make_gpu_executor(path, config)
     if any(g.get("kind") == "gpu" for g in getattr(config, "instance_group", None) or []):
-        raise KilnError(f"{path}: instance_group asks for kind \"gpu\", but this kiln serve runs models on the "
-                        "CPU only; use kind \"cpu\" (or drop instance_group) for now")
+        raise KilnError(f"{path}: instance_group asks for kind \"gpu\", but the model is served on the CPU only "
+                        "(its device is cpu); serve it with kiln serve --device cuda, or use kind \"cpu\"")
     workers = int(getattr(config, "workers", 1))
     inner = ThreadExecutor(path, config) if workers == 0 else ProcessExecutor(path, config, workers)
     return BucketedExecutor(inner, config) if uses_buckets(config) else inner
@@ -190,15 +195,26 @@ def _budget(backend: str, memory_budget: Any) -> dict:
     return {"memory_budget": memory_budget} if memory_budget is not None and backend == "kiln" else {}
 
 
-def _worker_main(conn, path: str, backend: str, threads: int, memory_budget: Optional[str] = None) -> None:
+def _worker_main(conn, path: str, backend: str, threads: int, memory_budget: Optional[str] = None,
+                 device: str = "cpu") -> None:
     """The worker process: load the model, report its signature, then serve ``run`` messages until the
-    server says ``stop`` or its end of the pipe closes."""
+    server says ``stop`` or its end of the pipe closes. ``device`` ``cuda``: a CudaProgram on the one GPU
+    CUDA_VISIBLE_DEVICES shows this process (server/gpu.py); a CUDA fault during a batch is answered,
+    then the worker exits so that the server replaces it (the context may be poisoned)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the server decides when workers stop (see module docstring)
+    gpu = device.startswith("cuda")
     try:
-        from kiln.runtime.program import load
-        program = load(path, backend=backend, **_budget(backend, memory_budget))
+        if gpu:
+            from kiln.server.gpu import load_on_gpu
+            program = load_on_gpu(path)
+        else:
+            from kiln.runtime.program import load
+            program = load(path, backend=backend, **_budget(backend, memory_budget))
     except BaseException as e:  # noqa: BLE001 - reported to the server, which raises it from start()
+        if gpu:
+            from kiln.server.gpu import describe_load_failure
+            e = describe_load_failure(path, e)
         conn.send(("failed", _portable(e)))
         return
     conn.send(("ready", os.getpid(), list(program.inputs), list(program.outputs), batch_analysis(program)))
@@ -208,15 +224,27 @@ def _worker_main(conn, path: str, backend: str, threads: int, memory_budget: Opt
         with send_lock:
             conn.send(msg)
 
+    run_lock = threading.Lock() if gpu else None  # one batch on the GPU at a time; the next one is received meanwhile
+
     def execute(rid: int, inputs: dict) -> None:
+        fault = None
         try:
-            msg = ("ok", rid, program.run(inputs))
+            if run_lock is None:
+                msg = ("ok", rid, program.run(inputs))
+            else:
+                with run_lock:
+                    msg = ("ok", rid, program.run(inputs))
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
-            msg = ("err", rid, _portable(e))
+            if gpu:
+                from kiln.server.gpu import cuda_fault
+                fault = cuda_fault(e)
+            msg = ("err", rid, _portable(fault or e))
         try:
             answer(msg)
         except (OSError, ValueError):
             pass  # the server is gone; the main loop sees EOF and exits
+        if fault is not None:  # the CUDA context may be poisoned: leave, the server starts a fresh worker
+            os._exit(70)
 
     pool = ThreadPoolExecutor(threads, thread_name_prefix="kiln-worker") if threads > 1 else None
     try:
@@ -242,10 +270,11 @@ def _worker_main(conn, path: str, backend: str, threads: int, memory_budget: Opt
 
 
 def _worker_entry(argv: Sequence[str]) -> None:
-    """``python -c`` entry point of a worker: argv is [fd, path, backend, threads, memory budget or ""]."""
+    """``python -c`` entry point of a worker: argv is [fd, path, backend, threads, memory budget or "",
+    device]."""
     from multiprocessing.connection import Connection
-    fd, path, backend, threads, budget = argv
-    _worker_main(Connection(int(fd)), path, backend, int(threads), budget or None)
+    fd, path, backend, threads, budget, *rest = argv
+    _worker_main(Connection(int(fd)), path, backend, int(threads), budget or None, rest[0] if rest else "cpu")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -335,6 +364,7 @@ class _Worker:
         self.pid = pid
         self.inflight: Dict[int, asyncio.Future] = {}
         self.alive = True
+        self.slot = 0  # which of the executor's worker slots it fills (a GPU executor: which GPU)
         self.send_lock = threading.Lock()
 
 
@@ -376,11 +406,13 @@ class ProcessExecutor:
         Raises the worker's error (e.g. a FormatError) if the model cannot be loaded."""
         if self._started:
             return
-        pending = [self._spawn() for _ in range(self.n_workers)]
+        pending = [self._spawn(slot) for slot in range(self.n_workers)]
         workers, error = [], None
-        for process, conn in pending:
+        for slot, (process, conn) in enumerate(pending):
             try:
-                workers.append(self._handshake(process, conn))
+                w = self._handshake(process, conn)
+                w.slot = slot
+                workers.append(w)
             except BaseException as e:  # noqa: BLE001 - stop the others, then raise the first error
                 error = error or e
         if error is not None:
@@ -391,12 +423,19 @@ class ProcessExecutor:
         for w in workers:
             self._adopt(w)
 
-    def _spawn(self):
+    device = "cpu"  # what the workers load the model on (GpuExecutor: "cuda")
+
+    def _worker_env(self, slot: int) -> Dict[str, str]:
+        """The environment of the worker filling ``slot`` (GpuExecutor adds CUDA_VISIBLE_DEVICES)."""
+        return worker_env(self.n_workers)
+
+    def _spawn(self, slot: int = 0):
         ours, theirs = socket.socketpair()
-        env = worker_env(self.n_workers)
+        env = self._worker_env(slot)
         try:
             popen = subprocess.Popen([sys.executable, "-c", _ENTRY, str(theirs.fileno()), self.path, self.backend,
-                                      str(self.instances), "" if self.memory_budget is None else str(self.memory_budget)], pass_fds=(theirs.fileno(),), env=env,
+                                      str(self.instances), "" if self.memory_budget is None else str(self.memory_budget),
+                                      self.device], pass_fds=(theirs.fileno(),), env=env,
                                      stdin=subprocess.DEVNULL)
         except BaseException:
             ours.close()
@@ -485,16 +524,17 @@ class ProcessExecutor:
         for fut in lost.values():
             _resolve_threadsafe(fut, False, err)
         if not closing:
-            self._replace()
+            self._replace(w.slot)
 
-    def _replace(self) -> None:
+    def _replace(self, slot: int = 0) -> None:
         """Start a new worker in place of a dead one (runs on the dead worker's reader thread)."""
         delays = itertools.chain(self.respawn_delays_s, itertools.repeat(self.respawn_delays_s[-1]))
         for attempt, delay in enumerate(delays):
             if self._stop.wait(delay):
                 return
             try:
-                w = self._handshake(*self._spawn())
+                w = self._handshake(*self._spawn(slot))
+                w.slot = slot
             except BaseException as e:  # noqa: BLE001 - keep trying: the server stays up on its other workers
                 if attempt < 3 or attempt % 20 == 0:
                     log.error("could not replace a kiln worker for %s (attempt %d): %s", self.path, attempt + 1, e)

@@ -1,0 +1,206 @@
+"""``kiln serve --device cuda[:N]``: models run as ``CudaProgram``s in GPU worker processes (issue 17).
+
+**One worker process per GPU instance**, never threads of the HTTP process and never one process for
+several GPUs:
+
+- *Faults stay in one worker.* A CUDA fault (an illegal address, a launch failure) poisons the CUDA
+  context of the process it happens in: every later call on that context fails. In a worker the fault is
+  answered (the batch's requests get a 500 naming it) and the worker exits; the executor starts a fresh
+  process with a fresh context (the replacement logic of :class:`~kiln.server.workers.ProcessExecutor`),
+  and the HTTP process, which never touches CUDA, keeps serving. A worker that dies outright (SIGKILL, a
+  segfault in a library) is replaced the same way.
+- *Placement by environment.* Each worker gets ``CUDA_VISIBLE_DEVICES=<its GPU>`` in its environment, so
+  inside it the GPU is device 0 and nothing it does (CuPy's pools, cuBLAS/cuDNN handles, CUDA graphs) can
+  land on another card.
+- *No GIL between GPUs*: each worker's Python (plan dispatch, graph launches, pickling) runs on its own core.
+
+Instances: ``instance_group`` ``[{"kind": "gpu", "count": N, "gpus": [0, 1]}]`` is N workers per listed GPU
+(``gpus`` left out: the ``--device`` GPU). Without a gpu group, ``workers`` (default 1) workers on the
+``--device`` GPU (``cuda`` = ``cuda:0``). Each worker takes two batches at a time (``instances``, at least
+2): while one runs on the GPU (one at a time, a lock in the worker) the next is already received and
+unpickled.
+
+Batch buckets are on by default for GPU models that the batcher stacks (powers of two up to
+``max_batch_size``, plus ``preferred_batch_size``; ``"buckets": false`` turns them off), and warm-up runs
+each bucket twice before the model is ready: ``CudaProgram`` captures a CUDA graph for an input-shape
+signature on the first run of that signature (the run itself is eager, then the plan is captured), and
+the second run replays it, so the first request of every bucket size replays a graph.
+
+Load failures (no GPU, out of memory) fail that model's start with the reason (:func:`describe_load_failure`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict, List, Optional
+
+from kiln.errors import KilnError
+from kiln.server.buckets import BucketedExecutor
+from kiln.server.workers import ProcessExecutor, worker_env
+
+log = logging.getLogger("kiln.server")
+
+
+def parse_device(device: Any) -> Optional[int]:
+    """``"cpu"`` -> None; ``"cuda"`` -> 0; ``"cuda:N"`` -> N. Anything else: KilnError."""
+    d = str(device or "cpu").strip().lower()
+    if d == "cpu":
+        return None
+    if d == "cuda":
+        return 0
+    if d.startswith("cuda:") and d[5:].isdigit():
+        return int(d[5:])
+    raise KilnError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+
+
+def gpu_slots(config: Any) -> List[int]:
+    """The GPU of each worker process, in order: every gpu instance group's ``count`` workers on each of its
+    ``gpus`` (default: the config's device GPU); without a gpu group, ``workers`` (at least 1) on it."""
+    default = parse_device(getattr(config, "device", "cuda"))
+    default = 0 if default is None else default
+    groups = [g for g in getattr(config, "instance_group", None) or [] if g.get("kind") == "gpu"]
+    if not groups:
+        return [default] * max(1, int(getattr(config, "workers", 1) or 1))
+    slots: List[int] = []
+    for g in groups:
+        for gpu in g.get("gpus") or [default]:
+            slots += [int(gpu)] * int(g.get("count", 1))
+    return slots
+
+
+def check_gpus(entries: list, probe=None) -> None:
+    """Before a port is bound: every model served on ``cuda`` has CuPy and the GPUs it names. ``probe()``
+    returns the number of GPUs (default: CuPy's device count); it raises or returns 0 where there are none.
+    A gpu instance group on a model served on the CPU is refused too."""
+    cuda = [e for e in entries if parse_device(getattr(e.config, "device", "cpu")) is not None]
+    cpu_gpu = [e for e in entries if e not in cuda and e.config.gpu_groups]
+    if cpu_gpu:
+        names = ", ".join(f"{e.name} (version {e.version})" for e in cpu_gpu)
+        raise KilnError(f"model(s) {names}: instance_group asks for kind \"gpu\" but the device is the CPU; "
+                        "serve with --device cuda (or set \"device\": \"cuda\" in config.json)")
+    if not cuda:
+        return
+    count = (probe or _device_count)()
+    if count <= 0:
+        raise KilnError("--device cuda: no CUDA GPU is visible to this process (CUDA_VISIBLE_DEVICES="
+                        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); serve on the CPU without --device")
+    for e in cuda:
+        wanted = sorted(set(gpu_slots(e.config)))
+        missing = [g for g in wanted if g >= count]
+        if missing:
+            raise KilnError(f"model {e.name} (version {e.version}) asks for GPU(s) {missing}, but this machine "
+                            f"has {count} GPU(s) (0..{count - 1})")
+
+
+def _device_count() -> int:
+    try:
+        import cupy
+    except ImportError as e:
+        raise KilnError(f"--device cuda needs CuPy (pip install 'kiln[gpu]'): {e}") from None
+    try:
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as e:  # noqa: BLE001 - no driver, no device: one line
+        raise KilnError(f"--device cuda: no usable CUDA GPU ({type(e).__name__}: {e})") from None
+
+
+# ------------------------------------------------------------------------------------ worker process side
+
+def load_on_gpu(path: str) -> Any:
+    """The worker's program: ``kiln.load(path, device="cuda", output="numpy")`` on the one GPU its
+    CUDA_VISIBLE_DEVICES shows (outputs come back to host memory through the program's page-locked
+    output buffers on graph replays)."""
+    from kiln.runtime.program import load
+    return load(path, device="cuda", output="numpy")
+
+
+def _chain(e: BaseException):
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _is_cuda_error(e: BaseException) -> bool:
+    for x in _chain(e):
+        mod = type(x).__module__ or ""
+        text = f"{type(x).__name__}: {x}"
+        if mod.startswith(("cupy", "cupy_backends", "cuda")) or "cudaError" in text or "CUDA_ERROR" in text \
+                or "OutOfMemoryError" in text or "CUBLAS_STATUS" in text or "CUDNN_STATUS" in text:
+            return True
+    return False
+
+
+def _is_oom(e: BaseException) -> bool:
+    return any("OutOfMemory" in type(x).__name__ or "out of memory" in str(x).lower()
+               or "MemoryAllocation" in str(x) for x in _chain(e))
+
+
+def cuda_fault(e: BaseException) -> Optional[BaseException]:
+    """A WorkerError naming the CUDA failure if ``e`` came from CUDA (the worker then exits and is
+    replaced), else None (an ordinary model error, answered as it is)."""
+    if not _is_cuda_error(e):
+        return None
+    from kiln.server.errors import WorkerError
+    what = "out of GPU memory" if _is_oom(e) else "a CUDA error"
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "?")
+    return WorkerError(f"the GPU worker (pid {os.getpid()}, GPU {gpu}) hit {what} during this batch "
+                       f"({type(e).__name__}: {e}); it is being replaced")
+
+
+def describe_load_failure(path: str, e: BaseException) -> BaseException:
+    """A load error as the server should report it: out of GPU memory and CUDA errors named as such."""
+    if isinstance(e, KilnError) and not _is_cuda_error(e):
+        return e
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "?")
+    if _is_oom(e):
+        return KilnError(f"{path}: out of GPU memory loading the model on GPU {gpu} ({type(e).__name__}: {e})")
+    if _is_cuda_error(e):
+        return KilnError(f"{path}: CUDA error loading the model on GPU {gpu} ({type(e).__name__}: {e})")
+    return e
+
+
+# ------------------------------------------------------------------------------------------- server side
+
+class GpuExecutor(ProcessExecutor):
+    """Worker processes on GPUs: the ProcessExecutor (pipes, ids, replacement of dead workers) with the
+    model loaded as a CudaProgram and each worker pinned to its GPU (module docstring)."""
+
+    device = "cuda"
+
+    def __init__(self, path: Any, config: Any):
+        self.slots = gpu_slots(config)
+        super().__init__(path, config, len(self.slots))
+        self.instances = max(2, self.instances)
+
+    def _worker_env(self, slot: int) -> Dict[str, str]:
+        env = worker_env(self.n_workers)
+        env["CUDA_VISIBLE_DEVICES"] = str(self.slots[slot])
+        return env
+
+    @property
+    def gpus(self) -> List[int]:
+        return sorted(set(self.slots))
+
+
+class GpuBucketedExecutor(BucketedExecutor):
+    """Buckets whose warm-up runs each bucket twice: the first run of a shape captures its CUDA graph, the
+    second replays it (module docstring)."""
+
+    warm_up_rounds = 2
+
+    async def warm_up(self) -> None:
+        for _ in range(self.warm_up_rounds):
+            await super().warm_up()
+
+
+def make_gpu_executor(path: Any, config: Any) -> Any:
+    """The executor for a model on ``cuda``: GPU worker processes, in batch buckets unless ``buckets`` is
+    false (a model the batcher does not stack runs unbatched inside the bucket wrapper, warmed up too)."""
+    if getattr(config, "backend", "kiln") not in (None, "kiln"):
+        raise KilnError(f"{path}: --device cuda serves the kiln backend (CudaProgram); backend "
+                        f"{config.backend!r} is CPU-only in kiln serve")
+    inner = GpuExecutor(path, config)
+    if getattr(config, "buckets", None) is False:
+        return inner
+    return GpuBucketedExecutor(inner, config)
