@@ -244,11 +244,20 @@ class ServerState:
         """Start every executor and build its batcher, all model versions at once (each start runs on its
         own thread: a repository of big models loads in the time of the slowest, not the sum). The server
         is ready when this returns without error; otherwise the first error goes to ``on_load_error``."""
-        results = await asyncio.gather(*(self._load_one(m) for m in self.served()), return_exceptions=True)
+        served = self.served()
+        results = await asyncio.gather(*(self._load_one(m) for m in served), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         for e in failures:
             if isinstance(e, asyncio.CancelledError):
                 raise e
+        # A model on a GPU that fails to load (out of GPU memory, a CUDA error) fails its own readiness,
+        # with the reason (503 on its routes, UNAVAILABLE in the index), not the server (issue 17).
+        gpu_failed = [(m, r) for m, r in zip(served, results) if isinstance(r, BaseException)
+                      and str(getattr(m.entry.config, "device", "cpu") or "cpu").startswith("cuda")]
+        for m, r in gpu_failed:
+            log.error("model %s version %s failed to load on its GPU; serving the others without it: %s",
+                      m.name, m.version, m.error)
+        failures = [r for r in failures if not any(r is g for _, g in gpu_failed)]
         if failures:
             self.load_error = failures[0]
             if self.on_load_error is not None:
@@ -273,6 +282,11 @@ class ServerState:
             _check_signature(model)
         except Exception as e:
             model.error = str(e) if isinstance(e, KilnError) else f"{type(e).__name__}: {e}"
+            if model.executor is not None and str(getattr(model.entry.config, "device", "cpu")).startswith("cuda"):
+                try:  # free the GPU now: workers a failed warm-up left running, a replacement under way
+                    await model.executor.close()
+                except Exception:  # noqa: BLE001 - the load error is what matters
+                    pass
             raise
         model.batcher = DynamicBatcher(model.executor, model.entry.config, self.metrics, model.name, model.version)
         log.info("loaded model %s version %s from %s in %.2f s", model.name, model.version, model.entry.path,

@@ -194,6 +194,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"kiln serve: ready at {url}", flush=True)
         for e in entries:
             c = e.config
+            failed = state.models[e.name][e.version].error
+            if failed is not None:  # a GPU model that failed to load (server/app.py ServerState.load)
+                print(f"  {e.name} version {e.version}: {e.path} FAILED to load, not ready: {failed}", flush=True)
+                continue
             how = f"{c.workers} worker process{'es' if c.workers != 1 else ''}" if c.workers else "threads"
             gpus = getattr(state.models[e.name][e.version].executor, "slots", None)
             if gpus:

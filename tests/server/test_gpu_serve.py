@@ -313,3 +313,58 @@ def test_triton_config_reports_gpu_instances():
         {"device": "cuda", "instance_group": [{"kind": "gpu", "count": 2, "gpus": [0, 1]}]})) == \
         [{"name": "m_0", "kind": "KIND_GPU", "count": 2, "gpus": [0, 1]}]
     assert _triton_instance_group("m", ModelConfig())[0]["kind"] == "KIND_CPU"
+
+
+def test_gpu_model_failing_to_load_fails_its_readiness_not_the_server():
+    """Out of GPU memory at load: that model answers 503 with the reason, the others serve (CPU-testable
+    through an executor factory that fails the way a GPU worker's load does)."""
+    from fastapi.testclient import TestClient
+
+    from kiln.server.app import create_app
+    from kiln.server.workers import ThreadExecutor
+
+    def factory(e):
+        if e.config.device != "cpu":
+            raise KilnError(f"{e.path}: out of GPU memory loading the model on GPU 0 (OutOfMemoryError: 80 GiB)")
+        return ThreadExecutor(e.path, e.config)
+
+    good = ModelEntry("good", "1", MLP, ModelConfig(workers=0))
+    big = ModelEntry("big", "1", MLP, ModelConfig.from_json({"device": "cuda"}))
+    load_errors, ready = [], []
+    app = create_app([good, big], executor_factory=factory, on_load_error=load_errors.append,
+                     on_ready=ready.append)
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 30
+        while not ready and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready and not load_errors
+        r = client.get("/v2/models/big/ready")
+        assert r.status_code == 503 and "out of GPU memory" in r.json()["error"], r.text
+        assert client.get("/v2/health/ready").status_code == 503  # not every model is ready
+        assert client.get("/v2/health/live").status_code == 200
+        assert client.get("/v2/models/good/ready").status_code == 200
+        x = np.zeros((1, 16), np.float32)
+        body = {"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32", "data": x.ravel().tolist()}]}
+        assert client.post("/v2/models/good/infer", json=body).status_code == 200
+        r = client.post("/v2/models/big/infer", json=body)
+        assert r.status_code == 503 and "failed to load: " in r.json()["error"]
+        index = {m["name"]: m for m in client.post("/v2/repository/index", json={}).json()}
+        assert index["big"]["state"] == "UNAVAILABLE" and "out of GPU memory" in index["big"]["reason"]
+
+
+def test_cpu_model_failing_to_load_still_stops_the_server():
+    from fastapi.testclient import TestClient
+
+    from kiln.server.app import create_app
+
+    def factory(e):
+        raise KilnError("bad file")
+
+    load_errors = []
+    app = create_app([ModelEntry("m", "1", MLP, ModelConfig(workers=0))], executor_factory=factory,
+                     on_load_error=load_errors.append)
+    with TestClient(app):
+        deadline = time.monotonic() + 30
+        while not load_errors and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert [str(e) for e in load_errors] == ["bad file"]
