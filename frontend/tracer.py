@@ -241,13 +241,30 @@ class Tracer(TorchFunctionMode):
         return self.graph.add_constant(array, hint)
 
     def int_value(self, x: Any) -> Value:
-        """An int64 scalar value of an int or SymInt (for shape arithmetic)."""
-        return x.value if isinstance(x, SymInt) else self.constant(np.array(int(x), np.int64), "dim")
+        """An int64 scalar value of an int, a SymInt or a one-element integer tensor (for shape
+        arithmetic). A tensor keeps its traced value: ``int(t)`` here would bake the example's value
+        without a guard, since the tracer does not see reads made inside its own handlers (code
+        written for torch.jit.trace passes sizes as 0-dim tensors: MobileViT's
+        ``reshape(batch * channels * num_patch_height, ...)``)."""
+        if isinstance(x, SymInt):
+            return x.value
+        if isinstance(x, torch.Tensor):
+            if x.numel() != 1 or x.dtype.is_floating_point or x.dtype.is_complex:
+                raise UnsupportedOpError(f"{self.where()}: a size given as a tensor must hold one integer, "
+                                         f"got {x.dtype} of shape {tuple(x.shape)}")
+            v = self.value(x)
+            if v.type.dtype is not DType.INT64:
+                v = self.emit("Cast", v, to=DType.INT64.value)
+            if x.dim():
+                v = self.emit("Reshape", v, self.constant(np.array([], np.int64), "shape"))
+            return v
+        return self.constant(np.array(int(x), np.int64), "dim")
 
     def shape_value(self, dims: Iterable[Any]) -> Value:
-        """A 1-D int64 shape tensor from ints and SymInts (constant when all are plain ints)."""
+        """A 1-D int64 shape tensor from ints, SymInts and one-element integer tensors (constant when
+        all are plain ints)."""
         dims = list(dims)
-        if not any(isinstance(d, SymInt) for d in dims):
+        if not any(isinstance(d, (SymInt, torch.Tensor)) for d in dims):
             return self.constant(np.array([int(d) for d in dims], np.int64), "shape")
         parts = [self.emit("Unsqueeze", self.int_value(d), self.constant(np.array([0], np.int64), "axes"))
                  for d in dims]

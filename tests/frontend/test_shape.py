@@ -253,3 +253,15 @@ def test_view_with_a_computed_leading_size_keeps_the_static_dims():
     g = check_traced(f, (torch.randn(2, 2, 2, 6, 4),), dynamic_batch=True,
                      other_inputs=[(torch.randn(3, 2, 2, 6, 4),)])
     assert g.outputs[0].type.shape[1:] == (2, 3, 2)
+
+
+def test_sizes_given_as_tensors_stay_symbolic():
+    """transformers' MobileViT (its torch.jit.is_tracing() branch): a size computed as a 0-dim tensor,
+    multiplied by the symbolic batch, must not be baked into the Reshape."""
+    def f(x):
+        b, c, h, w = x.shape
+        nh = (torch.ceil(torch.tensor(h / 2)) * 2).to(torch.int64)
+        return x.reshape(b * c * (nh // 2), 2, w // 2, 2).sum(dim=(1, 2, 3))
+
+    check_traced(f, (torch.randn(2, 3, 8, 8),), dynamic_batch=True, other_inputs=[(torch.randn(3, 3, 8, 8),)])
+
