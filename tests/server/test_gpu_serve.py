@@ -205,9 +205,24 @@ def resnet(tmp_path_factory):
     return path, kiln.load(path, device="cuda", output="numpy")
 
 
+def _served_class():
+    """tests/server/test_serve_process.py's ``kiln serve`` process harness (pytest runs with
+    --import-mode=importlib and only tests/ on the path, so this folder is added for the import)."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    from test_serve_process import Served
+    return Served
+
+
 def _serve(args, timeout=300.0):
-    from test_serve_process import Served  # the kiln serve process harness
-    return Served(args, ready_timeout=timeout)
+    return _served_class()(args, ready_timeout=timeout)
+
+
+def test_the_serve_harness_imports():
+    """The GPU tests' harness import works under this pytest configuration (checked in CI too: the first
+    H100 run failed here, with ModuleNotFoundError)."""
+    assert _served_class().__name__ == "Served"
 
 
 def _infer(client, url, x):
