@@ -93,6 +93,7 @@ from kiln.server import protocol
 from kiln.server.errors import QueueFull, RequestTimeout, WorkerError
 from kiln.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kiln.server.metrics import Metrics
+from kiln.server.gpu_metrics import GpuMetrics, gpus_in_use
 from kiln.server.repository import ModelEntry
 from kiln.server.shm import DEFAULT_MAX_BYTES as SHM_MAX_BYTES
 from kiln.server.shm import DEFAULT_MAX_REGIONS as SHM_MAX_REGIONS
@@ -415,6 +416,8 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
     if allow_client_shm is None:
         allow_client_shm = os.environ.get("KILN_ALLOW_CLIENT_SHM", "").strip().lower() in ("1", "true", "yes")
     state.shm = SystemSharedMemory(allow_client_shm, shm_max_regions, shm_max_bytes)
+    # nv_gpu_* families (server/gpu_metrics.py): only with a model on cuda and pynvml importable.
+    gpu_metrics = GpuMetrics(gpus_in_use(entries))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -608,6 +611,8 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
         text = metrics.render()
         if state.connections is not None:
             text += state.connections.render_metrics()
+        if gpu_metrics.enabled:  # NVML sampled on a thread (at most once per ttl), never on the event loop
+            text += gpu_metrics.render() if gpu_metrics.fresh() else await asyncio.to_thread(gpu_metrics.render)
         return Response(text, media_type=None, headers={"content-type": METRICS_CONTENT_TYPE})
 
     return app
