@@ -30,6 +30,9 @@ EXPECTED_BATCHABLE = {"mlp", "resnet18", "resnet50", "mobilenet_v3", "transforme
 #   cannot recover: conservative (an analysis gap, reported in bench/BATCHING.md); traced without the
 #   check its graph also keeps a kiln.Guard on the batch size (`batch_size != position_ids.shape[0]`).
 EXPECTED_NOT = {"sdpa": "memory_scale", "hf_gpt2": "masking_utils"}
+# Refusals that are analysis gaps tied to a library version: transformers 4.x builds GPT-2's mask
+# without that Reshape and the analysis proves the model batchable; then the claim is checked below.
+VERSION_DEPENDENT = {"hf_gpt2"}
 ROWS = 4
 
 
@@ -50,7 +53,7 @@ def test_zoo_model_is_classified_and_the_claim_holds(entry):
     program = kiln.load(graph)
     assert analyze_batching(program.graph).batchable == verdict.batchable, "optimizing changed the verdict"
     assert verdict.reason
-    if entry.name in EXPECTED_NOT:
+    if entry.name in EXPECTED_NOT and not (entry.name in VERSION_DEPENDENT and verdict.batchable):
         assert not verdict.batchable and EXPECTED_NOT[entry.name] in verdict.reason, verdict.reason
         return
     assert verdict.batchable, f"{entry.name} should be batchable: {verdict.reason}"
