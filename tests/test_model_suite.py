@@ -27,11 +27,8 @@ import model_suite  # noqa: E402
 import suite_models  # noqa: E402
 
 # model -> (regular expression the kiln refusal must match, why / what it waits for).
-EXPECTED_REFUSALS: dict[str, tuple[str, str]] = {
-    "hf/gpt2": (r"has no attribute 'get_seq_length'",
-                "kiln.trace calls forward with a dict's inputs by position (frontend/trace.py _record), so "
-                "attention_mask lands in GPT2Model's second parameter, past_key_values"),
-}
+# Empty: hf/gpt2 was here until kiln.trace bound a dict's inputs by keyword (issue 15).
+EXPECTED_REFUSALS: dict[str, tuple[str, str]] = {}
 
 COLUMNS = ("kiln_trace", "kiln_run") + (("kiln_onnx",) if importlib.util.find_spec("onnxruntime") else ())
 
