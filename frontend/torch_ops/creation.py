@@ -16,6 +16,7 @@ import torch
 from kiln.errors import UnsupportedOpError
 from kiln.frontend.symbolic import SymInt
 from kiln.frontend.torch_ops import maps
+from kiln.frontend.torch_ops.core import dim_of
 from kiln.frontend.torch_ops.shape import axes_value, ir_dims, sizes_arg
 from kiln.frontend.tracer import kiln_dtype, op_name, to_numpy
 from kiln.ir.dtypes import DType
@@ -197,3 +198,34 @@ def _random_refused(func):
 
 for _func in RANDOM:
     _random_refused(_func)
+
+
+@maps(torch.meshgrid)
+def meshgrid(t, res, *tensors, indexing=None):
+    """torch.meshgrid: each 0-D/1-D input unsqueezed to the output rank along its own axis, then
+    expanded to the grid (sizes symbolic where the inputs' are). ``indexing="xy"`` swaps the first
+    two axes of the grid, as numpy does; torch's default is "ij"."""
+    if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
+        tensors = tuple(tensors[0])
+    if indexing not in (None, "ij", "xy"):
+        raise UnsupportedOpError(f"{t.where()}: meshgrid indexing {indexing!r} (torch takes 'ij' or 'xy')")
+    if not tensors or any(x.dim() > 1 for x in tensors):
+        raise UnsupportedOpError(f"{t.where()}: meshgrid takes 0-D or 1-D tensors")
+    n = len(tensors)
+    axes = list(range(n))
+    if indexing == "xy" and n >= 2:
+        axes[0], axes[1] = 1, 0
+    dims: list = [None] * n
+    for x, a in zip(tensors, axes):
+        dims[a] = dim_of(t, x, 0) if x.dim() == 1 else 1
+    shape = t.shape_value(dims)
+    out = []
+    for x, a in zip(tensors, axes):
+        v = t.value(x)
+        if x.dim() == 0:
+            v = t.emit("Unsqueeze", v, axes_value(t, [0]))
+        others = [i for i in range(n) if i != a]
+        if others:
+            v = t.emit("Unsqueeze", v, axes_value(t, others))
+        out.append(t.emit("Expand", v, shape))
+    return tuple(out)

@@ -131,3 +131,16 @@ def test_eye(fn):
 def test_random_ops_are_refused(fn):
     with pytest.raises(UnsupportedOpError, match="draws random numbers.*pass them in as an input"):
         kiln.trace(fn, X, check=False)
+
+
+@pytest.mark.parametrize("indexing", ["ij", "xy"])
+def test_meshgrid(indexing):
+    """transformers' BEiT (relative position index): torch.meshgrid of aranges; also sizes from a
+    symbolic dim and a 0-D tensor among the inputs."""
+    def f(x, y, s):
+        a, b, c = torch.meshgrid(x, y, s, indexing=indexing)
+        (d, e) = torch.meshgrid([torch.arange(x.size(0), dtype=y.dtype), y], indexing=indexing)
+        return a * 2 + b - c, d * 3 + e
+
+    check_traced(f, (torch.randn(3), torch.randn(4), torch.tensor(0.5)), dynamic={"x": {0: "n"}},
+                 other_inputs=[(torch.randn(5), torch.randn(4), torch.tensor(-1.0))])
