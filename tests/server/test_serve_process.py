@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import re
 import signal
 import socket
 import subprocess
@@ -31,6 +29,7 @@ httpx = pytest.importorskip("httpx")
 
 import kiln  # noqa: E402
 from kiln.ir import Graph  # noqa: E402
+from kiln.server.attacks import ServeProcess  # noqa: E402
 
 MLP = Path(__file__).resolve().parents[1] / "fixtures" / "mlp_runtime.kiln"
 KILN = [sys.executable, "-m", "kiln"]
@@ -77,37 +76,12 @@ def slow_model(path: Path, layers: int = 96, width: int = 1024) -> Path:
 
 
 # --------------------------------------------------------------------------------------------- server
-class Served:
-    """A ``kiln serve`` process: its URL (read from the ready line) and its output."""
+class Served(ServeProcess):
+    """A ``kiln serve`` process (kiln.server.attacks.ServeProcess: its URL from the ready line, its
+    output, metric(), stop()), plus the worker processes it started."""
 
     def __init__(self, args: list[str], ready_timeout: float = 120.0):
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(KILN + ["serve", *args, "--host", "127.0.0.1", "--port", "0"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.lines: queue.Queue = queue.Queue()
-        self.output: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.url = self._wait_for(r"ready at (http://127\.0\.0\.1:\d+)", ready_timeout).group(1)
-        self._wait_for(r"docs at", 10)  # the last line of the ready message, after the models
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.output.append(line)
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def _wait_for(self, pattern: str, timeout: float):
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n{''.join(self.output)}")
-            if line is None:
-                raise AssertionError(f"kiln serve exited ({self.proc.wait()}):\n{''.join(self.output)}")
-            m = re.search(pattern, line)
-            if m:
-                return m
+        super().__init__(args, ready_timeout=ready_timeout)
 
     def worker_pids(self) -> list[int]:
         """The server's worker processes: its child processes, less a multiprocessing resource tracker."""
@@ -125,21 +99,6 @@ class Served:
                 if b"resource_tracker" not in cmdline:
                     pids.append(int(pid))
         return pids
-
-    def metric(self, series: str) -> float:
-        text = httpx.get(self.url + "/metrics").text
-        m = re.search("^" + re.escape(series) + r" (\S+)$", text, re.M)
-        return float(m.group(1)) if m else 0.0
-
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(f"kiln serve did not exit {timeout} s after SIGTERM:\n{''.join(self.output)}")
 
 
 @pytest.fixture(scope="module")
