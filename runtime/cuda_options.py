@@ -89,6 +89,10 @@ class CudaOptions:
       0/1; default on).
     - ``cuda_graphs``: True, False or "auto"; ``fuse``: the fusion passes at load; ``output``:
       "cupy" or "numpy".
+    - ``wait``: how a run with host outputs waits for its graph replay: "poll" (query the event in a
+      loop, holding the GIL: the lowest latency for one thread, as torch's default sync) or "block"
+      (``cudaEventSynchronize`` without the GIL, so other threads of the process run meanwhile: what
+      a server worker that receives the next batch during this one needs).
     """
 
     tf32: bool = _UNSET
@@ -99,6 +103,7 @@ class CudaOptions:
     cuda_graphs: Union[bool, str] = "auto"
     fuse: bool = True
     output: str = "cupy"
+    wait: str = "poll"
 
     def __post_init__(self) -> None:
         env = os.environ
@@ -153,6 +158,8 @@ class CudaOptions:
             raise KilnError(f"fuse must be True or False, not {self.fuse!r}")
         if self.output not in OUTPUTS:
             raise KilnError(f"output must be one of {', '.join(map(repr, OUTPUTS))}, not {self.output!r}")
+        if self.wait not in ("poll", "block"):
+            raise KilnError(f"wait must be 'poll' or 'block', not {self.wait!r}")
 
     # ------------------------------------------------------------------ derived
 

@@ -111,18 +111,20 @@ class CudaProgram:
     def __init__(self, graph: Graph, *, options: Optional[CudaOptions] = None, output: Optional[str] = None,
                  tf32: Optional[bool] = None, cuda_graphs: Union[bool, str, None] = None,
                  fuse: Optional[bool] = None, conv: Optional[str] = None, attention: Optional[str] = None,
-                 cudnn_workspace_mib: Union[float, str, None] = None, cudnn_epilogue: Optional[bool] = None):
+                 cudnn_workspace_mib: Union[float, str, None] = None, cudnn_epilogue: Optional[bool] = None,
+                 wait: Optional[str] = None):
         # Keywords left None take the field of ``options`` (or its defaults: the environment).
         # A cuDNN workspace without a cap is cudnn_workspace_mib="none" here (None: not given).
         self.options = opts = CudaOptions.build(
             options, output=output, tf32=tf32, cuda_graphs=cuda_graphs, fuse=fuse, conv=conv,
-            attention=attention, cudnn_workspace_mib=cudnn_workspace_mib, cudnn_epilogue=cudnn_epilogue)
+            attention=attention, cudnn_workspace_mib=cudnn_workspace_mib, cudnn_epilogue=cudnn_epilogue, wait=wait)
         with cuda.bound(opts):
             self._load(graph)
 
     def _load(self, graph: Graph) -> None:
         opts = self.options
         self.output = opts.output
+        self._wait = _wait if opts.wait == "poll" else _block
         self.tf32 = opts.tf32
         fuse, cuda_graphs = opts.fuse, opts.cuda_graphs
         self.fused_groups = 0
@@ -156,6 +158,7 @@ class CudaProgram:
         self._graphs: OrderedDict = OrderedDict()
         self.graph_failures: dict = {}   # signature -> why capture failed
         self._lock = threading.Lock()
+        self.last_d2h_seconds = 0.0  # device time of the last graph replay's device-to-host copies
 
     # ------------------------------------------------------------------ plan building
 
@@ -308,16 +311,27 @@ class CudaProgram:
 
     # ------------------------------------------------------------------ running
 
-    def run(self, inputs: Union[Mapping[str, Any], Sequence[Any]], *, as_list: bool = False):
+    def run(self, inputs: Union[Mapping[str, Any], Sequence[Any]], *, as_list: bool = False,
+            out: Optional[Mapping[str, np.ndarray]] = None):
         """Run on numpy or CuPy arrays given by name (a dict) or in order; returns a dict by output
-        name (or a list with ``as_list``) of CuPy arrays (numpy with ``output="numpy"``)."""
+        name (or a list with ``as_list``) of CuPy arrays (numpy with ``output="numpy"``).
+
+        ``out`` (with ``output="numpy"``): host arrays by output name to copy outputs into, used where the
+        output's shape and dtype match (page-locked ones take a DMA straight from the device); the
+        result then holds those very arrays. ``last_d2h_seconds`` is the device time of the last graph
+        replay's device-to-host copies."""
         arrays = self._check_inputs(inputs)
         outs = None
+        dests = None
+        if out and self.output == "numpy":
+            dests = [out.get(o.name) for o in self.outputs]
         if self.cuda_graphs:
-            outs = self._run_graph(arrays)
+            outs = self._run_graph(arrays, dests)
         if outs is None:
             outs = self._run_eager([a if isinstance(a, cp.ndarray) else cp.asarray(a) for a in arrays])
             outs = [self._output(o) for o in outs]
+            if dests is not None:
+                outs = [_fill(d, o) for d, o in zip(dests, outs)]
         return outs if as_list else dict(zip((o.name for o in self.outputs), outs))
 
     __call__ = run
@@ -368,7 +382,7 @@ class CudaProgram:
             cuda.unbind(token)
         return [slots[s] for s in self.plan.output_slots], records
 
-    def _run_graph(self, arrays: list) -> Optional[list]:
+    def _run_graph(self, arrays: list, dests: Optional[list] = None) -> Optional[list]:
         """The outputs (as ``run`` returns them) of a replay of the signature's graph, captured
         first if need be; None where this signature cannot be captured."""
         sig = tuple((a.shape, a.dtype.str) for a in arrays)
@@ -398,20 +412,28 @@ class CudaProgram:
                 entry.graph.launch(stream)
                 if self.output == "numpy":
                     # Outputs go to page-locked host buffers on the graph's stream: one wait for
-                    # the whole run (a second wait cost 40-90 us on an H100 machine).
-                    host = entry.host_outputs()
+                    # the whole run (a second wait cost 40-90 us on an H100 machine). A caller's
+                    # ``out`` array of the right shape and dtype takes the copy instead.
+                    host = list(entry.host_outputs())
+                    if dests is not None:
+                        host = [d if _fits(d, o) else h for d, o, h in zip(dests, entry.outs, host)]
+                    d2h = (cp.cuda.Event(), cp.cuda.Event())
+                    d2h[0].record(stream)
                     for o, h in zip(entry.outs, host):
                         if h is not None:
                             cp.cuda.runtime.memcpyAsync(h.ctypes.data, o.data.ptr, o.nbytes,
                                                         cp.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+                    d2h[1].record(stream)
             failure = None
             if self.output == "numpy":
-                _wait(stream.record())
+                self._wait(stream.record())
+                self.last_d2h_seconds = cp.cuda.get_elapsed_time(*d2h) / 1e3
                 if records.entries:
                     failure = records.first_failure()
-                # The buffers are rewritten by the next replay: the caller gets copies.
-                result = [h.copy() if h is not None else (o.get() if isinstance(o, cp.ndarray) else np.array(o))
-                          for o, h in zip(entry.outs, host)]
+                # The buffers are rewritten by the next replay: the caller gets copies (or its own arrays).
+                result = [(h if dests is not None and h is d else h.copy()) if h is not None
+                          else _fill(d, o.get() if isinstance(o, cp.ndarray) else np.array(o))
+                          for o, h, d in zip(entry.outs, host, dests or [None] * len(host))]
             else:
                 caller.wait_event(stream.record())
                 result = [o.copy() if isinstance(o, cp.ndarray) else cp.asarray(o) for o in entry.outs]
@@ -420,7 +442,7 @@ class CudaProgram:
                     # the next replay rewrites: read them once this replay is done, before the
                     # lock goes. (A caller wanting the outputs on the device must wait here: a
                     # guard decides whether there are outputs at all.)
-                    _wait(caller.record())
+                    self._wait(caller.record())
                     failure = records.first_failure()
         if failure is not None:
             failure()
@@ -458,6 +480,20 @@ class CudaProgram:
 
     def captured_graphs(self) -> int:
         return len(self._graphs)
+
+
+def _fits(dest: Any, a: Any) -> bool:
+    """Whether host array ``dest`` can take output ``a`` (same shape and dtype, C-contiguous, writable)."""
+    return (isinstance(dest, np.ndarray) and hasattr(a, "shape") and dest.shape == tuple(a.shape)
+            and dest.dtype == a.dtype and dest.flags.c_contiguous and dest.flags.writeable)
+
+
+def _fill(dest: Any, a: np.ndarray) -> np.ndarray:
+    """``a`` copied into ``dest`` (and ``dest`` returned) where it fits, else ``a``."""
+    if dest is not None and _fits(dest, a):
+        np.copyto(dest, a)
+        return dest
+    return a
 
 
 def _find_attr(k, name: str):
@@ -504,6 +540,11 @@ def _wait(event) -> None:
     """Wait for ``event`` (the end of a replay) by polling it, as torch's default sync does."""
     while not event.done:
         pass
+
+
+def _block(event) -> None:
+    """Wait for ``event`` in ``cudaEventSynchronize``, which CuPy calls without the GIL."""
+    event.synchronize()
 
 
 class _Captured:

@@ -176,6 +176,12 @@ def _static_row_shape(spec: Any) -> Optional[Tuple[int, ...]]:
     return tuple(rest) if all(isinstance(d, int) for d in rest) else None
 
 
+class _BufferSet(dict):
+    """One preallocated set of a bucket's input buffers (by input name), with its ``outputs`` buffers."""
+
+    outputs: Dict[str, np.ndarray] = {}
+
+
 class StagedBatch:
     """One bucket's buffers, held by one batch between :meth:`Staging.acquire` and :meth:`release`.
     ``arrays[name]`` has ``bucket`` rows; rows ``[0, rows)`` are written by :meth:`write` or
@@ -189,6 +195,8 @@ class StagedBatch:
         self._set = pooled_set  # the preallocated set this batch holds (None: buffers made for it alone)
         self._next = {name: 0 for name in arrays}
         self.released = False
+        self.outputs: Dict[str, np.ndarray] = {}  # where the executor may write the outputs (bucket rows)
+        self._alone: List[np.ndarray] = []        # buffers made for this batch only
 
     @property
     def rows(self) -> int:
@@ -266,19 +274,27 @@ class Staging:
     ``specs`` are TensorSpecs (``name``, ``dtype``, ``shape``) of the model's inputs, dim 0 the batch."""
 
     def __init__(self, specs: Sequence[Any], buckets: Sequence[int], allocator: Allocator = np.empty,
-                 copies: int = 1):
+                 copies: int = 1, outputs: Sequence[Any] = (), free: Optional[Callable[[np.ndarray], None]] = None):
         self.buckets = tuple(buckets)
         self.allocator = allocator
+        self.free = free  # gives a buffer made for one batch alone back to the allocator (an arena's free)
         self._specs = {s.name: (_np_dtype(s), _static_row_shape(s)) for s in specs}
-        self._free: Dict[int, List[Dict[str, np.ndarray]]] = {b: [] for b in self.buckets}
+        # Output buffers (``outputs``: the model's output specs) for executors that write their answers into
+        # memory the caller gives (a worker process writing into the shared arena): static row shapes only.
+        self._out_specs = {s.name: (_np_dtype(s), _static_row_shape(s)) for s in outputs}
+        self._free: Dict[int, List[_BufferSet]] = {b: [] for b in self.buckets}
         self._lock = threading.Lock()
         self.allocations = 0  # buffers the allocator has made so far
         for b in self.buckets:
             for _ in range(max(1, int(copies))):
                 self._free[b].append(self._new_set(b))
 
-    def _new_set(self, bucket: int) -> Dict[str, np.ndarray]:
-        return {name: self._alloc(bucket, row, dtype) for name, (dtype, row) in self._specs.items() if row is not None}
+    def _new_set(self, bucket: int) -> "_BufferSet":
+        bufs = _BufferSet((name, self._alloc(bucket, row, dtype)) for name, (dtype, row) in self._specs.items()
+                          if row is not None)
+        bufs.outputs = {name: self._alloc(bucket, row, dtype) for name, (dtype, row) in self._out_specs.items()
+                        if row is not None}
+        return bufs
 
     def _alloc(self, bucket: int, row: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         self.allocations += 1
@@ -292,16 +308,31 @@ class Staging:
         with self._lock:
             pool = self._free[bucket]
             pooled = pool.pop() if pool else None
-        arrays = {}
+        arrays, alone = {}, []
         for name, (dtype, row) in self._specs.items():
             want = tuple(row_shapes[name]) if row_shapes and name in row_shapes else row
             if want is None:
                 raise KilnError(f"input '{name}' has dynamic dims: acquire() needs its row shape")
             buf = pooled.get(name) if pooled is not None else None
-            arrays[name] = buf if buf is not None and tuple(buf.shape[1:]) == want else self._alloc(bucket, want, dtype)
-        return StagedBatch(self, bucket, arrays, pooled)
+            if buf is None or tuple(buf.shape[1:]) != want:
+                buf = self._alloc(bucket, want, dtype)
+                alone.append(buf)
+            arrays[name] = buf
+        if pooled is not None:
+            outputs = dict(pooled.outputs)
+        else:
+            outputs = {name: self._alloc(bucket, row, dtype) for name, (dtype, row) in self._out_specs.items()
+                       if row is not None}
+            alone += outputs.values()
+        batch = StagedBatch(self, bucket, arrays, pooled)
+        batch.outputs = outputs
+        batch._alone = alone
+        return batch
 
     def _give_back(self, batch: StagedBatch, reuse: bool) -> None:
+        if reuse and self.free is not None:
+            for buf in batch._alone:  # buffers made for that batch alone: back to the allocator
+                self.free(buf)
         if batch._set is None:
             return  # buffers made for that batch alone: dropped
         replacement = batch._set if reuse else self._new_set(batch.bucket)
@@ -417,7 +448,13 @@ class BucketedExecutor:
         self.reason = decision.reason
         if self.padded:
             self.buckets = plan_buckets(self.max_batch_size, self.preferred)
-            self.staging = Staging(self.inputs, self.buckets, self.allocator, copies=self.capacity)
+            # An inner executor with a shared arena (worker processes, server/arena.py) gets its batches in
+            # arena buffers and writes its answers into arena buffers too: nothing is pickled.
+            arena = getattr(self.inner, "arena", None)
+            allocator, free = (arena.allocator, arena.free) if arena is not None else (self.allocator, None)
+            outputs = self.outputs if getattr(self.inner, "writes_out", False) else ()
+            self.staging = Staging(self.inputs, self.buckets, allocator, copies=self.capacity, outputs=outputs,
+                                   free=free)
         else:
             self.buckets = ()
 
@@ -469,9 +506,12 @@ class BucketedExecutor:
         staged = self.staging.stage(parts, bucket)
         try:
             self.batches[bucket] = self.batches.get(bucket, 0) + 1
-            outputs = await self.inner.run(dict(staged.arrays))
+            if staged.outputs:
+                outputs = await self.inner.run(dict(staged.arrays), out=staged.outputs)
+            else:
+                outputs = await self.inner.run(dict(staged.arrays))
             result = unpad(outputs, n, bucket)
-            bufs = list(staged.arrays.values())
+            bufs = list(staged.arrays.values()) + list(staged.outputs.values())
             # An output that is (a view of) a staging buffer would change under the next batch: copy it.
             result = {name: (np.array(a) if any(np.may_share_memory(a, b) for b in bufs) else a)
                       for name, a in result.items()}

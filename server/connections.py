@@ -61,14 +61,18 @@ import socket
 import sys
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
+
+import numpy as np
 
 log = logging.getLogger("kiln.server")
 
 #: Descriptors kept back from ``max_connections`` for the process itself: worker pipes, model files,
 #: logs, the listener, threads' needs. ``max(_FD_RESERVE_MIN, limit // 16)``.
 _FD_RESERVE_MIN = 128
+#: The largest inference body read straight into one buffer (GuardedHttpToolsProtocol._open_sink).
+BODY_SINK_MAX = 16 << 20
 _HEALTH_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
 _MODEL_READY = re.compile(r"^/v2/models/[^/]+(/versions/[^/]+)?/ready$")
 
@@ -352,6 +356,8 @@ def make_protocol_class(tracker: ConnectionTracker):
             self.body_bytes = 0
             self.body_started = 0.0
             self._message_done = True
+            self._sink: Optional[memoryview] = None  # an inference body's buffer (_open_sink)
+            self._sink_pos = 0
             self._timer: Optional[asyncio.TimerHandle] = None
             self._send_timer: Optional[asyncio.TimerHandle] = None
             verdict = tracker.admit(self)
@@ -437,10 +443,68 @@ def make_protocol_class(tracker: ConnectionTracker):
                 self.cycle.transport = _CycleTransport(self.transport, self)
                 if tracker.draining or reserve:
                     self.cycle.keep_alive = False
+                if not reserve:
+                    self._open_sink()
 
         def on_body(self, body: bytes) -> None:
             self.body_bytes += len(body)
+            sink = self._sink
+            if sink is not None and self.cycle is not None and self.cycle.scope is self.scope \
+                    and not self.cycle.response_complete:
+                end = self._sink_pos + len(body)
+                if end <= len(sink):
+                    sink[self._sink_pos:end] = body
+                self._sink_pos = end
+                return
             super().on_body(body)
+
+        def _open_sink(self) -> None:
+            """An inference POST with a declared length: its body goes straight into one buffer of that
+            length (:data:`BODY_SINK_MAX` at most) instead of uvicorn's path, which appends every chunk to a
+            bytearray, pauses the socket each 64 KiB until the app asks for more, and hands the app a bytes
+            copy per chunk (which the app then joins: four copies of each body byte in user space, now one).
+            The app's ``receive()`` then returns the whole body as one memoryview, once it is complete.
+            Pages are committed only as bytes arrive (the buffer is ``np.empty``)."""
+            self._sink = None
+            cycle, scope = self.cycle, self.scope
+            if cycle is None or cycle.scope is not scope or scope.get("method") != "POST":
+                return
+            path = scope.get("path", "")
+            if not (path.startswith("/v2/models/") and path.endswith("/infer")):
+                return
+            length = None
+            for name, value in scope.get("headers", ()):
+                if name == b"content-length":
+                    try:
+                        length = int(value)
+                    except ValueError:
+                        return
+                elif name in (b"content-encoding", b"transfer-encoding", b"expect"):
+                    return  # compressed, chunked or 100-continue: uvicorn's own path
+            if length is None or not 0 < length <= BODY_SINK_MAX:
+                return
+            self._sink = memoryview(np.empty(length, np.uint8))
+            self._sink_pos = 0
+            delegate = cycle.receive
+            delivered = False
+
+            async def receive():
+                nonlocal delivered
+                if delivered:
+                    return await delegate()
+                while not cycle.disconnected and not cycle.response_complete and cycle.more_body:
+                    cycle.flow.resume_reading()
+                    await cycle.message_event.wait()
+                    cycle.message_event.clear()
+                if cycle.disconnected or cycle.response_complete:
+                    return {"type": "http.disconnect"}
+                delivered = True
+                sink, pos = self._sink, self._sink_pos
+                self._sink = None
+                return {"type": "http.request", "body": sink[:pos] if pos <= len(sink) else sink,
+                        "more_body": False, "kiln.declared": length, "kiln.received": pos}
+
+            cycle.receive = receive
 
         def on_message_complete(self) -> None:
             self._message_done = True

@@ -30,6 +30,10 @@ kiln_queue_duration_seconds                    histogram  time each request wait
 kiln_compute_duration_seconds                  histogram  time each batch took to execute
 kiln_batch_size                                histogram  rows per executed batch
 kiln_batch_requests                            histogram  requests per executed batch
+kiln_copy_duration_seconds{direction}          histogram  GPU models: device time of each batch's host-to-device
+                                                          (h2d) and device-to-host (d2h) copies
+kiln_gpu_wait_duration_seconds                 histogram  GPU models: time a batch, on its worker, waited for
+                                                          the batch before it to leave the GPU
 =============================================  =========  ===================================================
 
 The same numbers answer Triton's statistics extension (``GET /v2/models[/{m}[/versions/{v}]]/stats``,
@@ -334,6 +338,14 @@ class Metrics:
         self.compute_seconds = r.histogram("kiln_compute_duration_seconds",
                                            "Time each batch took to execute, in seconds", _MV, LATENCY_BUCKETS)
         self.batch_size = r.histogram("kiln_batch_size", "Rows per executed batch", _MV, BATCH_BUCKETS)
+        # GPU workers only (server/gpu.py's GpuRunner): device time of each batch's host-to-device and
+        # device-to-host copies (CUDA events), and how long a batch waited for its GPU to be free.
+        self.copy_seconds = r.histogram("kiln_copy_duration_seconds",
+                                        "Device time of each batch's copies between host and GPU, in seconds, "
+                                        "by direction (h2d, d2h)", _MV + ("direction",), LATENCY_BUCKETS)
+        self.gpu_wait_seconds = r.histogram("kiln_gpu_wait_duration_seconds",
+                                            "Time each batch, already on its GPU worker, waited for the GPU to "
+                                            "finish the batch before it, in seconds", _MV, LATENCY_BUCKETS)
         self.batch_requests = r.histogram("kiln_batch_requests", "Requests per executed batch", _MV,
                                           BATCH_BUCKETS)
         # For the statistics extension, what the series above do not keep: per (model, version), the time of
@@ -390,6 +402,17 @@ class Metrics:
             entry = self._model_stats(labels)["batches"].setdefault(int(size), [0, 0])
             entry[0] += 1
             entry[1] += int(max(compute_seconds, 0.0) * 1e9)
+
+    def observe_device(self, model: str, version: str, timings: dict) -> None:
+        """A GPU worker's timings of one batch: ``h2d``/``d2h`` copy seconds, ``gpu_wait`` seconds."""
+        labels = {"model": model, "version": str(version)}
+        with self.registry.lock:
+            for direction in ("h2d", "d2h"):
+                value = timings.get(direction)
+                if value is not None:
+                    self.copy_seconds.observe(max(float(value), 0.0), direction=direction, **labels)
+            if timings.get("gpu_wait") is not None:
+                self.gpu_wait_seconds.observe(max(float(timings["gpu_wait"]), 0.0), **labels)
 
     def observe_codec(self, model: str, version: str, input_seconds: float, output_seconds: float) -> None:
         """A successful request's inputs took ``input_seconds`` to decode and its outputs ``output_seconds``

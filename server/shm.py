@@ -17,7 +17,7 @@ Decisions, and why:
 - **Keys name objects in /dev/shm only.** The key is what ``shm_open`` takes (leading slashes are dropped,
   as glibc does); it must be one path component, so ``../etc/passwd`` or ``a/b`` is refused. The file is
   opened with ``O_NOFOLLOW`` and must be a regular file.
-- **Bounded.** At most ``max_regions`` regions and ``max_bytes`` registered bytes in all (defaults 256 and
+- **Bounded.** At most ``max_regions`` regions and ``max_bytes`` registered bytes in all (defaults 1024 and
   16 GiB); only ``[offset, offset + byte_size)`` of the object is mapped (from the page below ``offset``),
   so the address space a client can make the server map is bounded by the registered sizes.
 - **Checked.** At registration ``offset + byte_size`` must lie inside the object. At each use
@@ -49,7 +49,7 @@ import numpy as np
 from kiln.server.protocol import ProtocolError
 
 SHM_DIR = "/dev/shm"
-DEFAULT_MAX_REGIONS = 256
+DEFAULT_MAX_REGIONS = 1024
 DEFAULT_MAX_BYTES = 16 << 30
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,255}\Z")
 _KEY_RE = re.compile(r"[^/\x00]{1,255}\Z")

@@ -71,6 +71,9 @@ log = logging.getLogger("kiln.server")
 # never stalls the event loop while the worker reads it.
 _BIG_PAYLOAD = 1 << 20
 
+# The shared staging arena's size (server/arena.py; only the pages used are backed): config "staging_mib".
+DEFAULT_STAGING_MIB = 1024
+
 
 @runtime_checkable
 class Executor(Protocol):
@@ -196,11 +199,13 @@ def _budget(backend: str, memory_budget: Any) -> dict:
 
 
 def _worker_main(conn, path: str, backend: str, threads: int, memory_budget: Optional[str] = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", arena: Any = None) -> None:
     """The worker process: load the model, report its signature, then serve ``run`` messages until the
     server says ``stop`` or its end of the pipe closes. ``device`` ``cuda``: a CudaProgram on the one GPU
     CUDA_VISIBLE_DEVICES shows this process (server/gpu.py); a CUDA fault during a batch is answered,
-    then the worker exits so that the server replaces it (the context may be poisoned)."""
+    then the worker exits so that the server replaces it (the context may be poisoned). ``arena``: the
+    server's shared staging arena (server/arena.py) mapped here; inputs that arrive as ArenaRefs are read
+    in place and outputs asked for with ``out`` refs are written there, answered as refs."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)  # the server decides when workers stop (see module docstring)
     gpu = device.startswith("cuda")
@@ -224,16 +229,21 @@ def _worker_main(conn, path: str, backend: str, threads: int, memory_budget: Opt
         with send_lock:
             conn.send(msg)
 
-    run_lock = threading.Lock() if gpu else None  # one batch on the GPU at a time; the next one is received meanwhile
+    if gpu:
+        from kiln.server.gpu import GpuRunner
+        runner = GpuRunner(program, arena)
+    else:
+        runner = CpuRunner(program)
 
-    def execute(rid: int, inputs: dict) -> None:
+    def execute(rid: int, inputs: dict, out: Optional[dict] = None) -> None:
         fault = None
         try:
-            if run_lock is None:
-                msg = ("ok", rid, program.run(inputs))
-            else:
-                with run_lock:
-                    msg = ("ok", rid, program.run(inputs))
+            if arena is not None:
+                inputs = arena.decode(inputs)
+                out = arena.decode(out) if out else None
+            outputs = runner.run(inputs, out)
+            msg = ("ok", rid, arena.encode(outputs) if arena is not None else outputs,
+                   getattr(runner, "timings", None))
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
             if gpu:
                 from kiln.server.gpu import cuda_fault
@@ -256,9 +266,9 @@ def _worker_main(conn, path: str, backend: str, threads: int, memory_budget: Opt
             kind = msg[0]
             if kind == "run":
                 if pool is None:
-                    execute(msg[1], msg[2])
+                    execute(*msg[1:])
                 else:
-                    pool.submit(execute, msg[1], msg[2])
+                    pool.submit(execute, *msg[1:])
             elif kind == "info":
                 answer(("ok", msg[1], {"pid": os.getpid(), "modules": sorted(sys.modules),
                                        "env": {v: os.environ.get(v) for v in _THREAD_VARS}}))
@@ -269,12 +279,45 @@ def _worker_main(conn, path: str, backend: str, threads: int, memory_budget: Opt
             pool.shutdown(wait=True)
 
 
+class CpuRunner:
+    """How a CPU worker runs a batch: ``program.run``, the outputs copied into the ``out`` buffers the server
+    gave (arena memory) where they fit, else returned as they are."""
+
+    def __init__(self, program: Any):
+        self.program = program
+
+    def run(self, inputs: dict, out: Optional[dict] = None) -> dict:
+        outputs = self.program.run(inputs)
+        return fill_out(outputs, out)
+
+
+def fill_out(outputs: dict, out: Optional[dict]) -> dict:
+    """``outputs`` with each one that matches its ``out`` buffer (shape and dtype) copied into it and
+    replaced by it."""
+    if not out:
+        return outputs
+    result = {}
+    for name, a in outputs.items():
+        dst = out.get(name)
+        a = np.asarray(a)
+        if dst is not None and dst.shape == a.shape and dst.dtype == a.dtype:
+            np.copyto(dst, a)
+            a = dst
+        result[name] = a
+    return result
+
+
 def _worker_entry(argv: Sequence[str]) -> None:
     """``python -c`` entry point of a worker: argv is [fd, path, backend, threads, memory budget or "",
-    device]."""
+    device, arena fd or "", arena size or ""]."""
     from multiprocessing.connection import Connection
     fd, path, backend, threads, budget, *rest = argv
-    _worker_main(Connection(int(fd)), path, backend, int(threads), budget or None, rest[0] if rest else "cpu")
+    device = rest[0] if rest else "cpu"
+    arena = None
+    if len(rest) >= 3 and rest[1]:
+        from kiln.server.arena import Arena
+        arena = Arena(int(rest[2]), fd=int(rest[1]))
+    _worker_main(Connection(int(fd)), path, backend, int(threads), budget or None, device, arena)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -398,6 +441,12 @@ class ProcessExecutor:
         self._started = False
         self._closed = False
         self._stop = threading.Event()  # set by close(): no more replacements
+        # The staging arena shared with the workers (server/arena.py): made at start(), mapped by each worker.
+        self.arena_bytes = int(float(getattr(config, "staging_mib", None) or DEFAULT_STAGING_MIB) * (1 << 20))
+        self.arena: Any = None
+        # Called (on a reader thread) with a GPU worker's per-batch timings ({"h2d", "d2h", "gpu_wait", "run"},
+        # seconds): the app points it at Metrics.observe_device.
+        self.timing_sink: Any = None
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -406,6 +455,9 @@ class ProcessExecutor:
         Raises the worker's error (e.g. a FormatError) if the model cannot be loaded."""
         if self._started:
             return
+        if self.arena is None and self.arena_bytes > 0:
+            from kiln.server.arena import Arena
+            self.arena = Arena(self.arena_bytes)
         pending = [self._spawn(slot) for slot in range(self.n_workers)]
         workers, error = [], None
         for slot, (process, conn) in enumerate(pending):
@@ -432,10 +484,13 @@ class ProcessExecutor:
     def _spawn(self, slot: int = 0):
         ours, theirs = socket.socketpair()
         env = self._worker_env(slot)
+        arena = self.arena
+        fds = (theirs.fileno(),) + ((arena.fd,) if arena is not None else ())
         try:
             popen = subprocess.Popen([sys.executable, "-c", _ENTRY, str(theirs.fileno()), self.path, self.backend,
                                       str(self.instances), "" if self.memory_budget is None else str(self.memory_budget),
-                                      self.device], pass_fds=(theirs.fileno(),), env=env,
+                                      self.device, str(arena.fd) if arena is not None else "",
+                                      str(arena.size) if arena is not None else ""], pass_fds=fds, env=env,
                                      stdin=subprocess.DEVNULL)
         except BaseException:
             ours.close()
@@ -499,8 +554,23 @@ class ProcessExecutor:
                 break
             with self._lock:
                 fut = w.inflight.pop(msg[1], None)
+            value = msg[2]
+            if msg[0] == "ok" and self.arena is not None and isinstance(value, dict):
+                try:
+                    value = self.arena.decode(value)
+                except (ValueError, TypeError) as e:  # a reference outside the arena: a broken worker
+                    log.error("worker %d answered with a bad arena reference (%s); replacing it", w.pid, e)
+                    w.process.kill()
+                    if fut is not None:
+                        _resolve_threadsafe(fut, False, WorkerError(f"worker {w.pid} sent a bad answer: {e}"))
+                    break
             if fut is not None:
-                _resolve_threadsafe(fut, msg[0] == "ok", msg[2])
+                _resolve_threadsafe(fut, msg[0] == "ok", value)
+            if len(msg) > 3 and msg[3] and self.timing_sink is not None:
+                try:
+                    self.timing_sink(msg[3])
+                except Exception:  # noqa: BLE001 - metrics must not break serving
+                    log.exception("recording a worker's timings failed")
             self._wake()
         self._on_exit(w)
 
@@ -565,6 +635,8 @@ class ProcessExecutor:
         for fut in waiters:
             _resolve_threadsafe(fut, True, None)  # they wake, see closed and raise
         await asyncio.to_thread(self._stop_workers, workers)
+        if self.arena is not None:
+            self.arena.close()
 
     def _stop_workers(self, workers: List[_Worker]) -> None:
         for w in workers:
@@ -661,8 +733,18 @@ class ProcessExecutor:
         free = [w for w in self._workers if w.alive and len(w.inflight) < self.instances]
         return min(free, key=lambda w: len(w.inflight)) if free else None
 
-    async def run(self, inputs: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-        return await self._submit(self._least_busy, lambda rid: ("run", rid, dict(inputs)))
+    writes_out = True  # run(out=...): the workers write the outputs into the caller's (arena) buffers
+
+    async def run(self, inputs: Dict[str, np.ndarray], out: Optional[Dict[str, np.ndarray]] = None
+                  ) -> Dict[str, np.ndarray]:
+        """Run one batch on the least busy worker. Inputs in the arena go as references (read in place by
+        the worker); ``out`` (arena buffers, by output name): where the worker writes outputs that fit."""
+        arena = self.arena
+        if arena is None:
+            return await self._submit(self._least_busy, lambda rid: ("run", rid, dict(inputs)))
+        sent = arena.encode(inputs)
+        refs = {k: r for k, r in ((k, arena.ref(v)) for k, v in (out or {}).items()) if r is not None}
+        return await self._submit(self._least_busy, lambda rid: ("run", rid, sent, refs))
 
     async def worker_info(self) -> List[Dict[str, Any]]:
         """Ask each live worker for its pid, the modules it has imported (``sys.modules``) and its BLAS

@@ -36,10 +36,17 @@ def _clean(monkeypatch):
 
 # --------------------------------------------------------------------------- CPU: the options object
 
+def test_wait_is_poll_or_block():
+    assert CudaOptions(wait="block").wait == "block"
+    with pytest.raises(KilnError, match="wait must be 'poll' or 'block'"):
+        CudaOptions(wait="spin")
+
+
 def test_defaults():
     o = CudaOptions()
     assert o.as_dict() == {"tf32": False, "conv": "auto", "attention": "auto", "cudnn_workspace_mib": 32.0,
-                           "cudnn_epilogue": True, "cuda_graphs": "auto", "fuse": True, "output": "cupy"}
+                           "cudnn_epilogue": True, "cuda_graphs": "auto", "fuse": True, "output": "cupy",
+                           "wait": "poll"}
     assert o.workspace_cap_bytes == 32 << 20
     assert co.FIELDS == tuple(o.as_dict())
 

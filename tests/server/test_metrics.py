@@ -209,7 +209,8 @@ def test_empty_metrics_render_valid_families_with_help_and_type():
         "nv_inference_compute_input_duration_us": "counter", "nv_inference_compute_output_duration_us": "counter",
         "kiln_request_duration_seconds": "histogram", "kiln_queue_duration_seconds": "histogram",
         "kiln_compute_duration_seconds": "histogram", "kiln_batch_size": "histogram",
-        "kiln_batch_requests": "histogram",
+        "kiln_batch_requests": "histogram", "kiln_copy_duration_seconds": "histogram",
+        "kiln_gpu_wait_duration_seconds": "histogram",
     }
     assert {n: f["type"] for n, f in fams.items()} == expected
     assert all(f["help"] for f in fams.values())
