@@ -572,7 +572,7 @@ def start_server(kind: str, model: str, repo: Path, args) -> dict:
         timeout = 300
     else:
         cmd = [sys.executable, __file__, "--torch-server", model, str(port)] + (["--compile"] if kind == "torch-compile" else [])
-        timeout = 420 if kind == "torch-compile" else 120
+        timeout = 300 if kind == "torch-compile" else 120
     t = time.time()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     ok = wait_ready(port, proc, timeout, "/v2/models/m/ready", log.name)

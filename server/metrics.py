@@ -108,9 +108,14 @@ class _Metric:
         self._children: dict[tuple[str, ...], object] = {}
 
     def _key(self, labels: dict) -> tuple[str, ...]:
-        if set(labels) != set(self.labelnames):
+        names = self.labelnames
+        try:
+            values = [labels[n] for n in names]
+        except KeyError:
+            values = None
+        if values is None or len(labels) != len(names):
             raise ValueError(f"metric {self.name} takes labels {self.labelnames}, got {tuple(labels)}")
-        return tuple(str(labels[n]) for n in self.labelnames)
+        return tuple([v if type(v) is str else str(v) for v in values])
 
     def _child(self, key: tuple[str, ...]):  # caller holds the lock
         child = self._children.get(key)

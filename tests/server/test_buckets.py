@@ -605,3 +605,43 @@ def test_gpu_instance_group_is_refused_on_this_cpu_server(tmp_path):
     with pytest.raises(KilnError, match="CPU only"):
         make_executor(entries[0].path, entries[0].config)
     check_cpu_only([ModelEntry("ok", "1", MLP, ModelConfig.from_json({"instance_group": [{"kind": "cpu"}]}))])
+
+
+def test_big_batches_are_staged_on_a_thread_and_a_cancelled_one_gives_its_buffers_back(monkeypatch):
+    import threading
+
+    import kiln.server.buckets as buckets
+    fake = RowFake(shape=("batch", 1 << 16))  # 256 KiB a row: a batch of 4 is over the thread threshold
+    ex = BucketedExecutor(fake, config(max_batch_size=4))
+    staged_on = []
+    stage = buckets.Staging.stage
+
+    def spy(self, parts, bucket):
+        staged_on.append(threading.current_thread() is threading.main_thread())
+        return stage(self, parts, bucket)
+
+    monkeypatch.setattr(buckets.Staging, "stage", spy)
+
+    async def main():
+        await ex.start()
+        rows = [np.full((1, 1 << 16), i, np.float32) for i in range(4)]
+        staged_on.clear()
+        out = await ex.run_parts([{"x": r} for r in rows])
+        np.testing.assert_array_equal(out["y"][:, 0], [1, 3, 5, 7])
+        assert staged_on == [False]  # on a worker thread
+        one = await ex.run_parts([{"x": rows[1]}])  # small: on the loop
+        assert one["y"][0, 0] == 3 and staged_on[-1] is True
+        # Cancelled while its rows are copied on the thread: the set comes back once the copy is done.
+        (pre,) = ex.staging.free_sets(4)
+        task = asyncio.ensure_future(ex.run_parts([{"x": r} for r in rows]))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if ex.staging.free_sets(4):
+                break
+            await asyncio.sleep(0.01)
+        assert ex.staging.free_sets(4) and ex.staging.free_sets(4)[0] is pre
+
+    asyncio.run(main())
