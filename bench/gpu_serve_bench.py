@@ -144,15 +144,21 @@ def torch_server_main(model_name: str, port: int, compiled: bool) -> None:
     else:
         fns = {}
         compiled_model = torch.compile(model, mode="reduce-overhead", dynamic=False)
-        for b in BUCKETS:  # warm up (compile + record the CUDA graph) every bucket before ready
-            x = torch.from_numpy(make_input(model_name, b, 0)).cuda()
-            with torch.inference_mode():
-                for _ in range(3):
-                    compiled_model(x)
-            torch.cuda.synchronize()
-            fns[b] = compiled_model
-        queue: asyncio.Queue = asyncio.Queue()
+        # CUDA-graph trees are per thread: warm up (compile + record) every bucket on the one thread that
+        # will run the batches, before ready.
         pool = __import__("concurrent.futures").futures.ThreadPoolExecutor(1)
+
+        def warm():
+            torch_settings()
+            for b in BUCKETS:
+                x = torch.from_numpy(make_input(model_name, b, 0)).cuda()
+                with torch.inference_mode():
+                    for _ in range(3):
+                        compiled_model(x)
+                torch.cuda.synchronize()
+                fns[b] = compiled_model
+        pool.submit(warm).result()
+        queue: asyncio.Queue = asyncio.Queue()
 
         def run_batch(xs: list) -> list:
             n = sum(len(x) for x in xs)
