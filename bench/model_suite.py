@@ -697,6 +697,15 @@ def machine_line(wall: Optional[float], jobs: int) -> str:
             vers.append(f"{mod} (not installed)")
     import kiln
 
+    commit = START_COMMIT or git_commit()
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    w = f"wall time {wall / 60:.0f} min with --jobs {jobs}; " if wall else ""
+    return (f"{cpu_name()}, nproc {os.cpu_count()} (load average {load} at the end), Python "
+            f"{platform.python_version()}; kiln {kiln.__version__} (git {commit}), {', '.join(vers)}; {w}{utc_now()}")
+
+
+def git_commit() -> str:
+    """The checkout's commit, with the number of uncommitted tracked files."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                 text=True).stdout.strip()
@@ -706,11 +715,12 @@ def machine_line(wall: Optional[float], jobs: int) -> str:
             commit += f" + {len(dirty)} uncommitted files"
     except OSError:
         commit = "?"
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    w = f"wall time {wall / 60:.0f} min with --jobs {jobs}; " if wall else ""
-    return (f"{cpu_name()}, nproc {os.cpu_count()} (load average {load} at the end), Python "
-            f"{platform.python_version()}; kiln {kiln.__version__} (git {commit}), {', '.join(vers)}; {w}{utc_now()}")
+    return commit
 
+
+#: The commit a run started at (set by main before any model runs; the report names it, not the commit at
+#: the end of a two-hour run during which the checkout may move on).
+START_COMMIT = None
 
 _UNSUPPORTED = re.compile(r"op '([^']+)' is not supported")
 _MAPPING = re.compile(r"kiln's mapping of '([^']+)' gives")
@@ -1075,6 +1085,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    global START_COMMIT
+    if not args.report_only:
+        START_COMMIT = git_commit()
     if args.columns == "all":
         args.column_list = COLUMNS
     elif args.columns in COLUMN_GROUPS:
