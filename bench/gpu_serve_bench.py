@@ -226,7 +226,14 @@ def triton_server_main(model_name: str, port: int) -> None:
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
     from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig
     torch_settings()
-    model, in_name, row, dtype, out_name = build_model(model_name)
+    ts = Path(os.environ.get("KILN_BENCH_WORKDIR", "/tmp/gpu_serve_bench")) / f"{model_name}_ts.pt"
+    if model_name == "bert":
+        # transformers does not import beside PyTriton's numpy 1.26 in this venv: the same module, traced
+        # to TorchScript by the main process (export_kiln), runs here instead (torch inside, as eager).
+        _, in_name, row, dtype, out_name = "bert", "input_ids", (128,), np.int64, "y"
+        model = torch.jit.load(str(ts)).eval()
+    else:
+        model, in_name, row, dtype, out_name = build_model(model_name)
     model = model.cuda()
     with torch.inference_mode():  # warm up every batch size's cuDNN choice
         for b in BUCKETS:
@@ -523,7 +530,7 @@ def stop(proc) -> None:
 
 # ------------------------------------------------------------------------------------------------- main
 
-def export_kiln(model_name: str, work: Path, device: str = "cuda") -> tuple[Path, dict, str]:
+def export_kiln(model_name: str, work: Path, device: str = "cuda", gpus: str = "") -> tuple[Path, dict, str]:
     import torch
 
     import kiln
@@ -535,8 +542,15 @@ def export_kiln(model_name: str, work: Path, device: str = "cuda") -> tuple[Path
         g = kiln.trace(model, {in_name: x}, dynamic={in_name: {0: "batch"}})
     kiln.save(g, repo / "m" / "1" / "model.kiln")
     kiln_out = g.outputs[0].name
-    (repo / "m" / "config.json").write_text(json.dumps({"max_batch_size": MAX_BATCH, "max_queue_delay_ms": 1,
-                                                         "device": device, "buckets": True}))
+    config = {"max_batch_size": MAX_BATCH, "max_queue_delay_ms": 1, "device": device, "buckets": True}
+    if gpus:  # kiln on several GPUs: one worker process on each
+        config["instance_group"] = [{"kind": "gpu", "count": 1, "gpus": [int(g) for g in gpus.split(",")]}]
+    (repo / "m" / "config.json").write_text(json.dumps(config))
+    if model_name == "bert":  # the Triton peer's copy of the module (triton_server_main)
+        with torch.inference_mode():
+            import copy  # traced on the GPU: tensors the module makes while tracing are recorded on its device
+            torch.jit.trace(copy.deepcopy(model).cuda(), (x.cuda(),), check_trace=False,
+                            strict=False).save(str(work / f"{model_name}_ts.pt"))
     with torch.inference_mode():
         ref = {s: model(torch.from_numpy(make_input(model_name, 1, s))).float().numpy()[0]
                for s in range(0, 16)}
@@ -568,7 +582,7 @@ def ceiling(repo: Path, model_name: str) -> dict:
 
 def start_server(kind: str, model: str, repo: Path, args) -> dict:
     port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", KILN_BENCH_WORKDIR=str(args.workdir))
     log = open(Path(args.workdir) / f"server_{kind}_{model}.log", "w")
     if kind == "kiln":
         cmd = [sys.executable, "-m", "kiln", "serve", str(repo), "--port", str(port), "--allow-client-shm"]
@@ -604,6 +618,7 @@ def main() -> int:
     ap.add_argument("--triton-python", default="/tmp/vt/bin/python")
     ap.add_argument("--workdir", default="/tmp/gpu_serve_bench")
     ap.add_argument("--json", required=True)
+    ap.add_argument("--gpus", default="", help="kiln's GPUs, e.g. 0,1 (an instance group, one worker on each)")
     ap.add_argument("--cpu-check", action="store_true", help="kiln on the CPU, no ceiling: checks this script only")
     args = ap.parse_args()
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
@@ -621,7 +636,8 @@ def main() -> int:
 
     for model in args.models.split(","):
         t = time.time()
-        repo, ref, kiln_out = export_kiln(model, Path(args.workdir), "cpu" if args.cpu_check else "cuda")
+        repo, ref, kiln_out = export_kiln(model, Path(args.workdir), "cpu" if args.cpu_check else "cuda",
+                                              args.gpus)
         _, in_name, row, dtype, out_name = build_model(model)
         out_bytes = 4 * (1000 if model == "resnet50" else 768)
         meta = {"in_name": in_name, "out_name": out_name, "row": list(row), "out_bytes": out_bytes}

@@ -37,7 +37,7 @@ if [ "${TESTS:-0}" = 1 ]; then
 fi
 if [ -n "${MODELS:-}" ]; then
   timeout ${BENCH_S:-480} python3 bench/gpu_serve_bench.py --models "$MODELS" --servers "${SERVERS:-kiln,triton,torch}" \
-    --clients "${CLIENTS:-1,8,64,256}" --modes "${MODES:-http,shm}" --seconds "${SECONDS_PER:-5}" \
+    --clients "${CLIENTS:-1,8,64,256}" --modes "${MODES:-http,shm}" --seconds "${SECONDS_PER:-5}" --gpus "${GPUS:-}" \
     --json "$OUT/bench_${TAG:-run}.json" 2>&1 | tee "$OUT/bench_${TAG:-run}.log" | grep -v '"lat"' | tail -60 || status=1
   for f in /tmp/gpu_serve_bench/server_*.log; do echo "== $f"; tail -15 "$f"; done > "$OUT/server_logs_${TAG:-run}.txt" 2>/dev/null
 fi

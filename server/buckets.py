@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import threading
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -363,8 +364,12 @@ class Staging:
 
 # ---------------------------------------------------------------------------------------------- executor
 
-#: Batches with at least this many input bytes are copied into their staging buffers on a thread.
-_STAGE_IN_THREAD_BYTES = 1 << 20
+#: Batches with at least this many input bytes are copied into their staging buffers on a thread; 0 (the
+#: default): never. Measured on the H100 machine (ResNet-50, 602 KB requests, two interleaved A/B rounds in
+#: one call): with a 1 MiB threshold kiln served 1,454/1,513 requests/s at 64 HTTP clients against
+#: 1,776/2,065 copying on the event loop, and 1,918/2,538 against 2,666/2,686 over shared memory at 256:
+#: the thread hop and the GIL hand-offs cost more than the copy they move off the loop.
+_STAGE_IN_THREAD_BYTES = int(os.environ.get("KILN_STAGE_THREAD_BYTES", "0") or 0)
 
 
 def _release_when_done(job) -> None:
@@ -514,10 +519,9 @@ class BucketedExecutor:
             raise KilnError(f"a batch of {n} rows is more than the largest batch bucket ({self.max_batch_rows})")
         bucket = bucket_for(n, self.buckets)
         nbytes = sum(int(np.asarray(p[k]).nbytes) for p in parts for k in names)
-        if nbytes >= _STAGE_IN_THREAD_BYTES:
-            # A big batch's copy (a ResNet-50 batch of 32 is 19 MB, ~3 ms) runs on a thread (numpy copies
-            # without the GIL), so the event loop goes on reading requests meanwhile: on the H100 machine the
-            # copy was 16% of the HTTP process's time at 64 clients, all of it blocking the loop.
+        if _STAGE_IN_THREAD_BYTES and nbytes >= _STAGE_IN_THREAD_BYTES:
+            # A big batch's copy (a ResNet-50 batch of 32 is 19 MB, ~3 ms) on a thread, so that the event loop
+            # reads requests meanwhile: off by default, measured slower (see _STAGE_IN_THREAD_BYTES).
             job = asyncio.get_running_loop().run_in_executor(None, self.staging.stage, parts, bucket)
             try:
                 staged = await asyncio.shield(job)

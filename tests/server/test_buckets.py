@@ -621,6 +621,7 @@ def test_big_batches_are_staged_on_a_thread_and_a_cancelled_one_gives_its_buffer
         return stage(self, parts, bucket)
 
     monkeypatch.setattr(buckets.Staging, "stage", spy)
+    monkeypatch.setattr(buckets, "_STAGE_IN_THREAD_BYTES", 1 << 20)  # off by default; this tests the path
 
     async def main():
         await ex.start()
