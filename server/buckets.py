@@ -257,6 +257,15 @@ class StagedBatch:
             self.released = True
             self.staging._give_back(self, reuse=False)
 
+    def retire(self) -> None:
+        """After :meth:`discard`, once nothing reads the buffers any more: give every one of them back to the
+        allocator (an arena's ``free``; nothing without one). Idempotent."""
+        if getattr(self, "_retired", False) or self.staging.free is None:
+            return
+        self._retired = True
+        for buf in list(self.arrays.values()) + list(self.outputs.values()):
+            self.staging.free(buf)
+
     def __enter__(self) -> "StagedBatch":
         return self
 
@@ -370,6 +379,12 @@ class Staging:
 #: 1,776/2,065 copying on the event loop, and 1,918/2,538 against 2,666/2,686 over shared memory at 256:
 #: the thread hop and the GIL hand-offs cost more than the copy they move off the loop.
 _STAGE_IN_THREAD_BYTES = int(os.environ.get("KILN_STAGE_THREAD_BYTES", "0") or 0)
+
+
+def _settle(job) -> None:
+    """Retrieve a finished job's exception (nobody awaits a cancelled batch's inner run)."""
+    if not job.cancelled():
+        job.exception()
 
 
 def _release_when_done(job) -> None:
@@ -530,19 +545,27 @@ class BucketedExecutor:
                 raise
         else:
             staged = self.staging.stage(parts, bucket)
+        run = None
         try:
             self.batches[bucket] = self.batches.get(bucket, 0) + 1
             if staged.outputs:
-                outputs = await self.inner.run(dict(staged.arrays), out=staged.outputs)
+                run = asyncio.ensure_future(self.inner.run(dict(staged.arrays), out=staged.outputs))
             else:
-                outputs = await self.inner.run(dict(staged.arrays))
+                run = asyncio.ensure_future(self.inner.run(dict(staged.arrays)))
+            # Shielded: a cancelled batch's inner run goes on (a worker may be reading these buffers), and
+            # when it is over its buffers go back to their allocator (an arena block is not leaked).
+            outputs = await asyncio.shield(run)
             result = unpad(outputs, n, bucket)
             bufs = list(staged.arrays.values()) + list(staged.outputs.values())
             # An output that is (a view of) a staging buffer would change under the next batch: copy it.
             result = {name: (np.array(a) if any(np.may_share_memory(a, b) for b in bufs) else a)
                       for name, a in result.items()}
         except asyncio.CancelledError:
-            staged.discard()  # the inner run may still be reading these buffers
+            staged.discard()  # the inner run may still be reading these buffers: the pool gets a fresh set
+            if run is not None and self.staging.free is not None:
+                run.add_done_callback(lambda job, s=staged: (_settle(job), s.retire()))
+            elif run is not None:
+                run.add_done_callback(_settle)
             raise
         except BaseException:
             staged.release()

@@ -295,3 +295,54 @@ def test_the_protocol_hands_an_inference_body_over_in_one_buffer():
         server.stop()
     assert seen[0] == ("/v2/models/m/infer", True, payload, False)  # one message, the whole body
     assert seen[1][:2] == ("/v2/other", False)  # elsewhere: uvicorn's own messages
+
+
+def test_a_cancelled_batch_gives_its_arena_blocks_back_once_its_run_is_over():
+    from kiln.ir.batch_independence import BatchAnalysis
+    from kiln.runtime.program import TensorSpec, TensorType
+
+    class Gated:
+        batch_analysis = BatchAnalysis(True, "batch", "row by row")
+
+        def __init__(self):
+            self.inputs = [TensorSpec("x", TensorType("float32", ("batch", 1024)))]
+            self.outputs = [TensorSpec("y", TensorType("float32", ("batch", 1024)))]
+            self.capacity, self.ready, self.gate = 1, False, None
+            self.arena = Arena(1 << 22)
+
+        def start(self):
+            self.ready = True
+
+        async def run(self, inputs):
+            if self.gate is not None:
+                await self.gate.wait()
+            return {"y": inputs["x"] + 1}
+
+        async def close(self):
+            self.arena.close()
+
+    fake = Gated()
+    cfg = SimpleNamespace(max_batch_size=4, max_queue_delay_ms=0, queue_size=100, timeout_ms=10000, workers=0,
+                          instances=1, backend="kiln", batching="auto", preferred_batch_size=None, buckets=True)
+    ex = BucketedExecutor(fake, cfg)
+
+    async def main():
+        await ex.start()
+        baseline = fake.arena.in_use
+        fake.gate = asyncio.Event()
+        task = asyncio.ensure_future(ex.run_parts([{"x": np.ones((3, 1024), np.float32)}]))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert fake.arena.in_use > baseline  # the pool got a fresh set; the old one is still being read
+        fake.gate.set()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if fake.arena.in_use == baseline:
+                break
+        assert fake.arena.in_use == baseline  # the old set went back to the arena
+        out = await ex.run_parts([{"x": np.zeros((2, 1024), np.float32)}])
+        np.testing.assert_array_equal(out["y"], np.ones((2, 1024)))
+
+    asyncio.run(main())
