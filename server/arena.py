@@ -26,6 +26,7 @@ falls back to ordinary memory (that batch is then pickled, as before: slower, ne
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import threading
@@ -81,7 +82,7 @@ class Arena:
         """An uninitialised array of ``shape``/``dtype`` in its own page-aligned block; ArenaFull if none fits."""
         dtype = np.dtype(dtype)
         shape = tuple(int(d) for d in shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         block = max(PAGE, -(-nbytes // PAGE) * PAGE)
         with self._lock:
             free = self._free.get(block)
@@ -127,10 +128,10 @@ class Arena:
     def view(self, ref: ArenaRef) -> np.ndarray:
         """The array ``ref`` names, a view of this process's mapping (writable)."""
         dtype = np.dtype(ref.dtype)
-        count = int(np.prod(ref.shape, dtype=np.int64))
-        if ref.offset < 0 or ref.offset + count * dtype.itemsize > self.size:
+        end = ref.offset + math.prod(ref.shape) * dtype.itemsize  # math.prod: np.prod costs ~5 us a call
+        if ref.offset < 0 or end > self.size:
             raise ValueError(f"arena reference {ref} is outside the arena ({self.size} bytes)")
-        return self._buf[ref.offset:ref.offset + count * dtype.itemsize].view(dtype).reshape(ref.shape)
+        return self._buf[ref.offset:end].view(dtype).reshape(ref.shape)
 
     def encode(self, arrays: Dict[str, np.ndarray]) -> Dict[str, object]:
         """``arrays`` with those that live in the arena replaced by their ArenaRef (the others as they are)."""
