@@ -122,6 +122,10 @@ class ModelConfig:
     - ``device = "cpu"``: ``"cuda"`` / ``"cuda:N"`` runs the model as a CudaProgram in GPU worker
       processes (server/gpu.py; ``kiln serve --device``); batch buckets are then on unless ``buckets``
       is false.
+    - ``staging_mib = 1024``: the shared-memory arena between the server and its worker processes in
+      which batch buckets' input and output buffers live (server/arena.py; batches then cross to workers
+      as references, not copies). Virtual size: only the pages used are backed. A buffer that does not fit
+      uses ordinary memory and that batch is pickled through the pipe instead. ``0``: no arena.
     """
 
     max_batch_size: int = 32
@@ -138,6 +142,7 @@ class ModelConfig:
     buckets: Optional[bool] = None
     instance_group: Optional[list] = None
     device: str = "cpu"
+    staging_mib: float = 1024.0
 
     def __hash__(self) -> int:  # the generated one fails on the dict-valued version_policy
         return hash(json.dumps(self.to_json(), sort_keys=True))
@@ -400,6 +405,7 @@ _VALIDATORS = {
     "buckets": _buckets,
     "instance_group": _instance_group,
     "device": _device,
+    "staging_mib": _number(0.0),
 }
 
 

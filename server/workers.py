@@ -442,7 +442,8 @@ class ProcessExecutor:
         self._closed = False
         self._stop = threading.Event()  # set by close(): no more replacements
         # The staging arena shared with the workers (server/arena.py): made at start(), mapped by each worker.
-        self.arena_bytes = int(float(getattr(config, "staging_mib", None) or DEFAULT_STAGING_MIB) * (1 << 20))
+        mib = getattr(config, "staging_mib", DEFAULT_STAGING_MIB)
+        self.arena_bytes = int(float(DEFAULT_STAGING_MIB if mib is None else mib) * (1 << 20))
         self.arena: Any = None
         # Called (on a reader thread) with a GPU worker's per-batch timings ({"h2d", "d2h", "gpu_wait", "run"},
         # seconds): the app points it at Metrics.observe_device.

@@ -346,3 +346,29 @@ def test_a_cancelled_batch_gives_its_arena_blocks_back_once_its_run_is_over():
         np.testing.assert_array_equal(out["y"], np.ones((2, 1024)))
 
     asyncio.run(main())
+
+
+def test_staging_mib_is_a_checked_config_key_and_zero_turns_the_arena_off(tmp_path):
+    from kiln.errors import KilnError
+    assert ModelConfig().staging_mib == 1024.0
+    assert ModelConfig.from_json({"staging_mib": 64}).staging_mib == 64.0
+    with pytest.raises(KilnError, match="'staging_mib' must be >= 0"):
+        ModelConfig.from_json({"staging_mib": -1})
+    with pytest.raises(KilnError, match="'staging_mib' must be a number"):
+        ModelConfig.from_json({"staging_mib": "big"})
+    program = kiln.load(MLP)
+    config = ModelConfig(max_batch_size=4, workers=1, buckets=True, staging_mib=0)
+
+    async def main():
+        inner = ProcessExecutor(MLP, config, 1)
+        ex = BucketedExecutor(inner, config)
+        await ex.start()
+        try:
+            assert inner.arena is None  # batches are pickled through the pipe, as before the arena
+            x = np.random.default_rng(3).standard_normal((3, 16)).astype(np.float32)
+            out = await ex.run_parts([{"x": x[i:i + 1]} for i in range(3)])
+            np.testing.assert_allclose(out["logits"], program.run({"x": x})["logits"], rtol=1e-5, atol=1e-6)
+        finally:
+            await ex.close()
+
+    asyncio.run(main())

@@ -56,10 +56,12 @@ def test_batching_mode_is_checked():
 def test_from_json_reads_every_key():
     data = {"max_batch_size": 8, "max_queue_delay_ms": 2, "queue_size": 10, "timeout_ms": 500, "workers": 0,
             "instances": 2, "version_policy": "all", "backend": "onnxruntime", "batching": "force",
-            "memory_budget": "1GiB", "preferred_batch_size": [2, 4], "buckets": True, "device": "cuda:1"}
+            "memory_budget": "1GiB", "preferred_batch_size": [2, 4], "buckets": True, "device": "cuda:1",
+            "staging_mib": 256}
     c = ModelConfig.from_json(data, "x/config.json")
     # instance_group sets instances, so it cannot be given with it (tests/server/test_buckets.py covers it)
-    assert c.to_json() == {**data, "max_queue_delay_ms": 2.0, "timeout_ms": 500.0, "instance_group": None}
+    assert c.to_json() == {**data, "max_queue_delay_ms": 2.0, "timeout_ms": 500.0, "instance_group": None,
+                           "staging_mib": 256.0}
     assert isinstance(c.max_queue_delay_ms, float)
 
 
