@@ -383,3 +383,124 @@ def test_cpu_model_failing_to_load_still_stops_the_server():
         while not load_errors and time.monotonic() < deadline:
             time.sleep(0.05)
     assert [str(e) for e in load_errors] == ["bad file"]
+
+
+# ------------------------------------------------------------------------- the data path on a GPU (issue 17)
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_GPU, reason="needs CuPy and a CUDA GPU")
+def test_gpu_runner_reads_and_writes_page_locked_arena_blocks(resnet):
+    """GpuRunner: inputs and outputs in the shared arena are page-locked once, copied on the runner's own
+    stream, and the outputs land in the caller's blocks; answers equal CudaProgram.run; timings reported."""
+    import kiln
+    from kiln.server.arena import Arena
+    from kiln.server.gpu import GpuRunner
+    path, program = resnet
+    worker_program = kiln.load(path, device="cuda", output="numpy", wait="block")
+    arena = Arena(64 << 20)
+    runner = GpuRunner(worker_program, arena)
+    rng = np.random.default_rng(23)
+    for batch in (1, 4, 4, 16):  # 4 twice: the second replays the graph, into the same blocks
+        x = arena.alloc((batch, 3, 32, 32), np.float32)
+        x[:] = rng.standard_normal(x.shape)
+        want = program.run({"x": np.array(x)})
+        name, ref = next(iter(want.items()))
+        out = {name: arena.alloc(ref.shape, ref.dtype)}
+        got = runner.run({"x": x}, out)
+        assert got[name] is out[name]  # written in place, no copy handed back
+        np.testing.assert_allclose(out[name], ref, rtol=1e-4, atol=1e-5)
+        assert set(runner.timings) == {"h2d", "d2h", "gpu_wait", "run"} and runner.timings["h2d"] >= 0
+        arena.free(x)
+        arena.free(out[name])
+    assert runner._registered and all(v > 0 for v in runner._registered.values())  # page-locked blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_GPU, reason="needs CuPy and a CUDA GPU")
+def test_wait_block_answers_as_poll_does(resnet):
+    import kiln
+    path, program = resnet
+    blocking = kiln.load(path, device="cuda", output="numpy", wait="block")
+    assert blocking.options.wait == "block" and program.options.wait == "poll"
+    x = np.random.default_rng(29).standard_normal((8, 3, 32, 32)).astype(np.float32)
+    for _ in range(3):  # capture, then replays
+        a, b = blocking.run({"x": x}), program.run({"x": x})
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_GPU, reason="needs CuPy and a CUDA GPU")
+def test_sigterm_with_gpu_batches_in_flight_answers_all_and_exits_0(resnet):
+    """SIGTERM while 32 clients keep batches on the GPU: every request sent is answered (200 equal to the
+    program, or 503 once draining refuses new ones), none is cut off, and the server exits 0."""
+    import httpx
+    path, program = resnet
+    server = _serve([str(path), "--name", "r18", "--device", "cuda", "--max-batch-size", "16"])
+    try:
+        url = server.url + "/v2/models/r18/infer"
+        rng = np.random.default_rng(31)
+        xs = [rng.standard_normal((1, 3, 32, 32)).astype(np.float32) for _ in range(32 * 40)]
+        results, errors = [], []
+
+        def client(k):
+            with httpx.Client() as c:
+                for i in range(k * 40, (k + 1) * 40):
+                    try:
+                        r = _infer(c, url, xs[i])
+                    except httpx.ConnectError:  # the listener is closed: this request was never sent
+                        return
+                    except httpx.TransportError as e:  # sent and cut off: what draining must never do
+                        errors.append((i, f"{type(e).__name__}: {e}"))
+                        return
+                    results.append((i, r.status_code, r.json() if r.status_code == 200 else r.text))
+                    if r.status_code == 503:
+                        return
+
+        with ThreadPoolExecutor(32) as pool:
+            futures = [pool.submit(client, k) for k in range(32)]
+            time.sleep(1.0)
+            server.proc.send_signal(signal.SIGTERM)
+            for f in futures:
+                f.result(timeout=120)
+        assert server.proc.wait(60) == 0, "".join(server.output)
+        assert errors == [], errors[:3]
+        ok = [(i, body) for i, status, body in results if status == 200]
+        assert ok and all(status in (200, 503) for _, status, _ in results), results[:3]
+        for i, body in ok:
+            [out] = body["outputs"]
+            want = next(iter(program.run({"x": xs[i]}).values()))
+            np.testing.assert_allclose(np.array(out["data"], np.float32).reshape(out["shape"]), want,
+                                       rtol=1e-3, atol=1e-4)
+        assert "Traceback" not in "".join(server.output)
+    finally:
+        server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_GPU, reason="needs CuPy and a CUDA GPU")
+def test_copy_histograms_and_nvml_gauges_on_a_real_gpu(resnet):
+    import httpx
+    path, _ = resnet
+    server = _serve([str(path), "--name", "r18", "--device", "cuda", "--max-batch-size", "16"])
+    try:
+        url = server.url + "/v2/models/r18/infer"
+        with httpx.Client() as c:
+            for _ in range(5):
+                assert _infer(c, url, np.ones((1, 3, 32, 32), np.float32)).status_code == 200
+        text = httpx.get(server.url + "/metrics").text
+        for direction in ("h2d", "d2h"):
+            m = re.search(r'^kiln_copy_duration_seconds_count\{[^}]*direction="%s"[^}]*\} (\S+)$' % direction,
+                          text, re.M)
+            assert m and float(m.group(1)) >= 5, direction
+        assert re.search(r'^kiln_gpu_wait_duration_seconds_count\{[^}]*\} (\S+)$', text, re.M)
+        try:
+            import pynvml  # noqa: F401
+        except ImportError:
+            return  # the NVML gauges are absent without nvidia-ml-py (tested with a fake in test_gpu_metrics)
+        total = re.search(r'^nv_gpu_memory_total_bytes\{gpu_uuid="GPU-[^"]+"\} (\S+)$', text, re.M)
+        assert total and float(total.group(1)) > 1e9, text[-2000:]
+        util = re.search(r'^nv_gpu_utilization\{gpu_uuid="GPU-[^"]+"\} (\S+)$', text, re.M)
+        assert util and 0.0 <= float(util.group(1)) <= 1.0
+    finally:
+        assert server.stop() == 0, "".join(server.output)
