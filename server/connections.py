@@ -356,8 +356,6 @@ def make_protocol_class(tracker: ConnectionTracker):
             self.body_bytes = 0
             self.body_started = 0.0
             self._message_done = True
-            self._sink: Optional[memoryview] = None  # an inference body's buffer (_open_sink)
-            self._sink_pos = 0
             self._timer: Optional[asyncio.TimerHandle] = None
             self._send_timer: Optional[asyncio.TimerHandle] = None
             verdict = tracker.admit(self)
@@ -448,13 +446,13 @@ def make_protocol_class(tracker: ConnectionTracker):
 
         def on_body(self, body: bytes) -> None:
             self.body_bytes += len(body)
-            sink = self._sink
-            if sink is not None and self.cycle is not None and self.cycle.scope is self.scope \
-                    and not self.cycle.response_complete:
-                end = self._sink_pos + len(body)
+            cycle = self.cycle
+            sink = getattr(cycle, "kiln_sink", None)  # on the cycle, not here: pipelined requests each have one
+            if sink is not None and not cycle.response_complete:
+                end = cycle.kiln_pos + len(body)
                 if end <= len(sink):
-                    sink[self._sink_pos:end] = body
-                self._sink_pos = end
+                    sink[cycle.kiln_pos:end] = body
+                cycle.kiln_pos = end
                 return
             super().on_body(body)
 
@@ -465,7 +463,6 @@ def make_protocol_class(tracker: ConnectionTracker):
             copy per chunk (which the app then joins: four copies of each body byte in user space, now one).
             The app's ``receive()`` then returns the whole body as one memoryview, once it is complete.
             Pages are committed only as bytes arrive (the buffer is ``np.empty``)."""
-            self._sink = None
             cycle, scope = self.cycle, self.scope
             if cycle is None or cycle.scope is not scope or scope.get("method") != "POST":
                 return
@@ -483,8 +480,8 @@ def make_protocol_class(tracker: ConnectionTracker):
                     return  # compressed, chunked or 100-continue: uvicorn's own path
             if length is None or not 0 < length <= BODY_SINK_MAX:
                 return
-            self._sink = memoryview(np.empty(length, np.uint8))
-            self._sink_pos = 0
+            cycle.kiln_sink = memoryview(np.empty(length, np.uint8))
+            cycle.kiln_pos = 0
             delegate = cycle.receive
             delivered = False
 
@@ -499,8 +496,8 @@ def make_protocol_class(tracker: ConnectionTracker):
                 if cycle.disconnected or cycle.response_complete:
                     return {"type": "http.disconnect"}
                 delivered = True
-                sink, pos = self._sink, self._sink_pos
-                self._sink = None
+                sink, pos = cycle.kiln_sink, cycle.kiln_pos
+                cycle.kiln_sink = None
                 return {"type": "http.request", "body": sink[:pos] if pos <= len(sink) else sink,
                         "more_body": False, "kiln.declared": length, "kiln.received": pos}
 

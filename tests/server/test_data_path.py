@@ -372,3 +372,36 @@ def test_staging_mib_is_a_checked_config_key_and_zero_turns_the_arena_off(tmp_pa
             await ex.close()
 
     asyncio.run(main())
+
+
+def test_pipelined_inference_requests_each_get_their_own_body(guarded):
+    """Two requests written at once on one connection (HTTP/1.1 pipelining): the second one's head arrives
+    while the first is still being answered; each must be served from its own body buffer."""
+    program = kiln.load(MLP)
+    xs = [np.full((1, 16), v, np.float32) for v in (1.0, -2.0, 3.0)]
+    raw = b""
+    for x in xs:
+        body, headers = binary_request(x)
+        raw += (f"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+                f"Inference-Header-Content-Length: {headers['Inference-Header-Content-Length']}\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    with socket.create_connection(("127.0.0.1", guarded.port), timeout=30) as s:
+        s.sendall(raw)
+        data = b""
+        answers = []
+        while len(answers) < len(xs):
+            chunk = s.recv(65536)
+            assert chunk, f"connection closed after {len(answers)} answers"
+            data += chunk
+            while b"\r\n\r\n" in data:
+                head, rest = data.split(b"\r\n\r\n", 1)
+                n = _length(head + b"\r\n\r\n")
+                if len(rest) < n:
+                    break
+                hl = int(next(l.split(b":")[1] for l in head.split(b"\r\n")
+                              if l.lower().startswith(b"inference-header-content-length")))
+                answers.append((head.split(b" ")[1], np.frombuffer(rest[hl:n], np.float32)))
+                data = rest[n:]
+    for x, (status, y) in zip(xs, answers):
+        assert status == b"200"
+        np.testing.assert_allclose(y, program.run({"x": x})["logits"].ravel(), rtol=1e-5, atol=1e-6)
