@@ -305,7 +305,9 @@ def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize
     (``pip install kiln[gpu]``); ``cuda_options`` go to it (``output="cupy"|"numpy"``,
     ``tf32=False``, ``cuda_graphs=True|False|"auto"``, ``fuse=True``, ``conv="auto"|"cudnn"|"im2col"``,
     ``attention="auto"|"kernel"|"ops"``, ``cudnn_workspace_mib=32`` (``"none"``: no cap),
-    ``cudnn_epilogue=True``, or a whole ``options=kiln.runtime.cuda_options.CudaOptions(...)``):
+    ``cudnn_epilogue=True``, ``wait="poll"|"block"`` (how a run with host outputs waits for its GPU work:
+    polling, or in cudaEventSynchronize without the GIL), or a whole
+    ``options=kiln.runtime.cuda_options.CudaOptions(...)``):
     settings of that program alone, never of the process (issue 17).
 
     Untrusted files (issue 16): ``limits`` (a ``kiln.LoadLimits``) bounds what reading a .kiln file
