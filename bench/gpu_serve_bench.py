@@ -368,28 +368,10 @@ def client_main(spec: dict) -> None:
 
 # ----------------------------------------------------------------------------------------- measurement
 
-def tree(pid: int) -> list:
-    out = [pid]
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            kids = (task / "children").read_text().split()
-        except OSError:
-            continue
-        for k in kids:
-            out += tree(int(k))
-    return out
-
-
 def tree_cpu(pid: int) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for p in tree(pid):
-        try:
-            f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(f[11]) + int(f[12])) / tick
-    return total
+    """CPU seconds of a server's whole process tree (from /proc): gpu_serve_smoke's."""
+    from gpu_serve_smoke import server_cpu
+    return server_cpu(pid)
 
 
 class GpuSampler:

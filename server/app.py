@@ -157,14 +157,17 @@ class JsonErrors:
         except Exception as e:  # noqa: BLE001 - the last resort: every error is answered as JSON
             if started:
                 raise
-            status = 400 if isinstance(e, InputError) else getattr(e, "status", None)
-            if isinstance(status, int) and 400 <= status < 500:
-                message = getattr(e, "message", None) or str(e)
-            else:
-                log.error("unhandled error answering %s %s", scope.get("method"), scope.get("path"), exc_info=e)
-                status, message = 500, f"internal error: {type(e).__name__}: {e}"
-            response = _error_response(status, message)
-            await response(scope, receive, send)
+            await _unexpected_error_response(scope, e)(scope, receive, send)
+
+
+def _unexpected_error_response(scope, e: Exception) -> JSONResponse:
+    """The JSON answer to an exception no handler answered: its own status when it carries one below 500
+    (ProtocolError, InputError...), else 500, logged with its traceback."""
+    status = 400 if isinstance(e, InputError) else getattr(e, "status", None)
+    if isinstance(status, int) and 400 <= status < 500:
+        return _error_response(status, getattr(e, "message", None) or str(e))
+    log.error("unhandled error answering %s %s", scope.get("method"), scope.get("path"), exc_info=e)
+    return _error_response(500, f"internal error: {type(e).__name__}: {e}")
 
 
 class KilnApp(FastAPI):
@@ -190,29 +193,14 @@ class KilnApp(FastAPI):
         await super().__call__(scope, receive, send)
 
     async def _infer_fast(self, state, scope, receive, send, name: str, version: Optional[str]) -> None:
-        request = Request(scope, receive)
-        started = False
-
-        async def tracking_send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
+        # _infer sends nothing itself: it returns the response, sent here once.
         try:
-            response = await _infer(state, request, name, version)
+            response = await _infer(state, Request(scope, receive), name, version)
         except ApiError as e:
             response = _error_response(e.status, e.message, e.headers)
         except Exception as e:  # noqa: BLE001 - as JsonErrors: every error is answered as JSON
-            status = 400 if isinstance(e, InputError) else getattr(e, "status", None)
-            if isinstance(status, int) and 400 <= status < 500:
-                message = getattr(e, "message", None) or str(e)
-            else:
-                log.error("unhandled error answering %s %s", scope.get("method"), scope.get("path"), exc_info=e)
-                status, message = 500, f"internal error: {type(e).__name__}: {e}"
-            response = _error_response(status, message)
-        if not started:
-            await response(scope, receive, tracking_send)
+            response = _unexpected_error_response(scope, e)
+        await response(scope, receive, send)
 
 
 def default_executor(entry: ModelEntry):

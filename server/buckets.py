@@ -533,8 +533,8 @@ class BucketedExecutor:
         if n > self.max_batch_rows:
             raise KilnError(f"a batch of {n} rows is more than the largest batch bucket ({self.max_batch_rows})")
         bucket = bucket_for(n, self.buckets)
-        nbytes = sum(int(np.asarray(p[k]).nbytes) for p in parts for k in names)
-        if _STAGE_IN_THREAD_BYTES and nbytes >= _STAGE_IN_THREAD_BYTES:
+        if _STAGE_IN_THREAD_BYTES and \
+                sum(int(np.asarray(p[k]).nbytes) for p in parts for k in names) >= _STAGE_IN_THREAD_BYTES:
             # A big batch's copy (a ResNet-50 batch of 32 is 19 MB, ~3 ms) on a thread, so that the event loop
             # reads requests meanwhile: off by default, measured slower (see _STAGE_IN_THREAD_BYTES).
             job = asyncio.get_running_loop().run_in_executor(None, self.staging.stage, parts, bucket)
