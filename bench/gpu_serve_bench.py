@@ -21,7 +21,9 @@ Servers, each its own process tree on 127.0.0.1, started one at a time:
 Load: closed-loop clients (1, 8, 64, 256), each a keep-alive ``http.client`` connection in a thread of one of
 up to 16 client processes, Triton's binary tensor extension in and out ("http"), or the system shared-memory
 extension ("shm": each client registers its own input and output regions once and sends only the JSON
-header; kiln and Triton). Per cell: requests/s, p50/p99 latency, mean batch size (kiln: /metrics; Triton:
+header; kiln and Triton), or the CUDA shared-memory extension ("cudashm": the client's input and output are
+device buffers, cudaMalloc'd in the client process and registered as CUDA IPC handles; the output is read
+back to the host after each answer, as the shm client reads its region). Per cell: requests/s, p50/p99 latency, mean batch size (kiln: /metrics; Triton:
 its metrics port; torch-compile: its /stats), GPU utilization (NVML, sampled every 50 ms), CPU seconds per
 request of the server's process tree and of the client processes. Every answer's status is checked and
 its output length; the first answer of every client is compared to the model's own output on that input
@@ -278,8 +280,37 @@ def client_main(spec: dict) -> None:
         x = make_input(model, 1, seed)
         conn = http.client.HTTPConnection(host, port, timeout=120)
         regions = []
+        dev = []  # CUDA regions: (name, device pointer, size)
         try:
-            if mode == "shm":
+            if mode == "cudashm":  # the client's tensors live on the GPU (cudaMalloc + CUDA IPC handles)
+                import base64
+
+                import cupy as cp
+                rt = cp.cuda.runtime
+                tag = f"kc{os.getpid()}_{k}"
+                for suffix, size in (("i", x.nbytes), ("o", out_bytes)):
+                    ptr = rt.malloc(size)
+                    dev.append((f"{tag}{suffix}", ptr, size))
+                    handle = base64.b64encode(bytes(rt.ipcGetMemHandle(ptr))).decode()
+                    conn.request("POST", f"/v2/cudasharedmemory/region/{tag}{suffix}/register",
+                                 body=json.dumps({"raw_handle": {"b64": handle}, "device_id": 0, "byte_size": size}),
+                                 headers={"Content-Type": "application/json"})
+                    r = conn.getresponse()
+                    text = r.read()
+                    if r.status != 200:
+                        errors.append(f"register {r.status}: {text[:200]!r}")
+                        return
+                xc = np.ascontiguousarray(x)
+                rt.memcpy(dev[0][1], xc.ctypes.data, xc.nbytes, 1)
+                head = json.dumps({"inputs": [{"name": in_name, "shape": [1, *row], "datatype": dtype,
+                                               "parameters": {"shared_memory_region": dev[0][0],
+                                                              "shared_memory_byte_size": x.nbytes}}],
+                                   "outputs": [{"name": out_name,
+                                                "parameters": {"shared_memory_region": dev[1][0],
+                                                               "shared_memory_byte_size": out_bytes}}]}).encode()
+                body, headers = head, {"Content-Type": "application/json"}
+                y_host = np.empty(out_bytes // 4, np.float32)
+            elif mode == "shm":
                 tag = f"kb{os.getpid()}_{k}"
                 for suffix, size in (("i", x.nbytes), ("o", out_bytes)):
                     fd = os.open(f"/dev/shm/{tag}{suffix}", os.O_CREAT | os.O_RDWR, 0o600)
@@ -323,6 +354,9 @@ def client_main(spec: dict) -> None:
                         hl = int(r.getheader("Inference-Header-Content-Length", "0") or 0)
                         ok = len(data) - hl == out_bytes
                         y = np.frombuffer(data[hl:], np.float32) if ok else None
+                    elif ok and mode == "cudashm":  # the answer read back, as the shm client reads its region
+                        rt.memcpy(y_host.ctypes.data, dev[1][1], out_bytes, 2)
+                        y = y_host.copy()
                     elif ok:
                         y = np.frombuffer(regions[1][1], np.float32).copy()
                     if not ok and len(errors) < 5:
@@ -343,6 +377,14 @@ def client_main(spec: dict) -> None:
                     else:
                         errors.append("") if len(errors) < 5 else None
         finally:
+            for name, ptr, _ in dev:
+                try:
+                    conn.request("POST", f"/v2/cudasharedmemory/region/{name}/unregister", body=b"{}",
+                                 headers={"Content-Type": "application/json"})
+                    conn.getresponse().read()
+                except OSError:
+                    pass
+                rt.free(ptr)
             for name, mm, _ in regions:
                 try:
                     conn.request("POST", f"/v2/systemsharedmemory/region/{name}/unregister", body=b"{}",

@@ -32,7 +32,7 @@ export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/pkg:/tmp/site:$PWD/bench PYTHONU
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
 status=0
 if [ "${TESTS:-0}" = 1 ]; then
-  timeout ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider -rs --durations=5 tests/server/test_gpu_serve.py \
+  timeout ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider -rs --durations=5 tests/server/test_gpu_serve.py tests/server/test_cuda_shm.py \
     tests/server/test_buckets.py tests/server/test_workers.py 2>&1 | tail -30 | tee "$OUT/gpu_tests.log" || status=1
 fi
 if [ -n "${MODELS:-}" ]; then

@@ -18,11 +18,13 @@
 ``POST /v2/repository/index``                            Triton's repository index: every served version with
                                                          its state (READY, LOADING, UNAVAILABLE, UNLOADING)
 ``POST /v2/models/{m}[/versions/{v}]/infer``             inference (JSON tensors, the binary extension, or
-                                                         system shared memory regions)
+                                                         system or CUDA shared memory regions)
 ``GET  /v2/systemsharedmemory[/region/{r}]/status``      registered regions (server/shm.py; registering needs
 ``POST /v2/systemsharedmemory/region/{r}/register``      ``allow_client_shm``, or KILN_ALLOW_CLIENT_SHM=1)
 ``POST /v2/systemsharedmemory[/region/{r}]/unregister``
-``GET  /v2/cudasharedmemory[/region/{r}]/status``        no CUDA regions yet (``[]``); register answers 400
+``GET  /v2/cudasharedmemory[/region/{r}]/status``        CUDA IPC regions (server/cuda_shm.py; registering
+``POST /v2/cudasharedmemory/region/{r}/register``        needs client shm allowed and a model on cuda)
+``POST /v2/cudasharedmemory[/region/{r}]/unregister``
 ``GET  /metrics``                                        Prometheus text (see server/metrics.py)
 ``GET  /docs``, ``/openapi.json``                        FastAPI's OpenAPI documentation
 =======================================================  ===============================================
@@ -93,11 +95,13 @@ from kiln.server import protocol
 from kiln.server.errors import QueueFull, RequestTimeout, WorkerError
 from kiln.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kiln.server.metrics import Metrics
+from kiln.server.gpu import gpu_slots, parse_device
 from kiln.server.gpu_metrics import GpuMetrics, gpus_in_use
 from kiln.server.repository import ModelEntry
 from kiln.server.shm import DEFAULT_MAX_BYTES as SHM_MAX_BYTES
 from kiln.server.shm import DEFAULT_MAX_REGIONS as SHM_MAX_REGIONS
 from kiln.server.shm import SystemSharedMemory
+from kiln.server.cuda_shm import CudaSharedMemory, DeviceInput, SharedMemory
 from kiln.version import __version__
 
 log = logging.getLogger("kiln.server")
@@ -252,6 +256,8 @@ class ServerState:
     draining: bool = False
     connections: Any = None  # the ConnectionTracker of server/connections.py, when kiln serve runs the app
     shm: Optional[SystemSharedMemory] = None  # the system shared memory regions (server/shm.py)
+    cuda_shm: Optional[CudaSharedMemory] = None  # the CUDA shared memory regions (server/cuda_shm.py)
+    shared: Any = None  # both, as protocol.py sees them (cuda_shm.SharedMemory)
     _load_task: Optional[asyncio.Task] = None
     _drain_task: Optional[asyncio.Task] = None
 
@@ -367,6 +373,13 @@ class ServerState:
                 log.error("closing model %s version %s failed: %s", model.name, model.version, e)
         if self.shm is not None:
             self.shm.close()  # every region unmapped (or, if a view is still alive, when it goes)
+        if self.cuda_shm is not None:
+            self.cuda_shm.unregister(None)  # the workers, now gone, closed their handles as they exited
+
+    def gpu_executors(self, device_id: int) -> list:
+        """The executors of models served on GPU ``device_id`` (for closing CUDA IPC handles there)."""
+        return [m.executor for m in self.served()
+                if m.executor is not None and device_id in _model_gpus(m)]
 
 
 # ---------------------------------------------------------------------------------------------- the app
@@ -456,6 +469,9 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
     if allow_client_shm is None:
         allow_client_shm = os.environ.get("KILN_ALLOW_CLIENT_SHM", "").strip().lower() in ("1", "true", "yes")
     state.shm = SystemSharedMemory(allow_client_shm, shm_max_regions, shm_max_bytes)
+    state.cuda_shm = CudaSharedMemory(allow_client_shm, gpus_in_use(entries), shm_max_regions, shm_max_bytes,
+                                      taken=lambda name: bool(_shm_names(state.shm, name)))
+    state.shared = SharedMemory(state.shm, state.cuda_shm)
     # nv_gpu_* families (server/gpu_metrics.py): only with a model on cuda and pynvml importable.
     gpu_metrics = GpuMetrics(gpus_in_use(entries))
 
@@ -513,6 +529,8 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
         extensions = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
         if state.shm.enabled:
             extensions.append("system_shared_memory")
+            if state.cuda_shm.devices:
+                extensions.append("cuda_shared_memory")
         return {"name": "kiln", "version": __version__, "extensions": extensions}
 
     async def model_metadata(model_name: str, model_version: Optional[str] = None):
@@ -607,6 +625,9 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
               summary="Register a region: {key, offset, byte_size} of /dev/shm/<key>", responses=_error_doc(400))
     async def shm_register(region_name: str, request: Request):
         body = await _small_json(request, "register request", empty_ok=False)
+        if region_name in state.cuda_shm:
+            raise ApiError(400, f"a shared memory region named '{region_name}' is already registered "
+                                "(a CUDA region; unregister it first)")
         _shm_call(shm.register, region_name, body)
         log.info("registered system shared memory region %s: %s", region_name, shm.status(region_name)[0])
         return {}
@@ -622,27 +643,36 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
         shm.unregister(region_name)
         return {}
 
-    @app.get("/v2/cudasharedmemory/status", tags=["shared memory"], summary="CUDA shared memory regions (none)")
+    # -------------------------------------------------------------- CUDA shared memory (server/cuda_shm.py)
+    cuda_shm = state.cuda_shm
+
+    @app.get("/v2/cudasharedmemory/status", tags=["shared memory"], summary="Registered CUDA shared memory regions")
     async def cuda_shm_status():
-        return []
+        return cuda_shm.status()
 
     @app.get("/v2/cudasharedmemory/region/{region_name}/status", tags=["shared memory"],
-             summary="One CUDA shared memory region (there are none)", responses=_error_doc(400))
+             summary="One registered CUDA region", responses=_error_doc(400))
     async def cuda_shm_region_status(region_name: str):
-        raise ApiError(400, f"no CUDA shared memory region named '{region_name}' is registered")
+        return _shm_call(cuda_shm.status, region_name)
 
     @app.post("/v2/cudasharedmemory/region/{region_name}/register", tags=["shared memory"],
-              summary="Not yet: CUDA shared memory comes with the GPU server", responses=_error_doc(400))
-    async def cuda_shm_register(region_name: str):
-        raise ApiError(400, "CUDA shared memory needs kiln serve --device cuda")
+              summary="Register a CUDA region: {raw_handle: {b64}, device_id, byte_size} (a CUDA IPC handle)",
+              responses=_error_doc(400))
+    async def cuda_shm_register(region_name: str, request: Request):
+        body = await _small_json(request, "register request", empty_ok=False)
+        region = _shm_call(cuda_shm.register, region_name, body)
+        log.info("registered CUDA shared memory region %s: %s", region_name, region.status())
+        return {}
 
-    @app.post("/v2/cudasharedmemory/unregister", tags=["shared memory"], summary="Unregister CUDA regions (none)")
+    @app.post("/v2/cudasharedmemory/unregister", tags=["shared memory"], summary="Unregister every CUDA region")
     async def cuda_shm_unregister_all():
+        await _close_cuda_regions(state, cuda_shm.unregister(None))
         return {}
 
     @app.post("/v2/cudasharedmemory/region/{region_name}/unregister", tags=["shared memory"],
-              summary="Unregister a CUDA region (none)")
+              summary="Unregister one CUDA region (an unknown name is not an error)")
     async def cuda_shm_unregister(region_name: str):
+        await _close_cuda_regions(state, cuda_shm.unregister(region_name))
         return {}
 
     @app.get("/metrics", tags=["metrics"], summary="Prometheus metrics (text exposition format 0.0.4)",
@@ -777,6 +807,52 @@ async def _small_json(request: Request, what: str, empty_ok: bool = True) -> dic
     return value
 
 
+def _shm_names(shm: SystemSharedMemory, name: str) -> list:
+    try:
+        return shm.status(name)
+    except protocol.ProtocolError:
+        return []
+
+
+def _model_gpus(model: ServedModel) -> set:
+    config = model.entry.config
+    return set(gpu_slots(config)) if parse_device(getattr(config, "device", "cpu")) is not None else set()
+
+
+async def _close_cuda_regions(state: ServerState, regions: list) -> None:
+    """Have the GPU workers of each region's device close its IPC handle (server/cuda_shm.py)."""
+    for region in regions:
+        for ex in state.gpu_executors(region.device_id):
+            close = getattr(ex, "close_cuda", None)
+            if close is None:
+                continue
+            try:
+                await close(region.device_id, region.handle)
+            except Exception as e:  # noqa: BLE001 - the region is forgotten either way; workers close at exit
+                log.warning("closing CUDA region %s in model workers failed: %s", region.name, e)
+
+
+def _cuda_use(state: ServerState, model: ServedModel, req: Any) -> list:
+    """Refuse CUDA shared memory for a model that cannot take it (400); return the CUDA outputs."""
+    spans = [(n, a.span) for n, a in req.inputs.items() if isinstance(a, DeviceInput)]
+    outs = [o for o in (req.outputs or ()) if o.shared_memory is not None
+            and o.shared_memory.get("shared_memory_region") in state.cuda_shm]
+    if not spans and not outs:
+        return outs
+    gpus = _model_gpus(model)
+    if not gpus:
+        raise ApiError(400, f"model '{model.name}' runs on the CPU: CUDA shared memory inputs and outputs need a "
+                            "model served on a GPU (--device cuda)")
+    where = [(f"input '{n}'", sp.device_id) for n, sp in spans]
+    where += [(f"output '{o.name}'", state.cuda_shm.span(o.shared_memory, f"output '{o.name}'").device_id)
+              for o in outs]
+    for what, device in where:
+        if device not in gpus:
+            raise ApiError(400, f"{what} is in a CUDA region on GPU {device}, but model '{model.name}' runs on "
+                                f"GPU(s) {sorted(gpus)}")
+    return outs
+
+
 def _shm_call(fn: Callable, *args: Any) -> Any:
     try:
         return fn(*args)
@@ -847,15 +923,19 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
         # Only a large JSON part is worth a thread: binary tensor data is a zero-copy view.
         if (header_length if header_length is not None else len(body)) > _OFFLOAD_BYTES:
             req = await asyncio.to_thread(protocol.parse_infer_request, body, header_length,
-                                          max_elements=state.max_body_bytes, shared_memory=state.shm)
+                                          max_elements=state.max_body_bytes, shared_memory=state.shared)
         else:
             req = protocol.parse_infer_request(body, header_length, max_elements=state.max_body_bytes,
-                                               shared_memory=state.shm)
+                                               shared_memory=state.shared)
     except protocol.ProtocolError as e:
         raise ApiError(e.status, e.message) from None
     del body
 
     ex = model.executor
+    try:
+        cuda_outputs = _cuda_use(state, model, req) if state.cuda_shm.devices else []
+    except protocol.ProtocolError as e:
+        raise ApiError(e.status, e.message) from None
     try:
         check_inputs(ex.inputs, req.inputs)
     except InputError as e:
@@ -895,8 +975,10 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
 
     if req.outputs is not None:
         outputs = {o.name: outputs[o.name] for o in req.outputs}
+    for o in cuda_outputs:  # a GPU worker writes them (the HTTP process never touches CUDA)
+        o.written = await _write_cuda_output(state, model, o, outputs[o.name])
     encode = protocol.encode_infer_response
-    args = (model.name, model.version, req.id, outputs, req.outputs, req.binary_default, state.shm)
+    args = (model.name, model.version, req.id, outputs, req.outputs, req.binary_default, state.shared)
     encode_started = time.perf_counter()
     try:
         if sum(np.asarray(a).nbytes for a in outputs.values()) > _OFFLOAD_BYTES:
@@ -909,6 +991,28 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
                        outcome="backend" if e.status >= 500 else "invalid_request") from None
     state.metrics.observe_codec(model.name, model.version, decode_seconds, time.perf_counter() - encode_started)
     return Response(content=body, status_code=200, headers=extra)
+
+
+async def _write_cuda_output(state: ServerState, model: ServedModel, o: Any, arr: Any) -> int:
+    what = f"output '{o.name}'"
+    try:
+        span = state.cuda_shm.span(o.shared_memory, what)  # checked again: it may have been unregistered
+    except protocol.ProtocolError as e:
+        raise ApiError(e.status, e.message) from None
+    data = np.ascontiguousarray(arr)
+    if data.dtype.kind in "OSU":
+        raise ApiError(400, f"{what}: BYTES tensors cannot go to CUDA shared memory")
+    if data.nbytes > span.nbytes:
+        raise ApiError(400, f"{what} is {data.nbytes} bytes (shape {list(data.shape)}) but its "
+                            f"shared_memory_byte_size is {span.nbytes}")
+    try:
+        await model.executor.write_cuda(span, data.astype(data.dtype.newbyteorder("<"), copy=False))
+    except WorkerError as e:
+        raise ApiError(500, str(e), outcome="backend") from None
+    except Exception as e:  # noqa: BLE001 - a bad handle, a CUDA error: the request fails, the server goes on
+        raise ApiError(500, f"writing {what} to CUDA shared memory failed: {type(e).__name__}: {e}",
+                       outcome="backend") from None
+    return data.nbytes
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

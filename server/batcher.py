@@ -244,6 +244,12 @@ class DynamicBatcher:
             self._layout()
         arrays = check_inputs(self._specs, inputs)
         named = dict(zip(self._names, arrays))
+        device = None
+        for name in self._names:  # inputs in CUDA shared memory (server/cuda_shm.py) keep their region span
+            span = getattr(inputs[name], "span", None) if isinstance(inputs, dict) else None
+            if span is not None:
+                named[name] = inputs[name]
+                device = span.device_id
         if self.batching:
             rows = int(arrays[0].shape[0])
             if rows > self.max_batch_size:
@@ -251,6 +257,12 @@ class DynamicBatcher:
                                     f"more than the model's max_batch_size {self.max_batch_size}; "
                                     "split it into smaller requests")
             key = tuple((a.dtype.str, a.shape[1:]) for a in arrays)
+            if device is not None:
+                # Device rows stack only with device rows of the same GPU, and only where the executor
+                # stages parts itself (it turns them into device patches); a concatenation would read the
+                # stand-in's zeros.
+                key = (key, "cuda", device) if getattr(self.executor, "run_parts", None) is not None \
+                    else (key, "cuda", device, self._seq)
         else:
             rows, key = 1, None
         if self.queue_size > 0 and self._depth >= self.queue_size:

@@ -198,6 +198,9 @@ class StagedBatch:
         self.released = False
         self.outputs: Dict[str, np.ndarray] = {}  # where the executor may write the outputs (bucket rows)
         self._alone: List[np.ndarray] = []        # buffers made for this batch only
+        # Rows in CUDA shared memory (server/cuda_shm.py): not copied here; the GPU worker patches them in.
+        self._device: Dict[str, List[Tuple[int, Any]]] = {}
+        self._device_end: Dict[str, int] = {}
 
     @property
     def rows(self) -> int:
@@ -209,16 +212,34 @@ class StagedBatch:
         write); returns the row after them."""
         buf = self.arrays[name]
         start = self._next[name] if start is None else start
-        rows = np.asarray(rows)
+        span = getattr(rows, "span", None)
+        rows = np.asanyarray(rows)
         if rows.ndim == 0 or rows.shape[1:] != buf.shape[1:]:
             raise InputError(f"input '{name}': rows of shape {list(rows.shape)} do not fit a staging buffer of "
                              f"rows {list(buf.shape[1:])}")
         end = start + rows.shape[0]
         if end > self.bucket:
             raise KilnError(f"input '{name}': rows {start}..{end} do not fit bucket {self.bucket}")
-        np.copyto(buf[start:end], rows, casting="same_kind")
+        if span is not None:  # rows in a CUDA region: the GPU worker copies them in, device to device
+            if rows.dtype != buf.dtype:
+                raise InputError(f"input '{name}': {rows.dtype} rows in CUDA shared memory cannot go into a "
+                                 f"{buf.dtype} batch")
+            self._device.setdefault(name, []).append((start, span))
+            self._device_end[name] = end
+        else:
+            np.copyto(buf[start:end], rows, casting="same_kind")
+            if self._device_end.get(name) == end:
+                del self._device_end[name]
         self._next[name] = max(self._next[name], end)
         return end
+
+    def device_patches(self) -> Dict[str, Dict[str, Any]]:
+        """The rows that are in CUDA regions, by input: ``{"parts": [(row, CudaSpan)], "pad_from": n or None}``
+        (``pad_from``: rows ``[n, bucket)`` are to be copied from row n - 1 on the device, because that row is
+        a device row and the host pad copied a stand-in)."""
+        n = self.rows
+        return {name: {"parts": parts, "pad_from": n if n < self.bucket and self._device_end.get(name) == n else None}
+                for name, parts in self._device.items()}
 
     def write_bytes(self, name: str, data: Any, start: Optional[int] = None) -> int:
         """Decode raw little-endian tensor bytes (the binary tensor data of a request, any buffer) for whole
@@ -548,10 +569,13 @@ class BucketedExecutor:
         run = None
         try:
             self.batches[bucket] = self.batches.get(bucket, 0) + 1
+            kwargs: Dict[str, Any] = {}
             if staged.outputs:
-                run = asyncio.ensure_future(self.inner.run(dict(staged.arrays), out=staged.outputs))
-            else:
-                run = asyncio.ensure_future(self.inner.run(dict(staged.arrays)))
+                kwargs["out"] = staged.outputs
+            device = staged.device_patches()
+            if device:
+                kwargs["device"] = device
+            run = asyncio.ensure_future(self.inner.run(dict(staged.arrays), **kwargs))
             # Shielded: a cancelled batch's inner run goes on (a worker may be reading these buffers), and
             # when it is over its buffers go back to their allocator (an arena block is not leaked).
             outputs = await asyncio.shield(run)

@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional
 
 from kiln.errors import KilnError
 from kiln.server.buckets import BucketedExecutor
+from kiln.server.errors import WorkerError
 from kiln.server.workers import ProcessExecutor, worker_env
 
 log = logging.getLogger("kiln.server")
@@ -143,6 +144,106 @@ class GpuRunner:
         self._registered: Dict[int, int] = {}
         self._reg_lock = threading.Lock()
         self._local = threading.local()
+        # CUDA shared memory (server/cuda_shm.py): handle -> [registration id, device pointer, users, closing]
+        self._ipc: Dict[bytes, list] = {}
+        self._ipc_lock = threading.Lock()
+
+    # -- CUDA shared memory: IPC handles opened here, device to device copies ----------------------------
+
+    def _acquire(self, span: Any) -> int:
+        """The device address of ``span`` (its region's handle opened once per registration), held until
+        :meth:`_release`."""
+        rt = self.cp.cuda.runtime
+        with self._ipc_lock:
+            entry = self._ipc.get(span.handle)
+            if entry is not None and entry[0] != span.reg_id:  # re-registered since: open it afresh
+                if entry[2]:
+                    raise KilnError("a CUDA shared memory region was re-registered while a batch still reads it")
+                del self._ipc[span.handle]
+                rt.ipcCloseMemHandle(entry[1])
+                entry = None
+            if entry is None:
+                ptr = rt.ipcOpenMemHandle(span.handle, 1)  # cudaIpcMemLazyEnablePeerAccess
+                entry = self._ipc[span.handle] = [span.reg_id, ptr, 0, False]
+            entry[2] += 1
+            return entry[1] + span.offset
+
+    def _release(self, span: Any) -> None:
+        with self._ipc_lock:
+            entry = self._ipc.get(span.handle)
+            if entry is None:
+                return
+            entry[2] -= 1
+            if entry[2] <= 0 and entry[3]:
+                del self._ipc[span.handle]
+                self.cp.cuda.runtime.ipcCloseMemHandle(entry[1])
+
+    def close_cuda(self, handle: bytes) -> None:
+        """The region was unregistered: close its mapping now, or when the last batch reading it is done."""
+        with self._ipc_lock:
+            entry = self._ipc.get(handle)
+            if entry is None:
+                return
+            if entry[2] > 0:
+                entry[3] = True
+                return
+            del self._ipc[handle]
+        self.cp.cuda.runtime.ipcCloseMemHandle(entry[1])
+
+    def close_all(self) -> None:
+        with self._ipc_lock:
+            entries, self._ipc = list(self._ipc.values()), {}
+        for entry in entries:
+            try:
+                self.cp.cuda.runtime.ipcCloseMemHandle(entry[1])
+            except Exception:  # noqa: BLE001 - the process is exiting
+                pass
+
+    def write_cuda(self, span: Any, data: Any) -> None:
+        """Copy host ``data`` into a CUDA region span (an output the client asked for there), then wait for
+        the copy: the client reads the region as soon as the response arrives."""
+        import numpy as np
+        data = np.ascontiguousarray(data)
+        if data.nbytes > span.nbytes:
+            raise KilnError(f"{data.nbytes} bytes do not fit a CUDA region span of {span.nbytes}")
+        if not data.nbytes:
+            return
+        stream = self._stream()
+        dst = self._acquire(span)
+        try:
+            self.cp.cuda.runtime.memcpyAsync(dst, data.ctypes.data, data.nbytes, 1, stream.ptr)  # host to device
+            stream.synchronize()
+        finally:
+            self._release(span)
+
+    def _patch(self, dev: Dict[str, Any], inputs: Dict[str, Any], device: Dict[str, Any], stream: Any,
+               held: list) -> None:
+        """Copy the batch's rows that are in CUDA regions into its device inputs (device to device, on
+        ``stream``), and pad from the last real row where that row came from a region."""
+        import numpy as np
+        cp = self.cp
+        for name, spec in device.items():
+            d = dev.get(name)
+            if d is None:
+                if name in inputs:
+                    d = cp.asarray(inputs[name])
+                else:
+                    d = cp.empty(tuple(spec["shape"]), np.dtype(spec["dtype"]))
+            elif not isinstance(d, cp.ndarray):
+                d = cp.asarray(d)
+            row_bytes = d.nbytes // d.shape[0] if d.ndim and d.shape[0] else 0
+            for row, span in spec["parts"]:
+                if row * row_bytes + span.nbytes > d.nbytes:
+                    raise KilnError(f"input '{name}': {span.nbytes} bytes of CUDA shared memory at row {row} do "
+                                    f"not fit the batch's {d.nbytes} bytes")
+                src = self._acquire(span)
+                held.append(span)
+                if span.nbytes:
+                    cp.cuda.runtime.memcpyAsync(d.data.ptr + row * row_bytes, src, span.nbytes, 3, stream.ptr)
+            n = spec.get("pad_from")
+            if n:
+                d[n:] = d[n - 1]
+            dev[name] = d
 
     def _pin(self, a: Any) -> bool:
         """Page-lock ``a``'s arena block in this process (once per block); False if it is not in the arena
@@ -173,7 +274,17 @@ class GpuRunner:
             s = self._local.stream = self.cp.cuda.Stream(non_blocking=True)
         return s
 
-    def run(self, inputs: Dict[str, Any], out: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    def run(self, inputs: Dict[str, Any], out: Optional[Dict[str, Any]] = None,
+            device: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        held: list = []
+        try:
+            return self._run(inputs, out, device, held)
+        finally:
+            for span in held:
+                self._release(span)
+
+    def _run(self, inputs: Dict[str, Any], out: Optional[Dict[str, Any]], device: Optional[Dict[str, Any]],
+             held: list) -> Dict[str, Any]:
         import numpy as np
         cp = self.cp
         stream = self._stream()
@@ -184,12 +295,16 @@ class GpuRunner:
             dev = {}
             for name, a in inputs.items():
                 a = np.ascontiguousarray(a)
-                if self._pin(a):
+                if device and name in device and _covered(device[name], a):
+                    dev[name] = cp.empty(a.shape, a.dtype)  # every row comes from CUDA regions: no host copy
+                elif self._pin(a):
                     d = cp.empty(a.shape, a.dtype)
                     d.data.copy_from_host_async(a.ctypes.data, a.nbytes, stream)
                     dev[name] = d
                 else:
                     dev[name] = a  # pageable: the program copies it in on its own stream
+            if device:
+                self._patch(dev, inputs, device, stream, held)
             copied.record(stream)
             t0 = time.perf_counter()
             with self.lock:
@@ -206,6 +321,15 @@ class GpuRunner:
     def timings(self) -> Dict[str, float]:
         """The calling thread's last batch timings (see the class docstring)."""
         return getattr(self._local, "timings", {})
+
+
+def _covered(spec: Dict[str, Any], a: Any) -> bool:
+    """Whether a batch input's device patches fill all its rows (the real ones, then the pad from them)."""
+    rows = a.shape[0] if a.ndim else 0
+    if not rows:
+        return False
+    real = spec.get("pad_from") or rows
+    return sum(span.nbytes for _, span in spec["parts"]) == real * (a.nbytes // rows)
 
 
 def _chain(e: BaseException):
@@ -276,6 +400,52 @@ class GpuExecutor(ProcessExecutor):
     @property
     def gpus(self) -> List[int]:
         return sorted(set(self.slots))
+
+    def _least_busy_on(self, gpu: int):
+        free = [w for w in self._workers if w.alive and len(w.inflight) < self.instances and self.slots[w.slot] == gpu]
+        return min(free, key=lambda w: len(w.inflight)) if free else None
+
+    async def run(self, inputs: Dict[str, Any], out: Optional[Dict[str, Any]] = None,
+                  device: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """Run one batch. ``device``: rows of inputs in CUDA shared memory (server/cuda_shm.py), as
+        StagedBatch.device_patches gives them; an input that is wholly a DeviceInput (an unpadded batch of one
+        request) is turned into a patch here. Such a batch goes to a worker on the regions' GPU."""
+        inputs = dict(inputs)
+        device = dict(device or {})
+        for name, a in list(inputs.items()):
+            span = getattr(a, "span", None)
+            if span is not None:
+                del inputs[name]
+                device[name] = {"parts": [(0, span)], "pad_from": None, "shape": tuple(a.shape), "dtype": a.dtype.str}
+        if not device:
+            return await super().run(inputs, out)
+        gpus = {span.device_id for d in device.values() for _, span in d["parts"]}
+        if len(gpus) != 1:
+            raise KilnError(f"a batch reads CUDA shared memory on several GPUs ({sorted(gpus)})")
+        gpu = gpus.pop()
+        if gpu not in self.slots:
+            raise KilnError(f"CUDA shared memory on GPU {gpu}, but this model's workers run on GPU(s) {self.gpus}")
+        arena = self.arena
+        sent = arena.encode(inputs) if arena is not None else inputs
+        refs = ({k: r for k, r in ((k, arena.ref(v)) for k, v in (out or {}).items()) if r is not None}
+                if arena is not None else None)
+        return await self._submit(lambda: self._least_busy_on(gpu), lambda rid: ("run", rid, sent, refs, device))
+
+    async def write_cuda(self, span: Any, data: Any) -> None:
+        """Have a worker on the span's GPU copy ``data`` (host bytes) into that CUDA region span."""
+        if span.device_id not in self.slots:
+            raise KilnError(f"CUDA shared memory on GPU {span.device_id}, but this model's workers run on GPU(s) "
+                            f"{self.gpus}")
+        await self._submit(lambda: self._least_busy_on(span.device_id), lambda rid: ("cuda_write", rid, span, data))
+
+    async def close_cuda(self, device_id: int, handle: bytes) -> None:
+        """Have every live worker on GPU ``device_id`` close its IPC mapping of ``handle`` (if it has one)."""
+        for w in [w for w in self._workers if w.alive and self.slots[w.slot] == device_id]:
+            try:
+                await self._submit(lambda w=w: w if w.alive else None, lambda rid: ("cuda_close", rid, handle),
+                                   wait=False)
+            except WorkerError:
+                pass  # gone: its handles went with it
 
 
 class GpuBucketedExecutor(BucketedExecutor):

@@ -169,6 +169,7 @@ class RequestedOutput:
     name: str
     binary: bool
     shared_memory: Optional[dict] = None  # the output's parameters when it goes to a shared memory region
+    written: Optional[int] = None  # bytes already written to its region (a CUDA region: by a GPU worker)
 
 
 @dataclass
@@ -613,8 +614,8 @@ def encode_infer_response(model_name: str, model_version: str, request_id: Optio
             if shared_memory is None:
                 raise ProtocolError(400, f"output '{req.name}' asks for shared memory, which this server "
                                          f"does not support")
-            written = shared_memory.write(req.shared_memory, f"output '{req.name}'",
-                                          np.asarray(arr, dtype=_wire(arr.dtype.newbyteorder("="))))
+            written = req.written if req.written is not None else shared_memory.write(
+                req.shared_memory, f"output '{req.name}'", np.asarray(arr, dtype=_wire(arr.dtype.newbyteorder("="))))
             entry["parameters"] = {**req.shared_memory, "shared_memory_byte_size": written}
         elif req.binary:
             data = np.ascontiguousarray(arr, dtype=_wire(arr.dtype.newbyteorder("=")))

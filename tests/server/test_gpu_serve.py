@@ -504,3 +504,80 @@ def test_copy_histograms_and_nvml_gauges_on_a_real_gpu(resnet):
         assert util and 0.0 <= float(util.group(1)) <= 1.0
     finally:
         assert server.stop() == 0, "".join(server.output)
+
+
+def _cudashm():
+    try:
+        import tritonclient.http  # noqa: F401
+        from tritonclient.utils import cuda_shared_memory
+    except (ImportError, RuntimeError) as e:  # RuntimeError: tritonclient's own "needs cuda-python"
+        pytest.skip(f"tritonclient's CUDA shared memory utilities: {e}")
+    return cuda_shared_memory
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAVE_GPU, reason="needs CuPy and a CUDA GPU")
+def test_cuda_shared_memory_with_tritonclient(resnet, monkeypatch):
+    """16 clients, each with its own CUDA regions (tritonclient's cuda_shared_memory: cudaMalloc + IPC
+    handle), 8 distinct inputs each: inputs from a region, outputs into a region (or in the response), every
+    answer equal to CudaProgram.run on that input alone; device rows stack in batches (mean batch > 1);
+    unregistered regions are refused afterwards."""
+    cudashm = _cudashm()
+    import tritonclient.http as tc
+    path, program = resnet
+    out_name = program.outputs[0].name
+    monkeypatch.setenv("KILN_ALLOW_CLIENT_SHM", "1")
+    server = _serve([str(path), "--name", "r18", "--device", "cuda", "--max-batch-size", "16",
+                     "--max-queue-delay-ms", "2"])
+    try:
+        url = server.url.split("://", 1)[-1]
+        rng = np.random.default_rng(31)
+        per_client, n_clients = 8, 16
+        xs = [rng.standard_normal((1, 3, 32, 32)).astype(np.float32) for _ in range(per_client * n_clients)]
+        wants = [program.run({"x": x})[out_name] for x in xs]
+        y_bytes = wants[0].nbytes
+
+        def client(k):
+            c = tc.InferenceServerClient(url)
+            hin = cudashm.create_shared_memory_region(f"in{k}", xs[0].nbytes, 0)
+            hout = cudashm.create_shared_memory_region(f"out{k}", y_bytes, 0)
+            got = []
+            try:
+                c.register_cuda_shared_memory(f"in{k}", cudashm.get_raw_handle(hin), 0, xs[0].nbytes)
+                c.register_cuda_shared_memory(f"out{k}", cudashm.get_raw_handle(hout), 0, y_bytes)
+                for i in range(k * per_client, (k + 1) * per_client):
+                    cudashm.set_shared_memory_region(hin, [xs[i]])
+                    inp = tc.InferInput("x", list(xs[i].shape), "FP32")
+                    inp.set_shared_memory(f"in{k}", xs[i].nbytes)
+                    out = tc.InferRequestedOutput(out_name, binary_data=True)
+                    to_region = i % 2 == 0  # every other answer comes in the response instead
+                    if to_region:
+                        out.set_shared_memory(f"out{k}", y_bytes)
+                    result = c.infer("r18", [inp], outputs=[out])
+                    if to_region:
+                        y = cudashm.get_contents_as_numpy(hout, np.float32, list(wants[i].shape))
+                    else:
+                        y = result.as_numpy(out_name)
+                    got.append((i, np.array(y)))
+                c.unregister_cuda_shared_memory(f"in{k}")
+                with pytest.raises(Exception, match=f"no system or CUDA shared memory region named 'in{k}'"):
+                    c.infer("r18", [inp], outputs=[out])
+                c.unregister_cuda_shared_memory(f"out{k}")
+            finally:
+                cudashm.destroy_shared_memory_region(hin)
+                cudashm.destroy_shared_memory_region(hout)
+                c.close()
+            return got
+
+        with ThreadPoolExecutor(n_clients) as pool:
+            answers = [a for part in pool.map(client, range(n_clients)) for a in part]
+        assert sorted(i for i, _ in answers) == list(range(len(xs)))
+        for i, y in answers:
+            np.testing.assert_allclose(y, wants[i], rtol=1e-3, atol=1e-4)
+        assert _mean_batch(server) > 1.0
+        c = tc.InferenceServerClient(url)
+        assert c.get_cuda_shared_memory_status() == []
+        assert "cuda_shared_memory" in c.get_server_metadata()["extensions"]
+        c.close()
+    finally:
+        assert server.stop() == 0, "".join(server.output)

@@ -398,12 +398,12 @@ def test_a_shrunk_object_is_400_not_a_crash(served, regions):
     assert client.is_server_live()
 
 
-def test_cuda_shared_memory_answers_but_registers_nothing(served):
+def test_cuda_shared_memory_on_a_cpu_only_server_registers_nothing(served):
     server, client = served
     assert client.get_cuda_shared_memory_status() == []
     r = raw_post(server, "/v2/cudasharedmemory/region/g/register", {"raw_handle": {"b64": ""}, "device_id": 0,
                                                                    "byte_size": 8})
-    assert _error(r) == "CUDA shared memory needs kiln serve --device cuda"
+    assert "CUDA shared memory needs a model served on a GPU (kiln serve --device cuda)" in _error(r)
     assert raw_post(server, "/v2/cudasharedmemory/unregister", {}).status_code == 200
 
 
