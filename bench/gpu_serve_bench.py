@@ -23,7 +23,8 @@ up to 16 client processes, Triton's binary tensor extension in and out ("http"),
 extension ("shm": each client registers its own input and output regions once and sends only the JSON
 header; kiln and Triton), or the CUDA shared-memory extension ("cudashm": the client's input and output are
 device buffers, cudaMalloc'd in the client process and registered as CUDA IPC handles; the output is read
-back to the host after each answer, as the shm client reads its region). Per cell: requests/s, p50/p99 latency, mean batch size (kiln: /metrics; Triton:
+back to the host after each answer, as the shm client reads its region; two client processes, since every
+process with a CUDA context time-slices the GPU with the server). Per cell: requests/s, p50/p99 latency, mean batch size (kiln: /metrics; Triton:
 its metrics port; torch-compile: its /stats), GPU utilization (NVML, sampled every 50 ms), CPU seconds per
 request of the server's process tree and of the client processes. Every answer's status is checked and
 its output length; the first answer of every client is compared to the model's own output on that input
@@ -475,7 +476,9 @@ def get(port: int, path: str) -> str:
 
 
 def drive(server: dict, model: str, mode: str, clients: int, seconds: float, gpu: GpuSampler, meta: dict) -> dict:
-    procs_n = min(clients, 16)
+    # CUDA clients: each client process holds a CUDA context, and contexts of several processes time-slice the
+    # GPU (no MPS here), slowing the server's own kernels; two processes hold the threads.
+    procs_n = min(clients, 2 if mode == "cudashm" else 16)
     per = [clients // procs_n + (1 if i < clients % procs_n else 0) for i in range(procs_n)]
     warm_s = 1.5
     r0, b0 = batch_counts(server)

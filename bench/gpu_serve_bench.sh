@@ -33,7 +33,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 status=0
 if [ "${TESTS:-0}" = 1 ]; then
   timeout ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider -rs --durations=5 tests/server/test_gpu_serve.py tests/server/test_cuda_shm.py \
-    tests/server/test_buckets.py tests/server/test_workers.py 2>&1 | tail -30 | tee "$OUT/gpu_tests.log" || status=1
+    tests/server/test_buckets.py tests/server/test_workers.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 || status=1
 fi
 if [ -n "${MODELS:-}" ]; then
   timeout ${BENCH_S:-480} python3 bench/gpu_serve_bench.py --models "$MODELS" --servers "${SERVERS:-kiln,triton,torch}" \

@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -537,16 +538,22 @@ def test_cuda_shared_memory_with_tritonclient(resnet, monkeypatch):
         wants = [program.run({"x": x})[out_name] for x in xs]
         y_bytes = wants[0].nbytes
 
+        # tritonclient's CUDA utilities share one global stream per device, created by the first call and
+        # destroyed with the last region: regions are made and destroyed here, and their calls serialized.
+        regions = [(cudashm.create_shared_memory_region(f"in{k}", xs[0].nbytes, 0),
+                    cudashm.create_shared_memory_region(f"out{k}", y_bytes, 0)) for k in range(n_clients)]
+        cuda_lock = threading.Lock()
+
         def client(k):
             c = tc.InferenceServerClient(url)
-            hin = cudashm.create_shared_memory_region(f"in{k}", xs[0].nbytes, 0)
-            hout = cudashm.create_shared_memory_region(f"out{k}", y_bytes, 0)
+            hin, hout = regions[k]
             got = []
             try:
                 c.register_cuda_shared_memory(f"in{k}", cudashm.get_raw_handle(hin), 0, xs[0].nbytes)
                 c.register_cuda_shared_memory(f"out{k}", cudashm.get_raw_handle(hout), 0, y_bytes)
                 for i in range(k * per_client, (k + 1) * per_client):
-                    cudashm.set_shared_memory_region(hin, [xs[i]])
+                    with cuda_lock:
+                        cudashm.set_shared_memory_region(hin, [xs[i]])
                     inp = tc.InferInput("x", list(xs[i].shape), "FP32")
                     inp.set_shared_memory(f"in{k}", xs[i].nbytes)
                     out = tc.InferRequestedOutput(out_name, binary_data=True)
@@ -555,7 +562,8 @@ def test_cuda_shared_memory_with_tritonclient(resnet, monkeypatch):
                         out.set_shared_memory(f"out{k}", y_bytes)
                     result = c.infer("r18", [inp], outputs=[out])
                     if to_region:
-                        y = cudashm.get_contents_as_numpy(hout, np.float32, list(wants[i].shape))
+                        with cuda_lock:
+                            y = cudashm.get_contents_as_numpy(hout, np.float32, list(wants[i].shape))
                     else:
                         y = result.as_numpy(out_name)
                     got.append((i, np.array(y)))
@@ -564,13 +572,16 @@ def test_cuda_shared_memory_with_tritonclient(resnet, monkeypatch):
                     c.infer("r18", [inp], outputs=[out])
                 c.unregister_cuda_shared_memory(f"out{k}")
             finally:
-                cudashm.destroy_shared_memory_region(hin)
-                cudashm.destroy_shared_memory_region(hout)
                 c.close()
             return got
 
-        with ThreadPoolExecutor(n_clients) as pool:
-            answers = [a for part in pool.map(client, range(n_clients)) for a in part]
+        try:
+            with ThreadPoolExecutor(n_clients) as pool:
+                answers = [a for part in pool.map(client, range(n_clients)) for a in part]
+        finally:
+            for hin, hout in regions:
+                cudashm.destroy_shared_memory_region(hin)
+                cudashm.destroy_shared_memory_region(hout)
         assert sorted(i for i, _ in answers) == list(range(len(xs)))
         for i, y in answers:
             np.testing.assert_allclose(y, wants[i], rtol=1e-3, atol=1e-4)
