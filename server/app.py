@@ -92,7 +92,7 @@ from kiln.errors import InputError, KilnError, ResourceError
 from kiln.ir.ops.assertion import AssertionFailed
 from kiln.runtime.program import check_inputs
 from kiln.server import protocol
-from kiln.server.errors import QueueFull, RequestTimeout, WorkerError
+from kiln.server.errors import QueueFull, RegionTooSmall, RequestTimeout, WorkerError
 from kiln.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kiln.server.metrics import Metrics
 from kiln.server.gpu import gpu_slots, parse_device
@@ -850,6 +850,9 @@ def _cuda_use(state: ServerState, model: ServedModel, req: Any) -> list:
         if device not in gpus:
             raise ApiError(400, f"{what} is in a CUDA region on GPU {device}, but model '{model.name}' runs on "
                                 f"GPU(s) {sorted(gpus)}")
+    if len({device for _, device in where}) > 1:
+        raise ApiError(400, "the CUDA shared memory regions of one request must be on one GPU; this request's are "
+                            "on " + ", ".join(f"{what} GPU {device}" for what, device in where))
     return outs
 
 
@@ -954,7 +957,12 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
         timeout_ms = min(timeout_ms, req.timeout_ms)
 
     try:
-        outputs = await model.batcher.submit(req.inputs, timeout_ms / 1000.0)
+        outputs = await model.batcher.submit(req.inputs, timeout_ms / 1000.0, device_out=cuda_outputs and {
+            o.name: state.cuda_shm.span(o.shared_memory, f"output '{o.name}'") for o in cuda_outputs})
+    except protocol.ProtocolError as e:  # a CUDA region unregistered since the request was parsed
+        raise ApiError(e.status, e.message) from None
+    except RegionTooSmall as e:
+        raise ApiError(400, str(e)) from None
     except QueueFull as e:  # also Draining
         raise _unavailable(str(e), e.retry_after_s) from None
     except RequestTimeout as e:
@@ -975,8 +983,8 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
 
     if req.outputs is not None:
         outputs = {o.name: outputs[o.name] for o in req.outputs}
-    for o in cuda_outputs:  # a GPU worker writes them (the HTTP process never touches CUDA)
-        o.written = await _write_cuda_output(state, model, o, outputs[o.name])
+    for o in cuda_outputs:  # the GPU worker wrote them with the batch (the HTTP process never touches CUDA)
+        o.written = int(np.asarray(outputs[o.name]).nbytes)
     encode = protocol.encode_infer_response
     args = (model.name, model.version, req.id, outputs, req.outputs, req.binary_default, state.shared)
     encode_started = time.perf_counter()
@@ -991,28 +999,6 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
                        outcome="backend" if e.status >= 500 else "invalid_request") from None
     state.metrics.observe_codec(model.name, model.version, decode_seconds, time.perf_counter() - encode_started)
     return Response(content=body, status_code=200, headers=extra)
-
-
-async def _write_cuda_output(state: ServerState, model: ServedModel, o: Any, arr: Any) -> int:
-    what = f"output '{o.name}'"
-    try:
-        span = state.cuda_shm.span(o.shared_memory, what)  # checked again: it may have been unregistered
-    except protocol.ProtocolError as e:
-        raise ApiError(e.status, e.message) from None
-    data = np.ascontiguousarray(arr)
-    if data.dtype.kind in "OSU":
-        raise ApiError(400, f"{what}: BYTES tensors cannot go to CUDA shared memory")
-    if data.nbytes > span.nbytes:
-        raise ApiError(400, f"{what} is {data.nbytes} bytes (shape {list(data.shape)}) but its "
-                            f"shared_memory_byte_size is {span.nbytes}")
-    try:
-        await model.executor.write_cuda(span, data.astype(data.dtype.newbyteorder("<"), copy=False))
-    except WorkerError as e:
-        raise ApiError(500, str(e), outcome="backend") from None
-    except Exception as e:  # noqa: BLE001 - a bad handle, a CUDA error: the request fails, the server goes on
-        raise ApiError(500, f"writing {what} to CUDA shared memory failed: {type(e).__name__}: {e}",
-                       outcome="backend") from None
-    return data.nbytes
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -156,7 +156,7 @@ def executor_analysis(executor: Any) -> Any:
 
 
 class _Request:
-    __slots__ = ("inputs", "rows", "key", "future", "enqueued", "seq", "queued", "timer")
+    __slots__ = ("inputs", "rows", "key", "future", "enqueued", "seq", "queued", "timer", "device_out")
 
     def __init__(self, inputs, rows, key, future, enqueued, seq):
         self.inputs: Dict[str, np.ndarray] = inputs
@@ -167,6 +167,7 @@ class _Request:
         self.seq: int = seq
         self.queued = True
         self.timer: Optional[asyncio.TimerHandle] = None
+        self.device_out: Optional[Dict[str, Any]] = None  # outputs the GPU worker writes to CUDA regions
 
 
 class DynamicBatcher:
@@ -235,9 +236,12 @@ class DynamicBatcher:
 
     # -- the caller's side -----------------------------------------------------------------------------
 
-    async def submit(self, inputs: Dict[str, np.ndarray], timeout_s: Optional[float] = None) -> Dict[str, np.ndarray]:
+    async def submit(self, inputs: Dict[str, np.ndarray], timeout_s: Optional[float] = None,
+                     device_out: Optional[Dict[str, Any]] = None) -> Dict[str, np.ndarray]:
         """Queue one request and return its outputs. Raises kiln.InputError (incl. BatchTooLarge),
-        QueueFull (incl. Draining), RequestTimeout, WorkerError, or the model's ExecutionError."""
+        QueueFull (incl. Draining), RequestTimeout, WorkerError, or the model's ExecutionError.
+        ``device_out``: ``{output: CudaSpan}``, outputs that the GPU worker also writes into CUDA shared
+        memory regions as part of the batch (server/cuda_shm.py)."""
         if not self._accepting:
             raise Draining(f"model '{self.model}' is shutting down and takes no new requests")
         if self._names is None:
@@ -250,6 +254,8 @@ class DynamicBatcher:
             if span is not None:
                 named[name] = inputs[name]
                 device = span.device_id
+        if device_out:
+            device = next(iter(device_out.values())).device_id
         if self.batching:
             rows = int(arrays[0].shape[0])
             if rows > self.max_batch_size:
@@ -279,6 +285,7 @@ class DynamicBatcher:
             self._scheduler.add_done_callback(self._scheduler_done)
         self._seq += 1
         req = _Request(named, rows, key, loop.create_future(), loop.time(), self._seq)
+        req.device_out = device_out or None
         self._groups.setdefault(key, deque()).append(req)
         self._set_depth(self._depth + 1)
         if timeout is not None:
@@ -440,14 +447,16 @@ class DynamicBatcher:
         # (bucket-sized) buffers: no concatenate here.
         run_parts = getattr(self.executor, "run_parts", None) if self.batching else None
         try:
+            device_out = [r.device_out for r in reqs] if any(r.device_out for r in reqs) else None
+            extra = {"device_out": device_out} if device_out else {}
             if run_parts is not None:
-                outputs = await run_parts([r.inputs for r in reqs])
+                outputs = await run_parts([r.inputs for r in reqs], **extra)
             else:
                 if len(reqs) == 1:
                     inputs = reqs[0].inputs
                 else:
                     inputs = {n: np.concatenate([r.inputs[n] for r in reqs]) for n in self._names}
-                outputs = await self.executor.run(inputs)
+                outputs = await self.executor.run(inputs, **extra)
         except ExecutionError as e:
             if len(reqs) == 1:
                 _fail(reqs, e)

@@ -414,6 +414,27 @@ def _release_when_done(job) -> None:
         job.result().release()
 
 
+def _output_patches(parts: Sequence[Mapping[str, Any]], first: str,
+                    device_out: Sequence[Optional[Mapping[str, Any]]]) -> Dict[str, List[Tuple[int, int, Any]]]:
+    """``{output: [(row, rows, CudaSpan)]}``: where each part's rows of an output go (its row offset in the
+    batch, its row count, its region)."""
+    patches: Dict[str, List[Tuple[int, int, Any]]] = {}
+    row = 0
+    for part, spans in zip(parts, device_out):
+        rows = int(np.shape(part[first])[0])
+        for name, span in (spans or {}).items():
+            patches.setdefault(name, []).append((row, rows, span))
+        row += rows
+    return patches
+
+
+def whole_outputs(device_out: Optional[Sequence[Optional[Mapping[str, Any]]]]) -> Dict[str, Any]:
+    """The ``device_out=`` keyword for a batch of one request run as it came: each output written whole
+    (``rows`` None) to its region; {} when there is nothing to write."""
+    spans = device_out[0] if device_out else None
+    return {"device_out": {name: [(0, None, span)] for name, span in spans.items()}} if spans else {}
+
+
 def uses_buckets(config: Any) -> bool:
     """Whether ``kiln serve`` wraps a model's executor in a :class:`BucketedExecutor`: ``buckets`` true, or
     ``buckets`` unset (None) and ``preferred_batch_size`` set."""
@@ -536,21 +557,25 @@ class BucketedExecutor:
                 log.warning("batch buckets: warm-up of bucket %s failed on zero inputs (%s); continuing", size, e)
         self.warmed = True
 
-    async def run(self, inputs: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    async def run(self, inputs: Dict[str, np.ndarray], device_out: Any = None) -> Dict[str, np.ndarray]:
         """Run one batch (already stacked)."""
-        return await self.run_parts([inputs])
+        return await self.run_parts([inputs], [device_out[0]] if device_out else None)
 
-    async def run_parts(self, parts: Sequence[Mapping[str, np.ndarray]]) -> Dict[str, np.ndarray]:
+    async def run_parts(self, parts: Sequence[Mapping[str, np.ndarray]],
+                        device_out: Optional[Sequence[Optional[Mapping[str, Any]]]] = None) -> Dict[str, np.ndarray]:
         """Run the requests ``parts`` as one batch: their rows are copied straight into the bucket's staging
         buffers (no concatenate), padded, run, and the outputs sliced back to the real rows (the batcher
-        splits them per request)."""
+        splits them per request). ``device_out``: per part, ``{output: CudaSpan}`` that the GPU worker writes
+        the part's rows to (server/cuda_shm.py)."""
+        names = [s.name for s in self.inputs]
         if not self.padded:
             if len(parts) == 1:
-                return await self.inner.run(dict(parts[0]))
+                return await self.inner.run(dict(parts[0]), **whole_outputs(device_out))
             names = list(parts[0])
             return await self.inner.run({n: np.concatenate([p[n] for p in parts]) for n in names})
-        names = [s.name for s in self.inputs]
         n = sum(int(np.shape(p[names[0]])[0]) for p in parts)
+        patches_out = _output_patches(parts, names[0], device_out) if device_out else None
+        extra = {"device_out": patches_out} if patches_out else {}
         if n > self.max_batch_rows:
             raise KilnError(f"a batch of {n} rows is more than the largest batch bucket ({self.max_batch_rows})")
         bucket = bucket_for(n, self.buckets)
@@ -569,7 +594,7 @@ class BucketedExecutor:
         run = None
         try:
             self.batches[bucket] = self.batches.get(bucket, 0) + 1
-            kwargs: Dict[str, Any] = {}
+            kwargs: Dict[str, Any] = dict(extra)
             if staged.outputs:
                 kwargs["out"] = staged.outputs
             device = staged.device_patches()

@@ -20,9 +20,13 @@ datatype size). The device memory is opened in the GPU workers:
   rows, and the batch carries *device patches*: the worker opens the handle (``cudaIpcOpenMemHandle``,
   cached per registration) and copies the rows device to device into the batch's device input, then
   pads from the last real row on the device too.
-- *Outputs* into a CUDA region are written by a worker on that GPU after the batch: the request's rows
-  (already in host memory for the response path) are copied host to device into the region (one extra
-  copy of those rows; a device-to-device copy from the graph's output would save it, see docs/NOTES.md).
+- *Outputs* into a CUDA region are written by the GPU worker as part of the batch (the batch carries
+  ``device_out``: each request's row offset, row count and region): after the run, the request's rows are
+  copied host to device from the batch's page-locked host outputs into its region, and the worker waits for
+  those copies before answering. (A device-to-device copy from the graph's output buffers would save one
+  PCIe trip of those rows; the host copy is made anyway for the batch's other requests.) A region too small
+  for its output is found only then: :class:`~kiln.server.errors.RegionTooSmall`, an ExecutionError, so a
+  stacked batch is re-run request by request and only that request gets the 400.
 - *Unregister* forgets the region at once (new requests naming it get 400) and asks every GPU worker
   on its device to close the handle (``cudaIpcCloseMemHandle``); a worker also closes every handle when
   it exits.

@@ -8,7 +8,7 @@ allows (an :class:`kiln.InputError`, like every other bad-input error), 500 for 
 """
 from __future__ import annotations
 
-from kiln.errors import InputError, KilnError
+from kiln.errors import ExecutionError, InputError, KilnError
 
 
 class QueueFull(KilnError):
@@ -42,3 +42,11 @@ class WorkerError(KilnError):
     """The worker process running a request died (or the executor was closed under it): 500."""
 
     status = 500
+
+
+class RegionTooSmall(ExecutionError):
+    """An output asked for in a CUDA shared memory region does not fit it (known only once the batch ran):
+    a client error (400). An ExecutionError, so a stacked batch is re-run request by request and only the
+    request that named the small region fails."""
+
+    status = 400

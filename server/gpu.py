@@ -199,23 +199,6 @@ class GpuRunner:
             except Exception:  # noqa: BLE001 - the process is exiting
                 pass
 
-    def write_cuda(self, span: Any, data: Any) -> None:
-        """Copy host ``data`` into a CUDA region span (an output the client asked for there), then wait for
-        the copy: the client reads the region as soon as the response arrives."""
-        import numpy as np
-        data = np.ascontiguousarray(data)
-        if data.nbytes > span.nbytes:
-            raise KilnError(f"{data.nbytes} bytes do not fit a CUDA region span of {span.nbytes}")
-        if not data.nbytes:
-            return
-        stream = self._stream()
-        dst = self._acquire(span)
-        try:
-            self.cp.cuda.runtime.memcpyAsync(dst, data.ctypes.data, data.nbytes, 1, stream.ptr)  # host to device
-            stream.synchronize()
-        finally:
-            self._release(span)
-
     def _patch(self, dev: Dict[str, Any], inputs: Dict[str, Any], device: Dict[str, Any], stream: Any,
                held: list) -> None:
         """Copy the batch's rows that are in CUDA regions into its device inputs (device to device, on
@@ -275,13 +258,41 @@ class GpuRunner:
         return s
 
     def run(self, inputs: Dict[str, Any], out: Optional[Dict[str, Any]] = None,
-            device: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+            device: Optional[Dict[str, Any]] = None, device_out: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         held: list = []
         try:
-            return self._run(inputs, out, device, held)
+            result = self._run(inputs, out, device, held)
+            if device_out:
+                self._write_outputs(result, device_out, held)
+            return result
         finally:
             for span in held:
                 self._release(span)
+
+    def _write_outputs(self, result: Dict[str, Any], device_out: Dict[str, Any], held: list) -> None:
+        """Copy each request's rows of the outputs it asked for in CUDA regions there (host to device, from the
+        batch's host outputs, page-locked when they are arena blocks), then wait for the copies: the client
+        reads its region as soon as its response arrives."""
+        import numpy as np
+        from kiln.server.errors import RegionTooSmall
+        stream = self._stream()
+        too_small = []
+        for name, parts in device_out.items():
+            a = np.ascontiguousarray(result[name])
+            row_bytes = a.nbytes // a.shape[0] if a.ndim and a.shape[0] else a.nbytes
+            for row, rows, span in parts:
+                start, size = (0, a.nbytes) if rows is None else (row * row_bytes, rows * row_bytes)
+                if size > span.nbytes:
+                    too_small.append(f"output '{name}' is {size} bytes but its shared_memory_byte_size is "
+                                     f"{span.nbytes}")
+                    continue
+                if size:
+                    dst = self._acquire(span)
+                    held.append(span)
+                    self.cp.cuda.runtime.memcpyAsync(dst, a.ctypes.data + start, size, 1, stream.ptr)
+        stream.synchronize()
+        if too_small:
+            raise RegionTooSmall("; ".join(too_small))
 
     def _run(self, inputs: Dict[str, Any], out: Optional[Dict[str, Any]], device: Optional[Dict[str, Any]],
              held: list) -> Dict[str, Any]:
@@ -406,10 +417,15 @@ class GpuExecutor(ProcessExecutor):
         return min(free, key=lambda w: len(w.inflight)) if free else None
 
     async def run(self, inputs: Dict[str, Any], out: Optional[Dict[str, Any]] = None,
-                  device: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                  device: Optional[Dict[str, Any]] = None, device_out: Any = None) -> Dict[str, Any]:
         """Run one batch. ``device``: rows of inputs in CUDA shared memory (server/cuda_shm.py), as
         StagedBatch.device_patches gives them; an input that is wholly a DeviceInput (an unpadded batch of one
-        request) is turned into a patch here. Such a batch goes to a worker on the regions' GPU."""
+        request) is turned into a patch here. ``device_out``: ``{output: [(row, rows, CudaSpan)]}`` (rows None:
+        the whole output), or the batcher's per-request list for a batch of one request. Such a batch goes to a
+        worker on the regions' GPU."""
+        if isinstance(device_out, (list, tuple)):
+            from kiln.server.buckets import whole_outputs
+            device_out = whole_outputs(device_out).get("device_out")
         inputs = dict(inputs)
         device = dict(device or {})
         for name, a in list(inputs.items()):
@@ -417,9 +433,10 @@ class GpuExecutor(ProcessExecutor):
             if span is not None:
                 del inputs[name]
                 device[name] = {"parts": [(0, span)], "pad_from": None, "shape": tuple(a.shape), "dtype": a.dtype.str}
-        if not device:
+        if not device and not device_out:
             return await super().run(inputs, out)
         gpus = {span.device_id for d in device.values() for _, span in d["parts"]}
+        gpus |= {span.device_id for parts in (device_out or {}).values() for *_, span in parts}
         if len(gpus) != 1:
             raise KilnError(f"a batch reads CUDA shared memory on several GPUs ({sorted(gpus)})")
         gpu = gpus.pop()
@@ -429,14 +446,8 @@ class GpuExecutor(ProcessExecutor):
         sent = arena.encode(inputs) if arena is not None else inputs
         refs = ({k: r for k, r in ((k, arena.ref(v)) for k, v in (out or {}).items()) if r is not None}
                 if arena is not None else None)
-        return await self._submit(lambda: self._least_busy_on(gpu), lambda rid: ("run", rid, sent, refs, device))
-
-    async def write_cuda(self, span: Any, data: Any) -> None:
-        """Have a worker on the span's GPU copy ``data`` (host bytes) into that CUDA region span."""
-        if span.device_id not in self.slots:
-            raise KilnError(f"CUDA shared memory on GPU {span.device_id}, but this model's workers run on GPU(s) "
-                            f"{self.gpus}")
-        await self._submit(lambda: self._least_busy_on(span.device_id), lambda rid: ("cuda_write", rid, span, data))
+        return await self._submit(lambda: self._least_busy_on(gpu),
+                                  lambda rid: ("run", rid, sent, refs, device, device_out or None))
 
     async def close_cuda(self, device_id: int, handle: bytes) -> None:
         """Have every live worker on GPU ``device_id`` close its IPC mapping of ``handle`` (if it has one)."""

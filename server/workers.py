@@ -235,13 +235,14 @@ def _worker_main(conn, path: str, backend: str, threads: int, memory_budget: Opt
     else:
         runner = CpuRunner(program)
 
-    def execute(rid: int, inputs: dict, out: Optional[dict] = None, device: Optional[dict] = None) -> None:
+    def execute(rid: int, inputs: dict, out: Optional[dict] = None, device: Optional[dict] = None,
+                device_out: Optional[dict] = None) -> None:
         fault = None
         try:
             if arena is not None:
                 inputs = arena.decode(inputs)
                 out = arena.decode(out) if out else None
-            outputs = runner.run(inputs, out, device) if device else runner.run(inputs, out)
+            outputs = runner.run(inputs, out, device, device_out) if device or device_out else runner.run(inputs, out)
             msg = ("ok", rid, arena.encode(outputs) if arena is not None else outputs,
                    getattr(runner, "timings", None))
         except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
@@ -257,20 +258,15 @@ def _worker_main(conn, path: str, backend: str, threads: int, memory_budget: Opt
             os._exit(70)
 
     def cuda_call(kind: str, rid: int, *args) -> None:
-        fault = None
         try:
-            (runner.write_cuda if kind == "cuda_write" else runner.close_cuda)(*args)
+            runner.close_cuda(*args)
             msg = ("ok", rid, None, None)
-        except BaseException as e:  # noqa: BLE001 - answered; a CUDA fault also ends this worker
-            from kiln.server.gpu import cuda_fault
-            fault = cuda_fault(e) if kind == "cuda_write" else None
-            msg = ("err", rid, _portable(fault or e))
+        except BaseException as e:  # noqa: BLE001 - answered (the region is forgotten either way)
+            msg = ("err", rid, _portable(e))
         try:
             answer(msg)
         except (OSError, ValueError):
             pass
-        if fault is not None:
-            os._exit(70)
 
     pool = ThreadPoolExecutor(threads, thread_name_prefix="kiln-worker") if threads > 1 else None
     try:
@@ -285,7 +281,7 @@ def _worker_main(conn, path: str, backend: str, threads: int, memory_budget: Opt
                     execute(*msg[1:])
                 else:
                     pool.submit(execute, *msg[1:])
-            elif kind in ("cuda_write", "cuda_close") and gpu:  # CUDA shared memory (server/cuda_shm.py)
+            elif kind == "cuda_close" and gpu:  # CUDA shared memory (server/cuda_shm.py)
                 (pool.submit if pool is not None else (lambda f, *a: f(*a)))(cuda_call, *msg)
             elif kind == "info":
                 answer(("ok", msg[1], {"pid": os.getpid(), "modules": sorted(sys.modules),

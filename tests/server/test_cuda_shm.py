@@ -25,6 +25,7 @@ import kiln  # noqa: E402
 from kiln.server.app import create_app  # noqa: E402
 from kiln.server.batcher import DynamicBatcher  # noqa: E402
 from kiln.server.buckets import BucketedExecutor, Staging  # noqa: E402
+from kiln.server.errors import RegionTooSmall  # noqa: E402
 from kiln.server.cuda_shm import CudaSharedMemory, CudaSpan, DeviceInput, device_input  # noqa: E402
 from kiln.server.protocol import ProtocolError  # noqa: E402
 from kiln.server.repository import ModelConfig, ModelEntry  # noqa: E402
@@ -200,12 +201,15 @@ class StandInGpu(ThreadExecutor):
     def __init__(self, path, config, memory):
         super().__init__(path, config)
         self.memory = memory
-        self.patches, self.closed = [], []
+        self.patches, self.closed, self.out_patches = [], [], []
 
     def _bytes(self, span):
         return np.frombuffer(self.memory[span.handle], np.uint8, span.nbytes, span.offset)
 
-    async def run(self, inputs, out=None, device=None):
+    async def run(self, inputs, out=None, device=None, device_out=None):
+        if isinstance(device_out, list):  # the batcher's own form for a batch of one request
+            from kiln.server.buckets import whole_outputs
+            device_out = whole_outputs(device_out).get("device_out")
         inputs, device = dict(inputs), dict(device or {})
         for name, a in list(inputs.items()):
             if isinstance(a, DeviceInput):
@@ -220,11 +224,19 @@ class StandInGpu(ThreadExecutor):
             if d["pad_from"]:
                 buf[d["pad_from"]:] = buf[d["pad_from"] - 1]
             inputs[name] = buf
-        return await super().run(inputs)
-
-    async def write_cuda(self, span, data):
-        assert data.nbytes <= span.nbytes
-        self.memory[span.handle][span.offset:span.offset + data.nbytes] = data.tobytes()
+        outputs = await super().run(inputs)
+        self.out_patches.append(device_out)
+        for name, parts in (device_out or {}).items():
+            a = np.ascontiguousarray(outputs[name])
+            row_bytes = a.nbytes // a.shape[0]
+            for row, rows, span in parts:
+                data = a.tobytes() if rows is None else a[row:row + rows].tobytes()
+                if len(data) > span.nbytes:
+                    raise RegionTooSmall(f"output '{name}' is {len(data)} bytes but its shared_memory_byte_size "
+                                         f"is {span.nbytes}")
+                self.memory[span.handle][span.offset:span.offset + len(data)] = data
+            assert row_bytes
+        return outputs
 
     async def close_cuda(self, device_id, h):
         self.closed.append((device_id, h))
@@ -278,6 +290,21 @@ def test_cuda_shared_memory_through_tritonclient_with_a_stand_in_gpu(gpu_served)
     # The batch was padded to bucket 4 on the "device" (from row 2), and its rows never came as bytes.
     gpu_inner = made[0]
     assert gpu_inner.patches[-1]["x"]["pad_from"] == 3 and gpu_inner.patches[-1]["x"]["parts"][0][0] == 0
+    # The output went with the batch: rows 0..3 of 'probs' into region "out" at offset 256.
+    [(row, rows, span)] = gpu_inner.out_patches[-1]["probs"]
+    assert (row, rows, span.offset, span.nbytes) == (0, 3, 256, y.nbytes)
+    # A region too small for the output: 400, said when the batch ran.
+    small = tc.InferRequestedOutput(out_name, binary_data=True)
+    small.set_shared_memory("out", y.nbytes - 4)
+    with pytest.raises(Exception, match=f"output 'probs' is {y.nbytes} bytes but its shared_memory_byte_size is "
+                                        f"{y.nbytes - 4}"):
+        client.infer("gpu", [inp], outputs=[small])
+    r = raw_post(server, "/v2/models/gpu/infer", {
+        "inputs": [{"name": "x", "shape": [3, 16], "datatype": "FP32",
+                    "parameters": {"shared_memory_region": "in", "shared_memory_byte_size": x.nbytes,
+                                   "shared_memory_offset": 128}}],
+        "outputs": [{"name": "probs", "parameters": {"shared_memory_region": "out", "shared_memory_byte_size": 8}}]})
+    assert r.status_code == 400 and "shared_memory_byte_size is 8" in r.json()["error"], r.text
     # A plain HTTP answer from the same model agrees (its output through the response).
     inp2 = tc.InferInput("x", [3, 16], "FP32")
     inp2.set_data_from_numpy(x)
