@@ -5,7 +5,8 @@
 #   STAGE=triton   carry .whl-triton (the nvidia-pytriton wheel, 53 MB): a venv at /tmp/vt with it
 #   STAGE=bench    carry .whl and .whl-triton-deps: the server's wheels into /tmp/site, PyTriton's
 #                  dependencies (numpy 1.26 ...) into /tmp/vt, then TESTS=1 runs the GPU serving tests
-#                  and MODELS/SERVERS/CLIENTS/MODES select the benchmark cells.
+#                  and MODELS/SERVERS/CLIENTS/MODES select the benchmark cells; PROBE="resnet50 bert" runs
+#                  bench/gpu_latency_probe.py (one request's time, layer by layer) for those models.
 # Everything it writes goes to $OUT (one JSON per call, logs).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -35,6 +36,10 @@ if [ "${TESTS:-0}" = 1 ]; then
   timeout ${TESTS_S:-240} python3 -m pytest -q -p no:cacheprovider -rs --durations=5 tests/server/test_gpu_serve.py tests/server/test_cuda_shm.py \
     tests/server/test_buckets.py tests/server/test_workers.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -30 || status=1
 fi
+for m in ${PROBE:-}; do  # bench/gpu_latency_probe.py: one request's time, layer by layer
+  timeout ${PROBE_S:-300} python3 bench/gpu_latency_probe.py --model "$m" --n ${PROBE_N:-300} \
+    --json "$OUT/latency_${m}_${TAG:-run}.json" 2>&1 | tail -12 | tee "$OUT/latency_${m}_${TAG:-run}.log" || status=1
+done
 if [ -n "${MODELS:-}" ]; then
   timeout ${BENCH_S:-480} python3 bench/gpu_serve_bench.py --models "$MODELS" --servers "${SERVERS:-kiln,triton,torch}" \
     --clients "${CLIENTS:-1,8,64,256}" --modes "${MODES:-http,shm}" --seconds "${SECONDS_PER:-5}" --gpus "${GPUS:-}" \

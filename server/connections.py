@@ -77,6 +77,16 @@ _HEALTH_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
 _MODEL_READY = re.compile(r"^/v2/models/[^/]+(/versions/[^/]+)?/ready$")
 
 
+def aligned_sink(length: int, header: int = 0, align: int = 64) -> memoryview:
+    """A ``length``-byte buffer placed so that byte ``header`` (where the binary tensor data starts, after the
+    JSON header of ``Inference-Header-Content-Length`` bytes) is ``align``-byte aligned: the tensors decoded
+    from it are aligned views, not copies (numpy copies a misaligned float32 view before use; for a 602 KB
+    ResNet-50 input that was a second copy of every byte)."""
+    raw = np.empty(length + align, np.uint8)
+    skip = (-(raw.ctypes.data + max(0, min(header, length)))) % align
+    return memoryview(raw[skip:skip + length])
+
+
 @dataclass
 class ConnectionLimits:
     """The connection-level limits; every one is documented in the module docstring and the README."""
@@ -469,18 +479,23 @@ def make_protocol_class(tracker: ConnectionTracker):
             path = scope.get("path", "")
             if not (path.startswith("/v2/models/") and path.endswith("/infer")):
                 return
-            length = None
+            length, header = None, 0
             for name, value in scope.get("headers", ()):
                 if name == b"content-length":
                     try:
                         length = int(value)
                     except ValueError:
                         return
+                elif name == b"inference-header-content-length":
+                    try:
+                        header = int(value)
+                    except ValueError:
+                        header = 0  # the app refuses it with a 400
                 elif name in (b"content-encoding", b"transfer-encoding", b"expect"):
                     return  # compressed, chunked or 100-continue: uvicorn's own path
             if length is None or not 0 < length <= BODY_SINK_MAX:
                 return
-            cycle.kiln_sink = memoryview(np.empty(length, np.uint8))
+            cycle.kiln_sink = aligned_sink(length, header)
             cycle.kiln_pos = 0
             delegate = cycle.receive
             delivered = False

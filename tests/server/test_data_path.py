@@ -405,3 +405,23 @@ def test_pipelined_inference_requests_each_get_their_own_body(guarded):
     for x, (status, y) in zip(xs, answers):
         assert status == b"200"
         np.testing.assert_allclose(y, program.run({"x": x})["logits"].ravel(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_sink_aligns_the_binary_part_so_tensors_are_views_not_copies():
+    from kiln.server import protocol
+    from kiln.server.connections import aligned_sink
+    for length, header in [(1, 0), (100, 37), (4096, 4095), (10, 50), (602_200, 131)]:
+        buf = aligned_sink(length, header)
+        assert len(buf) == length and buf.readonly is False
+        addr = np.frombuffer(buf, np.uint8).ctypes.data
+        assert (addr + min(header, length)) % 64 == 0, (length, header)
+    x = np.random.default_rng(2).standard_normal((2, 3, 5)).astype(np.float32)
+    body, headers = binary_request(x)
+    hl = int(headers["Inference-Header-Content-Length"])
+    assert hl % 4, "the test wants a JSON header that would misalign the data"
+    sink = aligned_sink(len(body), hl)
+    sink[:] = body
+    req = protocol.parse_infer_request(sink, hl, max_elements=1 << 20)
+    got = req.inputs["x"]
+    np.testing.assert_array_equal(got, x)
+    assert got.flags.aligned and np.shares_memory(got, np.frombuffer(sink, np.uint8))  # decoded in place
