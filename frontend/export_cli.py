@@ -194,6 +194,8 @@ def _check_step(graph, model, inputs: dict, ranges: dict, progress: _Progress) -
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from kiln.serializer.convert_cli import check_precision_args
+    check_precision_args(args)  # a bad OP=... fails now, not after tracing
     specs = [_parse_input_spec(s) for s in args.input]
     ranks = {name: len(shape) for name, shape, _, _ in specs}
     if len(ranks) != len(specs):
@@ -222,6 +224,17 @@ def cmd_export(args: argparse.Namespace) -> int:
         with progress.step("optimizing"):
             optimize(graph)
             verify(graph)
+    if args.precision != "fp32":  # after the check: it compares the float32 trace with the model
+        from kiln.ir.passes import optimize
+        from kiln.ir.verifier import verify
+        from kiln.serializer.convert_cli import apply_precision
+
+        with progress.step(f"converting to {args.precision}"):
+            summary = apply_precision(graph, args)
+            if not args.no_optimize:
+                optimize(graph)
+            verify(graph)
+        print(f"  precision   {summary}")
     graph.metadata.props["source"] = args.model
     if args.output:
         path = _save_step(graph, args.output, progress)
@@ -325,6 +338,8 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-check", action="store_true",
                    help="skip comparing the graph with the model on fresh random inputs")
     p.add_argument("--no-optimize", action="store_true", help="save the graph as traced, without the pass pipeline")
+    from kiln.serializer.convert_cli import add_precision_args
+    add_precision_args(p)
     p.add_argument("--no-guards", action="store_true",
                    help="leave no kiln.Guard where the model reads a Python value from tensor data (bool(t), "
                         "t.item(), a symbolic size compared in Python): the file then answers as the trace did "

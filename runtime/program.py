@@ -291,7 +291,7 @@ BACKENDS = ("kiln", "onnxruntime")
 
 def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize: bool = True,
          backend: str = "kiln", threads: Optional[int] = None, limits=None,
-         memory_budget: Union[int, str, None] = None, **cuda_options):
+         memory_budget: Union[int, str, None] = None, precision: Optional[str] = None, **cuda_options):
     """Load a .kiln or .onnx file (or take a Graph) and make it runnable.
 
     ``backend="kiln"`` (default): kiln's CPU runtime builds an execution plan; a .onnx file is imported
@@ -316,20 +316,30 @@ def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize
     ``"8GiB"``; default the environment variable ``KILN_MEMORY_BUDGET``, else none) bounds the
     buffers one run may allocate, estimated from the plan: a model whose static plan needs more
     is refused at load, and a request whose input shapes make it need more is refused before any
-    kernel runs, both with ``kiln.ResourceError`` (CPU runtime)."""
+    kernel runs, both with ``kiln.ResourceError`` (CPU runtime).
+
+    Half precision (issue 18): ``precision="fp16"|"bf16"`` converts a float32 model at load
+    (``kiln.ir.passes.precision.convert_precision``: weights cast once, activations in half, the op
+    policy's float32 ops kept in float32, the model's float32 inputs and outputs unchanged); a file already
+    converted (``kiln convert --precision``, ``kiln export --precision``) needs nothing. The CPU runtime runs
+    a half model in float32 (numpy has no fast half arithmetic and no bfloat16): its half weights are
+    widened at load, so it answers as the GPU's half run would up to the half rounding of activations."""
     if backend != "onnxruntime":
         from kiln.serializer.reader import collector_paused
         # Reading, optimizing and planning make a few objects per node: the cyclic collector's
         # walks over them were a third of a node-heavy model's load (see serializer/reader.py).
         with collector_paused():
             return _load(model, device, optimize=optimize, backend=backend, threads=threads, limits=limits,
-                         memory_budget=memory_budget, **cuda_options)
+                         memory_budget=memory_budget, precision=precision, **cuda_options)
+    if precision is not None:
+        raise KilnError("precision= is kiln's own conversion (backend='kiln'); for ONNX Runtime, convert the file "
+                        "first: kiln convert IN OUT --precision fp16")
     return _load(model, device, optimize=optimize, backend=backend, threads=threads, limits=limits,
                  memory_budget=memory_budget, **cuda_options)
 
 
 def _load(model, device: str, *, optimize: bool, backend: str, threads: Optional[int], limits,
-          memory_budget: Union[int, str, None], **cuda_options):
+          memory_budget: Union[int, str, None], precision: Optional[str] = None, **cuda_options):
     if backend == "onnxruntime":
         from kiln.runtime.onnxruntime_backend import OrtProgram
         return OrtProgram(model, device=device, optimize=optimize, threads=threads)
@@ -359,6 +369,12 @@ def _load(model, device: str, *, optimize: bool, backend: str, threads: Optional
     else:
         from kiln.serializer.reader import load_graph
         graph = load_graph(model, limits=limits)
+    if precision is not None:
+        from kiln.ir.passes.precision import convert_precision
+        convert_precision(graph, precision)
+    if not cuda:
+        from kiln.ir.passes.precision import upcast_to_float32
+        upcast_to_float32(graph)  # a half model computes in float32 on the CPU (see load's docstring)
     if optimize:
         from kiln.ir.passes import optimize as run_optimize
         run_optimize(graph)

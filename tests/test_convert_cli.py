@@ -81,7 +81,11 @@ def test_convert_opset_and_no_optimize(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["m.kiln", "m.kiln"], "cannot convert m.kiln to m.kiln: kiln convert turns a .kiln file into .onnx or a .onnx "
-                           "file into .kiln (got '.kiln' -> '.kiln')"),
+                           "file into .kiln, or (with --precision fp16|bf16) a .kiln file into a half-precision "
+                           ".kiln file (got '.kiln' -> '.kiln')"),
+    ([MODEL, "m.kiln", "--op-precision", "Exp=float32"], "--op-precision and --half-io go with --precision"),
+    ([MODEL, "m.kiln", "--precision", "fp16", "--op-precision", "Exp"], "OP=half or OP=float32"),
+    ([MODEL, "m.kiln", "--precision", "fp16", "--no-optimize"], "--no-optimize applies to .onnx -> .kiln"),
     (["m.onnx", "m.txt"], "(got '.onnx' -> '.txt')"),
     (["model", "m.onnx"], "(got 'no suffix' -> '.onnx')"),
     (["missing.kiln", "m.onnx"], "no such file: missing.kiln"),
@@ -197,3 +201,34 @@ def test_export_help_documents_onnx(capsys):
         main(["export", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "--onnx FILE.onnx" in out and "may be left out when --onnx is given" in out and "--opset N" in out
+
+
+# ---------------------------------------------------------------------------- half precision (issue 18)
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_convert_to_half_precision_then_run(precision, tmp_path, capsys):
+    out = tmp_path / f"m_{precision}.kiln"
+    assert main(["convert", MODEL, str(out), "--precision", precision]) == 0
+    text = capsys.readouterr().out
+    assert f"wrote {out}" in text and f"{precision}: 6 weights" in text and "casts inserted" in text
+    assert out.stat().st_size < Path(MODEL).stat().st_size
+    graph = kiln.load_graph(out)
+    half = kiln.DType.FLOAT16 if precision == "fp16" else kiln.DType.BFLOAT16
+    assert {v.dtype for v in graph.initializers.values()} == {half}
+    assert_close_to_scale(run_outputs(str(out), tmp_path), expected(), 3e-2 if precision == "bf16" else 3e-3)
+    # Half inputs and outputs, and the half model exported to ONNX runs in onnxruntime.
+    io = tmp_path / "io.kiln"
+    assert main(["convert", MODEL, str(io), "--precision", precision, "--half-io"]) == 0
+    assert kiln.load_graph(io).inputs[0].dtype is half
+    if precision == "fp16":
+        onnx_path = tmp_path / "m16.onnx"
+        assert main(["convert", MODEL, str(onnx_path), "--precision", "fp16"]) == 0
+        got = run_outputs(str(onnx_path), tmp_path, "--backend", "onnxruntime")
+        assert_close_to_scale(got, expected(), 3e-3)
+
+
+def assert_close_to_scale(got: dict, want: dict, tol: float) -> None:
+    """Half precision: every element within ``tol`` of each output's largest magnitude."""
+    assert sorted(got) == sorted(want)
+    for name in want:
+        err = np.abs(got[name].astype(np.float32) - want[name]).max()
+        assert err <= tol * np.abs(want[name]).max(), (name, err)

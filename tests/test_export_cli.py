@@ -191,6 +191,8 @@ ERRORS = [
     ("{examples}:MLP", ["--input", "x:2x64", "-o", "no/such/folder/m.kiln"], "the folder"),
     ("{bad}:Odd", ["--input", "x:4"], "bessel_j0' is not supported by kiln's tracer"),
     ("{bad}:Branchy", ["--input", "x:4"], "refuses fresh random inputs"),
+    ("{examples}:MLP", ["--input", "x:2x64", "--precision", "fp16", "--op-precision", "Relu"], "OP=half or OP=float32"),
+    ("{examples}:MLP", ["--input", "x:2x64", "--half-io"], "--op-precision and --half-io go with --precision"),
 ]
 
 
@@ -274,3 +276,20 @@ def test_script_errors_name_the_line(scripted_models, tmp_path):
 def test_script_flag_is_in_the_help():
     r = kiln_cli("export", "--help")
     assert r.returncode == 0 and "--script" in r.stdout and "kiln.script" in r.stdout
+
+
+def test_export_in_half_precision(tmp_path):
+    out = tmp_path / "mlp16.kiln"
+    r = kiln_cli("export", f"{EXAMPLES}:MLP", "-o", out, "--input", "x:2x64", "--dynamic-batch", "--precision", "fp16")
+    assert r.returncode == 0, r.stderr
+    assert "\nconverting to fp16 " in "\n" + r.stderr and "precision   fp16: " in r.stdout, (r.stdout, r.stderr)
+    assert "check       passed" in r.stdout  # the check compares the float32 trace, before the conversion
+    graph = kiln.load_graph(out)
+    assert {v.dtype for v in graph.initializers.values()} == {kiln.DType.FLOAT16}
+    assert graph.inputs[0].dtype is kiln.DType.FLOAT32
+    model = load_examples().MLP().eval()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = model(x).numpy()
+    got = next(iter(kiln.load(out).run({"x": x.numpy()}).values()))
+    assert np.abs(got - want).max() <= 5e-3 * np.abs(want).max()

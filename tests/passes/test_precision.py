@@ -1,0 +1,198 @@
+"""Half precision conversion (ir/passes/precision.py, issue 18): the graph it makes, the op policy, the
+interface, weights in the file, and answers on the CPU runtime (which computes a half model in float32)
+against the float32 model and torch."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kiln
+from kiln.errors import KilnError
+from kiln.ir import Graph
+from kiln.ir.dtypes import DType
+from kiln.ir.passes.precision import FP32_OPS, convert_precision, parse_policy, upcast_to_float32
+from kiln.serializer.reader import load_graph
+
+MLP = Path(__file__).resolve().parents[1] / "fixtures" / "mlp_runtime.kiln"
+
+
+def mlp_graph() -> Graph:
+    return load_graph(MLP)
+
+
+def floats(g: Graph) -> set:
+    return {v.dtype for gg in g.all_graphs() for v in gg.values() if v.dtype is not None and v.dtype.is_float}
+
+
+@pytest.mark.parametrize("precision, half", [("fp16", DType.FLOAT16), ("bf16", DType.BFLOAT16)])
+def test_weights_and_activations_go_half_the_interface_stays_float32(precision, half, tmp_path):
+    g = mlp_graph()
+    before = sum(v.const.nbytes for v in g.initializers.values())
+    report = convert_precision(g, precision)
+    assert report.weights == 6 and report.weight_bytes_after * 2 == report.weight_bytes_before == before
+    assert all(v.dtype is half for v in g.initializers.values())
+    assert [x.dtype for x in g.inputs] == [DType.FLOAT32]
+    assert [y.name for y in g.outputs] == ["logits", "probs"] and all(y.dtype is DType.FLOAT32 for y in g.outputs)
+    inner = [n for n in g.nodes if n.op != "Cast"]
+    assert inner and all(o.dtype is half for n in inner for o in n.outputs)  # Softmax too: no float32 island
+    assert report.casts == 3 and report.float32_nodes == []
+    # The file halves (weights are most of it), and loads back as it was written.
+    full, small = tmp_path / "f32.kiln", tmp_path / "f16.kiln"
+    kiln.save(mlp_graph(), full)
+    kiln.save(g, small)
+    assert small.stat().st_size < 0.75 * full.stat().st_size
+    assert {v.dtype for v in load_graph(small).initializers.values()} == {half}
+
+
+@pytest.mark.parametrize("precision, tol", [("fp16", 2e-3), ("bf16", 2e-2)])
+def test_cpu_runs_a_half_file_in_float32_close_to_float32(precision, tol, tmp_path):
+    x = np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32)
+    want = kiln.load(MLP).run({"x": x})
+    g = mlp_graph()
+    convert_precision(g, precision)
+    kiln.save(g, tmp_path / "h.kiln")
+    prog = kiln.load(tmp_path / "h.kiln")
+    got = prog.run({"x": x})
+    for name in want:
+        assert got[name].dtype == np.float32
+        scale = np.abs(want[name]).max()
+        assert np.abs(got[name] - want[name]).max() <= tol * scale, name
+    # The same through load(precision=) from the float32 file.
+    again = kiln.load(MLP, precision=precision).run({"x": x})
+    for name in want:
+        np.testing.assert_array_equal(again[name], got[name])
+
+
+def test_io_half_makes_inputs_and_outputs_half():
+    g = mlp_graph()
+    convert_precision(g, "fp16", io="half")
+    assert g.inputs[0].dtype is DType.FLOAT16 and all(y.dtype is DType.FLOAT16 for y in g.outputs)
+    assert [y.name for y in g.outputs] == ["logits", "probs"]
+    x = np.random.default_rng(1).standard_normal((2, 16)).astype(np.float16)
+    out = kiln.load(g).run({"x": x})
+    assert out["probs"].dtype == np.float16
+    np.testing.assert_allclose(out["probs"].astype(np.float32).sum(-1), 1.0, atol=2e-3)
+
+
+def _exp_graph() -> Graph:
+    g = Graph("e")
+    x = g.add_input("x", "float32", ("n", 4))
+    e = g.op("Exp", x)
+    y = g.op("Mul", e, g.add_initializer("k", np.full(4, 0.5, np.float32)))
+    g.outputs = [g.op("Relu", y, name="y")]
+    return g
+
+
+def test_policy_keeps_float32_ops_in_float32_and_is_overridable():
+    assert "Exp" in FP32_OPS
+    g = _exp_graph()
+    report = convert_precision(g, "fp16")
+    exp = next(n for n in g.nodes if n.op == "Exp")
+    # The graph input feeds Exp directly: no round trip through half, and Exp's result goes back to half.
+    assert exp.inputs[0] is g.inputs[0] and exp.outputs[0].dtype is DType.FLOAT32
+    assert [n.split(":")[0] for n in report.float32_nodes] == ["Exp"]
+    mul = next(n for n in g.nodes if n.op == "Mul")
+    assert mul.inputs[0].producer.op == "Cast" and mul.outputs[0].dtype is DType.FLOAT16
+    x = np.array([[11.5, 1.0, -2.0, 0.0]], np.float32)  # exp(11.5) = 98,715: past fp16's 65,504
+    got = kiln.load(g).run({"x": x})["y"]
+    np.testing.assert_allclose(got, np.exp(x) * 0.5, rtol=2e-3)
+    g2 = _exp_graph()
+    report = convert_precision(g2, "fp16", policy={"Exp": "half"})
+    assert report.float32_nodes == [] and next(n for n in g2.nodes if n.op == "Exp").outputs[0].dtype is DType.FLOAT16
+    g3 = _exp_graph()
+    convert_precision(g3, "fp16", policy=parse_policy(["Relu=float32"]))
+    assert next(n for n in g3.nodes if n.op == "Relu").outputs[0].dtype is DType.FLOAT32
+
+
+@pytest.mark.parametrize("items, message", [(["Exp"], "OP=half or OP=float32"), (["Exp=double"], "OP=half"),
+                                            (["=half"], "OP=half")])
+def test_policy_errors(items, message):
+    with pytest.raises(KilnError, match=message):
+        parse_policy(items)
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(KilnError, match="fp16 or bf16"):
+        convert_precision(mlp_graph(), "fp8")
+    with pytest.raises(KilnError, match="io must be"):
+        convert_precision(mlp_graph(), "fp16", io="int")
+    with pytest.raises(KilnError, match="'half' or 'float32'"):
+        convert_precision(mlp_graph(), "fp16", policy={"Exp": "fp64"})
+
+
+def test_out_of_range_weights_are_clamped_and_counted():
+    g = Graph("mask")
+    x = g.add_input("x", "float32", (2, 3))
+    m = g.add_initializer("mask", np.array([0.0, np.finfo(np.float32).min, 1e5], np.float32))
+    g.outputs = [g.op("Softmax", g.op("Add", x, m), name="y")]
+    report = convert_precision(g, "fp16")
+    assert report.clamped == 2
+    assert g.initializers["mask"].const.tolist() == [0.0, -65504.0, 65504.0]
+    got = kiln.load(g).run({"x": np.zeros((2, 3), np.float32)})["y"]
+    assert np.isfinite(got).all()
+    assert convert_precision(_exp_graph(), "bf16").clamped == 0  # bfloat16 has float32's range
+
+
+def test_an_op_whose_types_refuse_half_runs_in_float32():
+    g = Graph("r")
+    n = g.add_input("n", "float32", ())
+    r = g.op("Range", g.add_initializer("start", np.array(0, np.float32)), n,
+             g.add_initializer("step", np.array(1, np.float32)))
+    g.outputs = [g.op("Mul", r, g.add_initializer("k", np.array(2, np.float32)), name="y")]
+    report = convert_precision(g, "fp16")
+    assert [e.split(":")[::2] for e in report.float32_nodes] == [["Range", "types"]]
+    got = kiln.load(g).run({"n": np.array(4, np.float32)})["y"]
+    np.testing.assert_array_equal(got, [0, 2, 4, 6])
+
+
+def test_casts_to_float_inside_the_model_land_in_half():
+    g = Graph("c")
+    ids = g.add_input("mask", "int64", ("b", 4))
+    x = g.add_input("x", "float32", ("b", 4))
+    m = g.op("Cast", ids, to=DType.FLOAT32.value)
+    g.outputs = [g.op("Mul", x, m, name="y")]
+    convert_precision(g, "fp16")
+    cast = next(n for n in g.nodes if n.op == "Cast" and n.inputs[0] is g.inputs[0])
+    assert cast.attrs["to"] == DType.FLOAT16.value and cast.outputs[0].dtype is DType.FLOAT16
+
+
+def test_upcast_is_the_inverse_and_a_no_op_on_float32():
+    g = mlp_graph()
+    assert upcast_to_float32(g) is False
+    convert_precision(g, "bf16")
+    assert upcast_to_float32(g) is True
+    assert floats(g) == {DType.FLOAT32}
+
+
+# ------------------------------------------------------------------------- real models, traced from torch
+
+@pytest.fixture(scope="module")
+def zoo():
+    pytest.importorskip("torch")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import zoo as z
+    return z
+
+
+@pytest.mark.parametrize("name", ["resnet18", "transformer_encoder", "gpt", "mobilenet_v3"])
+@pytest.mark.parametrize("precision, tol", [("fp16", 1e-2), ("bf16", 5e-2)])
+def test_zoo_models_convert_save_load_and_answer_close_to_torch(zoo, name, precision, tol, tmp_path):
+    import torch
+    model, inputs, spec = zoo.by_name(name).factory()
+    g = kiln.trace(model, inputs, dynamic=spec)
+    report = convert_precision(g, precision)
+    assert report.weights > 0
+    path = kiln.save(g, tmp_path / "m.kiln")  # the verifier checks every type on the way
+    names, tensors = zoo.input_list(model, inputs)
+    with torch.inference_mode():
+        want = model(*tensors) if not isinstance(inputs, dict) else model(**inputs)
+    want = (want if isinstance(want, (tuple, list)) else [want])
+    got = list(kiln.load(path).run(dict(zip(names, [t.numpy() for t in tensors]))).values())
+    for w, o in zip(want, got):
+        w = w.float().numpy()
+        assert o.shape == w.shape
+        err = np.abs(o.astype(np.float32) - w).max() / max(np.abs(w).max(), 1e-6)
+        assert err <= tol, (name, precision, err)
