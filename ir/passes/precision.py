@@ -49,6 +49,7 @@ FP32_OPS = frozenset({"ReduceSumSquare", "ReduceProd", "ReduceLogSumExp", "Reduc
                       "Exp", "Pow", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike"})
 
 _POLICIES = ("half", "float32")
+PRECISION_PROP = "kiln.precision"  # set on a converted graph's metadata
 _SHORT = {DType.FLOAT16: "fp16", DType.BFLOAT16: "bf16", DType.FLOAT32: "fp32"}
 
 
@@ -102,14 +103,21 @@ def convert_precision(graph: Graph, precision: str = "fp16", *, policy: Optional
         (fp32_ops.add if where == "float32" else fp32_ops.discard)(op)
     report = PrecisionReport("fp16" if half is DType.FLOAT16 else "bf16")
     _Converter(graph, DType.FLOAT32, half, fp32_ops, report).run(boundary=io == "float32")
+    graph.metadata.props[PRECISION_PROP] = report.precision  # what upcast_to_float32 looks for
     return report
 
 
-def upcast_to_float32(graph: Graph) -> bool:
+def upcast_to_float32(graph: Graph, *, force: bool = False) -> bool:
     """The inverse for the CPU runtime: every float16/bfloat16 value, weight and Cast target becomes float32
-    (in place). Returns whether the graph had any. numpy has no fast half arithmetic and no bfloat16 at all,
-    so a half file runs on the CPU in float32 with its half-rounded weights; half inputs and outputs stay
-    half at the interface."""
+    (in place). Returns whether it changed the graph. numpy has no fast half arithmetic and no bfloat16 at
+    all, so a half file runs on the CPU in float32 with its half-rounded weights; half inputs and outputs
+    stay half at the interface.
+
+    Only graphs that :func:`convert_precision` made (``metadata.props["kiln.precision"]``), unless
+    ``force``: a model that itself computes in half (an ONNX file with ``Cast(to=FLOAT16)`` on purpose)
+    keeps exactly what it asks for."""
+    if not force and graph.metadata.props.get(PRECISION_PROP) not in ("fp16", "bf16"):
+        return False
     if not _has_half(graph):
         return False
     report = PrecisionReport("float32")
@@ -152,6 +160,9 @@ class _Converter:
             extra.append(cast)
             out = cast.outputs[0]
             y.name, out.name = out.name, y.name  # the output keeps its name
+            if y.const is not None and g.initializers.get(out.name) is y:  # a constant output: rekey it
+                del g.initializers[out.name]
+                g.initializers[y.name] = y
             g.outputs[i] = out
         g.nodes.extend(extra)
 

@@ -50,18 +50,48 @@ CTYPES = {
 }
 
 
+# Half types (issue 18): stored as 16-bit words, loaded into float, computed in float and rounded once when
+# stored (a fused chain rounds only its outputs, as torch.compile's generated kernels do; an explicit Cast to
+# half inside a body rounds there too). Conversions are PTX (fp16), with no header for NVRTC to find.
+HALF = {np.dtype(np.float16): ("kiln_h2f", "kiln_f2h")}
+CTYPES[np.dtype(np.float16)] = "unsigned short"
+
+
 def supported_dtype(dt: Any) -> bool:
     return np.dtype(dt) in CTYPES
 
 
 def ctype(dt: Any) -> str:
+    """The C type a value of ``dt`` is stored as (in memory, kernel parameters)."""
     return CTYPES[np.dtype(dt)]
+
+
+def compute_ctype(dt: Any) -> str:
+    """The C type a value of ``dt`` is computed in: float for half types, else its storage type."""
+    dt = np.dtype(dt)
+    return "float" if dt in HALF else CTYPES[dt]
+
+
+def load_expr(dt: Any, expr: str) -> str:
+    """``expr`` (a stored ``dt``) as its compute type."""
+    conv = HALF.get(np.dtype(dt))
+    return f"{conv[0]}({expr})" if conv else expr
+
+
+def store_expr(dt: Any, expr: str) -> str:
+    """``expr`` (a computed value) as stored ``dt``."""
+    conv = HALF.get(np.dtype(dt))
+    return f"{conv[1]}({expr})" if conv else f"({ctype(dt)}){expr}"
+
+
+def has_half(dtypes) -> bool:
+    return any(np.dtype(d) in HALF for d in dtypes)
 
 
 def literal(value: Any, dt: Any) -> str:
     """An exact C literal of ``value`` in dtype ``dt``."""
     dt = np.dtype(dt)
-    t = ctype(dt)
+    t = compute_ctype(dt)
     if dt.kind == "b":
         return "true" if bool(value) else "false"
     if dt.kind == "f":
@@ -366,6 +396,8 @@ template <typename T> KF T k_ipow(T base, long long e) {
   return r;
 }
 template <typename T> struct alignas(sizeof(T) * 4) V4 { T v[4]; };
+KF float kiln_h2f(unsigned short h) { float f; asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h)); return f; }
+KF unsigned short kiln_f2h(float f) { unsigned short h; asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f)); return h; }
 """
 
 
@@ -389,18 +421,23 @@ def body_code(body: Body, load: Callable[[int], str]) -> list:
                 continue
             if a.startswith("a") and a not in read:
                 k = int(a[1:])
-                lines.append(f"const {ctype(body.operand_dtypes[k])} {a} = {load(k)};")
+                dt = body.operand_dtypes[k]
+                lines.append(f"const {compute_ctype(dt)} {a} = {load_expr(dt, load(k))};")
                 read.add(a)
             args.append(a)
         while args and args[-1] is None:
             args.pop()
-        expr = EXPRESSIONS[s.op](s.attrs, ctype(s.dtype), s.arg_dtypes, *args)
-        lines.append(f"const {ctype(s.dtype)} {s.out} = ({ctype(s.dtype)})({expr});")
+        t = compute_ctype(s.dtype)
+        expr = EXPRESSIONS[s.op](s.attrs, t, s.arg_dtypes, *args)
+        if s.op in ("Cast", "CastLike") and np.dtype(s.dtype) in HALF:  # a cast to half rounds to half here
+            expr = load_expr(s.dtype, store_expr(s.dtype, f"(float)({expr})"))
+        lines.append(f"const {t} {s.out} = ({t})({expr});")
     # An output that is an operand or literal passed through (Identity-like bodies).
     for o in body.outputs:
         if o.startswith("a") and o not in read:
             k = int(o[1:])
-            lines.append(f"const {ctype(body.operand_dtypes[k])} {o} = {load(k)};")
+            dt = body.operand_dtypes[k]
+            lines.append(f"const {compute_ctype(dt)} {o} = {load_expr(dt, load(k))};")
             read.add(o)
     return lines
 
@@ -456,7 +493,7 @@ def generate(body: Body, modes: Sequence[str], ndim: int, index: str, vec: bool,
         code = body_code(body, lambda k: f"v{k}.v[e]" if modes[k] == FLAT else f"s{k}")
         lines += ["      " + c for c in code]
         for j, o in enumerate(body.outputs):
-            lines.append(f"      r{j}.v[e] = ({ctype(body.output_dtypes[j])}){o};")
+            lines.append(f"      r{j}.v[e] = {store_expr(body.output_dtypes[j], o)};")
         lines.append("    }")
         for j, dt in enumerate(body.output_dtypes):
             lines.append(f"    reinterpret_cast<V4<{ctype(dt)}>*>(q{j})[v] = r{j};")
@@ -478,7 +515,7 @@ def generate(body: Body, modes: Sequence[str], ndim: int, index: str, vec: bool,
         code = body_code(body, load)
         lines += ["    " + c for c in code]
         for j, o in enumerate(body.outputs):
-            lines.append(f"    q{j}[i] = ({ctype(body.output_dtypes[j])}){o};")
+            lines.append(f"    q{j}[i] = {store_expr(body.output_dtypes[j], o)};")
         lines.append("  }")
     lines.append("}")
     return "\n".join(lines)
@@ -629,7 +666,8 @@ class ElementwiseKernel:
         strided = [k for k, m in enumerate(modes) if m == STRIDED]
         all_flat = not strided
         aligned = all(ops[k].data.ptr % (4 * ops[k].itemsize) == 0 for k, m in enumerate(modes) if m == FLAT)
-        vec = all_flat and n % 4 == 0 and n >= 4 and aligned
+        # The 4-wide path is for 4-byte types' 16-byte loads; half types take the element path.
+        vec = all_flat and n % 4 == 0 and n >= 4 and aligned and not has_half(self.dtypes + self.body.output_dtypes)
         # Outputs are fresh cupy allocations (256-byte aligned): always vector-aligned.
         if strided:
             cshape, cstr = collapse(tuple(shape), [el_strides[k] for k in strided])

@@ -1,4 +1,4 @@
-"""Convolution (N-d, float32) through cuDNN, reached from CuPy device pointers by nvidia-cudnn-frontend.
+"""Convolution (N-d, float32 and float16) through cuDNN, reached from CuPy device pointers by nvidia-cudnn-frontend.
 
 Why: the CuPy-only path (nn.py: im2col + cuBLAS) copies every input window into a column
 buffer and runs a plain GEMM; on the device's H200 that ran 1.6x to 9.2x slower than cuDNN on
@@ -139,14 +139,15 @@ class Plan:
     built, and the caller applies the rest itself."""
 
     def __init__(self, cudnn, x_shape, w_shape, pre, post, strides, dilations, epilogue: tuple, tf32: bool,
-                 workspace_cap: Optional[int] = _DEFAULT_CAP):
+                 workspace_cap: Optional[int] = _DEFAULT_CAP, dtype: str = "float32"):
         f32 = cudnn.data_type.FLOAT
+        io = cudnn.data_type.HALF if dtype == "float16" else f32
         last = None
         attempts = [(n, cap) for n in range(len(epilogue), -1, -1)
                     for cap in ((workspace_cap, None) if workspace_cap is not None else (None,))]
         for n, cap in attempts:
             try:
-                self._build(cudnn, f32, x_shape, w_shape, pre, post, strides, dilations, epilogue[:n], tf32, cap)
+                self._build(cudnn, f32, x_shape, w_shape, pre, post, strides, dilations, epilogue[:n], tf32, cap, io)
                 self.fused = tuple(epilogue[:n])
                 self.capped = cap is not None
                 break
@@ -160,10 +161,12 @@ class Plan:
     def fused_bias(self) -> bool:
         return "bias" in self.fused
 
-    def _build(self, cudnn, f32, x_shape, w_shape, pre, post, strides, dilations, epilogue, tf32, cap):
-        g = cudnn.pygraph(io_data_type=f32, intermediate_data_type=f32, compute_data_type=f32)
-        X = g.tensor(name="X", dim=list(x_shape), stride=_row_major(x_shape), data_type=f32)
-        W = g.tensor(name="W", dim=list(w_shape), stride=_row_major(w_shape), data_type=f32)
+    def _build(self, cudnn, f32, x_shape, w_shape, pre, post, strides, dilations, epilogue, tf32, cap, io=None):
+        # float16 (issue 18): tensors in half, the convolution and its epilogue computed in float32.
+        io = f32 if io is None else io
+        g = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32)
+        X = g.tensor(name="X", dim=list(x_shape), stride=_row_major(x_shape), data_type=io)
+        W = g.tensor(name="W", dim=list(w_shape), stride=_row_major(w_shape), data_type=io)
         Y = g.conv_fprop(image=X, weight=W, pre_padding=list(pre), post_padding=list(post),
                          stride=list(strides), dilation=list(dilations), compute_data_type=f32)
         nsp = len(x_shape) - 2
@@ -175,20 +178,20 @@ class Plan:
         for step in epilogue:
             if step == "bias":
                 m = w_shape[0]
-                B = g.tensor(name="B", dim=[1, m] + [1] * nsp, stride=[m, 1] + [1] * nsp, data_type=f32)
+                B = g.tensor(name="B", dim=[1, m] + [1] * nsp, stride=[m, 1] + [1] * nsp, data_type=io)
                 Y = g.add(a=Y, b=B, compute_data_type=f32)
             elif step == "residual":
-                R = g.tensor(name="R", dim=list(out), stride=_row_major(out), data_type=f32)
+                R = g.tensor(name="R", dim=list(out), stride=_row_major(out), data_type=io)
                 Y = g.add(a=Y, b=R, compute_data_type=f32)
             elif step == "relu":
                 Y = g.relu(input=Y, compute_data_type=f32)
             else:
                 raise ValueError(f"unknown epilogue step {step!r}")
-        Y.set_output(True).set_data_type(f32).set_dim(out).set_stride(_row_major(out))
+        Y.set_output(True).set_data_type(io).set_dim(out).set_stride(_row_major(out))
         g.validate()
         g.build_operation_graph()
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        if not tf32:
+        if not tf32 and io is f32:  # half runs on tensor cores by design
             g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS])
         if cap is not None:
             g.deselect_workspace_greater_than(cap)
@@ -219,7 +222,7 @@ def _row_major(shape) -> list:
 
 
 def plan(x_shape, w_shape, pre, post, strides, dilations, epilogue=(), *, tf32: Optional[bool] = None,
-         workspace_cap=_FROM_OPTIONS) -> Plan:
+         workspace_cap=_FROM_OPTIONS, dtype: str = "float32") -> Plan:
     """The built plan for this float32 convolution and epilogue (cached), or raise Unsupported.
     ``tf32`` and ``workspace_cap`` (bytes, None: no cap) default to the bound program's."""
     cudnn = _module()
@@ -230,7 +233,7 @@ def plan(x_shape, w_shape, pre, post, strides, dilations, epilogue=(), *, tf32: 
     if workspace_cap is _FROM_OPTIONS:
         workspace_cap = options().workspace_cap_bytes
     key = (tuple(x_shape), tuple(w_shape), tuple(pre), tuple(post), tuple(strides), tuple(dilations),
-           tuple(epilogue), bool(tf32), workspace_cap)
+           tuple(epilogue), bool(tf32), workspace_cap, str(np.dtype(dtype)))
     with _LOCK:
         p = _PLANS.get(key)
         if p is None:
@@ -295,7 +298,7 @@ class Executor:
         if epilogue is None:
             epilogue = self.epilogue()
         return plan(x_shape, self.w.shape, pre, post, self.strides, self.dilations, epilogue,
-                    tf32=self.tf32, workspace_cap=self.workspace_cap)
+                    tf32=self.tf32, workspace_cap=self.workspace_cap, dtype=self.w.dtype)
 
     def __call__(self, x, pre, post, out_shape, residual=None, relu: bool = False, finish=None):
         """conv(x) + bias [+ residual] [then relu]. The steps cuDNN did not fuse are done by

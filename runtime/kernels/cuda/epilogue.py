@@ -30,7 +30,9 @@ import cupy as cp
 import numpy as np
 
 from kiln.ir.graph import Node
-from kiln.runtime.kernels.cuda import FLOATS, codegen, ignored_inputs, in_dtype, kernel, options
+from kiln.runtime.kernels.cuda import FLOATS as _FLOATS32, codegen, ignored_inputs, in_dtype, kernel, options
+
+FLOATS = _FLOATS32 + (np.dtype(np.float16),)  # float16 too (issue 18): cublasLt's bias epilogue takes it
 from kiln.runtime.kernels.cuda.codegen import ElementwiseKernel, Unsupported
 
 

@@ -1,4 +1,5 @@
-"""MatMul, Gemm and Einsum through cuBLAS for float32/float64.
+"""MatMul, Gemm and Einsum through cuBLAS for float32/float64, and MatMul/Gemm for float16 (float32
+accumulation on tensor cores, issue 18).
 
 Products call cuBLAS directly through ctypes (``cublas_matmul`` below:
 ``cublas{S,D}gemmStridedBatched`` on a handle kiln owns, bound to the current stream) rather
@@ -63,6 +64,11 @@ def _lib():
         if lib is None:
             import cupy_backends.cuda.libs.cublas  # noqa: F401  (loads the library CuPy uses)
             lib = ctypes.CDLL(f"libcublas.so.{cp.cuda.runtime.runtimeGetVersion() // 1000}")
+        lib.cublasGemmStridedBatchedEx.argtypes = [
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int,
+            ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+            ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         for fn in ("cublasSgemmStridedBatched", "cublasDgemmStridedBatched"):
             getattr(lib, fn).argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                          ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
@@ -126,8 +132,16 @@ def _handle(stream, tf32: bool = False):
     return h
 
 
-_ONE = {np.dtype(np.float32): np.ones(1, np.float32), np.dtype(np.float64): np.ones(1, np.float64)}
-_ZERO = {np.dtype(np.float32): np.zeros(1, np.float32), np.dtype(np.float64): np.zeros(1, np.float64)}
+# float16 (issue 18): inputs and outputs in half, products accumulated in float32 on tensor cores
+# (cublasGemmStridedBatchedEx with CUBLAS_COMPUTE_32F; alpha and beta are float32 then).
+HALF = np.dtype(np.float16)
+_ONE = {np.dtype(np.float32): np.ones(1, np.float32), np.dtype(np.float64): np.ones(1, np.float64),
+        HALF: np.ones(1, np.float32)}
+_ZERO = {np.dtype(np.float32): np.zeros(1, np.float32), np.dtype(np.float64): np.zeros(1, np.float64),
+         HALF: np.zeros(1, np.float32)}
+_R_16F, _COMPUTE_32F, _GEMM_DEFAULT = 2, 68, -1
+#: What MatMul and Gemm run natively: float32, float64 and float16.
+GEMM_FLOATS = FLOATS + (HALF,)
 
 
 def _operand(x):
@@ -189,11 +203,18 @@ def cublas_matmul(a, b, alpha: float = 1.0, tf32: Optional[bool] = None):
     (a3, ta, lda, sa), (b3, tb, ldb, sb) = ops
     # Row-major C = A @ B is column-major C^T = B^T @ A^T: cuBLAS gets B first.
     lib = _lib()
-    fn = lib.cublasSgemmStridedBatched if a.dtype == np.float32 else lib.cublasDgemmStridedBatched
     if tf32 is None:
         tf32 = _default_tf32()
     h = _handle(cp.cuda.get_current_stream(), bool(tf32) and a.dtype == np.float32)
-    one, zero = (_ONE[a.dtype] if alpha == 1.0 else np.full(1, alpha, a.dtype)), _ZERO[a.dtype]
+    scale = _ONE[a.dtype].dtype
+    one, zero = (_ONE[a.dtype] if alpha == 1.0 else np.full(1, alpha, scale)), _ZERO[a.dtype]
+    if a.dtype == HALF:
+        _check(lib.cublasGemmStridedBatchedEx(
+            h, _OP_T if tb else _OP_N, _OP_T if ta else _OP_N, n, m, k, one.ctypes.data, b3.data.ptr, _R_16F, ldb, sb,
+            a3.data.ptr, _R_16F, lda, sa, zero.ctypes.data, out.data.ptr, _R_16F, n, m * n, nb, _COMPUTE_32F,
+            _GEMM_DEFAULT), "cublasGemmStridedBatchedEx")
+        return out
+    fn = lib.cublasSgemmStridedBatched if a.dtype == np.float32 else lib.cublasDgemmStridedBatched
     _check(fn(h, _OP_T if tb else _OP_N, _OP_T if ta else _OP_N, n, m, k, one.ctypes.data, b3.data.ptr, ldb, sb,
               a3.data.ptr, lda, sa, zero.ctypes.data, out.data.ptr, n, m * n, nb), "cublasGemmStridedBatched")
     return out
@@ -208,8 +229,9 @@ _LT_DESC_TRANSA, _LT_DESC_TRANSB, _LT_DESC_EPILOGUE, _LT_DESC_BIAS_POINTER = 3, 
 _LT_EPILOGUE_BIAS, _LT_EPILOGUE_RELU_BIAS = 4, 6
 _LT_PREF_MAX_WORKSPACE_BYTES = 1
 _COMPUTE = {(np.dtype(np.float32), False): 68, (np.dtype(np.float32), True): 77,  # 32F, 32F_FAST_TF32
-            (np.dtype(np.float64), False): 70, (np.dtype(np.float64), True): 70}
-_CUDA_TYPE = {np.dtype(np.float32): 0, np.dtype(np.float64): 1}  # CUDA_R_32F, CUDA_R_64F
+            (np.dtype(np.float64), False): 70, (np.dtype(np.float64), True): 70,
+            (HALF, False): 68, (HALF, True): 68}  # half: accumulated in float32
+_CUDA_TYPE = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, HALF: 2}  # CUDA_R_32F, CUDA_R_64F, CUDA_R_16F
 
 
 class _Heuristic(ctypes.Structure):
@@ -294,7 +316,8 @@ class LtBias:
             return False
         vp = ctypes.c_void_p
         desc = vp()
-        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE[(dtype, tf32)], _CUDA_TYPE[dtype]),
+        scale_type = _CUDA_TYPE[np.dtype(np.float32)] if dtype == HALF else _CUDA_TYPE[dtype]
+        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE[(dtype, tf32)], scale_type),
                "cublasLtMatmulDescCreate")
 
         def set_attr(attr, value):
@@ -351,7 +374,7 @@ def matmul2(a, b, alpha: float = 1.0, tf32: Optional[bool] = None):
 
 @kernel("MatMul")
 def matmul(node, attrs) -> Optional[Callable[..., Any]]:
-    if in_dtype(node) not in FLOATS:
+    if in_dtype(node) not in GEMM_FLOATS:
         return None
     tf32 = options().tf32  # the program's, bound at load
     w = const_input(node, 1)
@@ -370,7 +393,7 @@ def matmul(node, attrs) -> Optional[Callable[..., Any]]:
 
 @kernel("Gemm")
 def gemm(node, attrs) -> Optional[Callable[..., Any]]:
-    if in_dtype(node) not in FLOATS:
+    if in_dtype(node) not in GEMM_FLOATS:
         return None
     alpha, beta = attrs["alpha"], attrs["beta"]
     ta, tb = attrs["transA"], attrs["transB"]

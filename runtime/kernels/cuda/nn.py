@@ -46,6 +46,10 @@ from kiln.ir.dtypes import DType
 from kiln.ir.ops.nn import make_window, static_pads, window_out_shape
 from kiln.ir.types import normalize_axis
 from kiln.runtime.kernels.cuda import FLOATS, const_input, in_dtype, kernel, options
+
+HALF = np.dtype(np.float16)
+FLOATS16 = FLOATS + (HALF,)  # what the kernels below also take in float16 (issue 18)
+CUDNN_FLOATS = (np.dtype(np.float32), HALF)  # what goes to cuDNN (float64 stays on im2col)
 from kiln.runtime.kernels.cuda import cudnn, rowwise
 from kiln.runtime.kernels.cuda.linalg import cublas_matmul
 
@@ -117,7 +121,7 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
     w = const_input(node, 1)
     has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
     bias = const_input(node, 2)
-    if in_dtype(node) not in FLOATS:
+    if in_dtype(node) not in FLOATS16:
         return None
     if w is None or (has_bias and bias is None):
         return _conv_dynamic(attrs)
@@ -146,7 +150,7 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
     settings = (conv_mode, tf32, opts.workspace_cap_bytes, opts.cudnn_epilogue)
     taken: dict = {}  # (input shape, epilogue) -> the path this kernel took
     exe = None
-    if in_dtype(node) == np.float32 and conv_mode != "im2col" and cudnn.available():
+    if in_dtype(node) in CUDNN_FLOATS and conv_mode != "im2col" and cudnn.available():
         # 1-D runs as 2-D with a unit height (cuDNN's own convolutions are 2-D and 3-D).
         w_dnn = wd.reshape((m, cg, 1) + ks) if nsp == 1 else wd
         b_dnn = None if bias_d is None else (bias_d.reshape(1, m, 1, 1) if nsp == 1 else bias_d)
@@ -162,7 +166,8 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
         else:
             view, out = _windows(x, window, 0)
             if depthwise:
-                y = (view * wdw).sum(axis=tuple(range(2, 2 + nsp)))
+                y = (view * wdw).sum(axis=tuple(range(2, 2 + nsp)), dtype=np.float32 if x.dtype == HALF else None)
+                y = y.astype(x.dtype, copy=False)
             else:
                 cols = cp.ascontiguousarray(view).reshape(n, group, cg * math.prod(ks), math.prod(out))
                 y = cublas_matmul(wg, cols, tf32=tf32).reshape((n, m) + tuple(out))
@@ -184,7 +189,7 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
         return entry["path"]
 
     def with_epilogue(x, residual=None, relu=False):
-        if exe is not None and x.dtype == np.float32 and x.ndim == nsp + 2:
+        if exe is not None and x.dtype in CUDNN_FLOATS and x.ndim == nsp + 2:
             begin, end, _ = static_pads(window, x.shape[2:])
             out = window_out_shape(window, x.shape[2:])
             x4 = x
@@ -255,7 +260,7 @@ def conv_transpose(node, attrs) -> Optional[Callable[..., Any]]:
     w = const_input(node, 1)
     has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
     bias = const_input(node, 2)
-    if in_dtype(node) not in FLOATS:
+    if in_dtype(node) not in FLOATS16:
         return None
     if w is None or (has_bias and bias is None):  # weights computed in the graph: laid out per call
         def dynamic(x, w_arg, b_arg=None):
@@ -383,7 +388,7 @@ def _maxpool_direct(dt: np.dtype, window):
 @kernel("MaxPool")
 def max_pool(node, attrs) -> Optional[Callable[..., Any]]:
     dt = in_dtype(node)
-    if dt is None or dt.kind not in "fiu" or dt.itemsize < 4 and dt.kind == "f" or \
+    if dt is None or dt.kind not in "fiu" or dt.itemsize < 4 and dt.kind == "f" and dt != HALF or \
             len(attrs["kernel_shape"]) not in (1, 2, 3) or len(node.outputs) > 1:
         return None
     window = _pool_window(attrs)
@@ -417,7 +422,7 @@ def _average_counts(sizes: tuple, window, include_pad: int) -> np.ndarray:
 
 @kernel("AveragePool")
 def average_pool(node, attrs) -> Optional[Callable[..., Any]]:
-    if in_dtype(node) not in FLOATS or len(attrs["kernel_shape"]) not in (1, 2, 3):
+    if in_dtype(node) not in FLOATS16 or len(attrs["kernel_shape"]) not in (1, 2, 3):
         return None
     window = _pool_window(attrs, dilations=False)
     include_pad = attrs["count_include_pad"]
@@ -429,12 +434,16 @@ def average_pool(node, attrs) -> Optional[Callable[..., Any]]:
         key = (x.shape[2:], x.dtype)
         if key not in counts:
             counts[key] = cp.asarray(_average_counts(x.shape[2:], window, include_pad).astype(x.dtype))
+        if x.dtype == HALF:  # summed in float32
+            return (view.sum(axis=axes, dtype=np.float32) / counts[key]).astype(HALF)
         return view.sum(axis=axes) / counts[key]
     return run
 
 
 @kernel("GlobalAveragePool")
 def global_average_pool(node, attrs):
+    if in_dtype(node) == HALF:  # averaged in float32
+        return lambda x: x.mean(axis=tuple(range(2, x.ndim)), keepdims=True, dtype=np.float32).astype(HALF)
     if in_dtype(node) not in FLOATS:
         return None
     return lambda x: x.mean(axis=tuple(range(2, x.ndim)), keepdims=True)
@@ -442,7 +451,7 @@ def global_average_pool(node, attrs):
 
 @kernel("GlobalMaxPool")
 def global_max_pool(node, attrs):
-    if in_dtype(node) not in FLOATS:
+    if in_dtype(node) not in FLOATS16:
         return None
     return lambda x: x.max(axis=tuple(range(2, x.ndim)), keepdims=True)
 
@@ -469,14 +478,14 @@ def batch_norm(node, attrs):
 
 @kernel("LayerNormalization")
 def layer_norm(node, attrs):
-    if in_dtype(node) not in FLOATS:
+    if in_dtype(node) not in FLOATS16:
         return None
     eps = attrs["epsilon"]
     stash = DType(attrs["stash_type"]).numpy
     n_out = len(node.outputs)
 
     def run(x, scale, b=None):
-        if x.dtype in FLOATS and scale.dtype == x.dtype and (b is None or b.dtype == x.dtype):
+        if rowwise.supported(x.dtype) and scale.dtype == x.dtype and (b is None or b.dtype == x.dtype):
             axis = normalize_axis(attrs["axis"], x.ndim)
             out = rowwise.layer_norm(x, scale, b, axis, eps, stats=n_out > 1)
             if n_out > 1:
@@ -518,12 +527,12 @@ def instance_norm(node, attrs):
 
 @kernel("Softmax")
 def softmax(node, attrs):
-    if in_dtype(node) not in FLOATS:
+    if in_dtype(node) not in FLOATS16:
         return None
     axis = attrs["axis"]
 
     def run(x):
-        if x.ndim and normalize_axis(axis, x.ndim) == x.ndim - 1 and x.dtype in FLOATS:
+        if x.ndim and normalize_axis(axis, x.ndim) == x.ndim - 1 and rowwise.supported(x.dtype):
             return rowwise.softmax_last(x)
         y = x - x.max(axis=axis, keepdims=True)
         cp.exp(y, out=y)
@@ -534,12 +543,12 @@ def softmax(node, attrs):
 
 @kernel("LogSoftmax")
 def log_softmax(node, attrs):
-    if in_dtype(node) not in FLOATS:
+    if in_dtype(node) not in FLOATS16:
         return None
     axis = attrs["axis"]
 
     def run(x):
-        if x.ndim and normalize_axis(axis, x.ndim) == x.ndim - 1 and x.dtype in FLOATS:
+        if x.ndim and normalize_axis(axis, x.ndim) == x.ndim - 1 and rowwise.supported(x.dtype):
             return rowwise.softmax_last(x, log=True)
         s = x - x.max(axis=axis, keepdims=True)
         s -= cp.log(cp.exp(s).sum(axis=axis, keepdims=True))

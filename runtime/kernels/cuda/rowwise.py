@@ -17,7 +17,8 @@ axis for the softmaxes, ``prod(shape[axis:])`` for LayerNorm), and each row is r
   results meet through warp shuffles and a 33-word shared array; the later passes re-read the
   row, which L1/L2 mostly serve (a 1024+-element row is at most a few KiB).
 
-Numerics: math in the input dtype (float32 stays float32, as the CuPy path it replaces did;
+Numerics: math in the input dtype (float32 stays float32, as the CuPy path it replaces did; float16 is
+computed in float32, its statistics too, and rounded once on the way out;
 the references compute in float64 and round once, so results differ by a few ulps). Softmax
 subtracts the row max before ``exp`` (no overflow); LayerNorm is two-pass (mean, then the mean
 of squared deviations from it, from registers in the warp kernel), not E[x^2] - E[x]^2, so it
@@ -38,7 +39,14 @@ from kiln.runtime.kernels.cuda.codegen import compile_kernel
 
 WARP_MAX_D = 1024          # rows up to this long: one warp per row, values in registers
 SOFTMAX, LOG_SOFTMAX, LAYER_NORM = 0, 1, 2
-_CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
+_CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double", np.dtype(np.float16): "float"}
+# Storage type and its load/store: float16 (issue 18) is read into float, computed in float (the max, the
+# sums, the statistics) and rounded once when written.
+_STORAGE = {np.dtype(np.float16): ("unsigned short", "kiln_h2f(v)", "kiln_f2h(v)")}
+_HALF_CONV = r"""
+__device__ __forceinline__ float kiln_h2f(unsigned short h) { float f; asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h)); return f; }
+__device__ __forceinline__ unsigned short kiln_f2h(float f) { unsigned short h; asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f)); return h; }
+"""
 LAUNCHES = {"warp": 0, "block": 0}  # launches per variant (tests check which path ran)
 
 _COMMON = r"""
@@ -63,19 +71,19 @@ __device__ __forceinline__ double my_sqrt(double v) { return sqrt(v); }
 
 # One warp per row; E = elements per lane (a power of two, 32 * E >= d).
 _WARP = r"""
-extern "C" __global__ void kiln_rows(const T* __restrict__ x, T* __restrict__ y,
-                                     const T* __restrict__ scale, const T* __restrict__ bias,
-                                     T* __restrict__ mean_out, T* __restrict__ rstd_out,
+extern "C" __global__ void kiln_rows(const S* __restrict__ x, S* __restrict__ y,
+                                     const S* __restrict__ scale, const S* __restrict__ bias,
+                                     S* __restrict__ mean_out, S* __restrict__ rstd_out,
                                      long long rows, int d, T eps) {
     const int lane = threadIdx.x & 31;
     const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (row >= rows) return;  // whole warps leave together: the shuffles below stay full
-    const T* xr = x + row * (long long)d;
-    T* yr = y + row * (long long)d;
+    const S* xr = x + row * (long long)d;
+    S* yr = y + row * (long long)d;
     T v[E];
 #if MODE == 2
 #pragma unroll
-    for (int i = 0; i < E; ++i) { int c = lane + 32 * i; v[i] = c < d ? xr[c] : (T)0; }
+    for (int i = 0; i < E; ++i) { int c = lane + 32 * i; v[i] = c < d ? LD(xr[c]) : (T)0; }
     T s = 0;
 #pragma unroll
     for (int i = 0; i < E; ++i) s += v[i];
@@ -88,19 +96,19 @@ extern "C" __global__ void kiln_rows(const T* __restrict__ x, T* __restrict__ y,
     for (int i = 0; i < E; ++i) {
         int c = lane + 32 * i;
         if (c < d) {
-            T o = (v[i] - mean) * rstd * scale[c];
+            T o = (v[i] - mean) * rstd * LD(scale[c]);
 #if HAS_BIAS
-            o += bias[c];
+            o += LD(bias[c]);
 #endif
-            yr[c] = o;
+            yr[c] = ST(o);
         }
     }
 #if STATS
-    if (lane == 0) { mean_out[row] = mean; rstd_out[row] = rstd; }
+    if (lane == 0) { mean_out[row] = ST(mean); rstd_out[row] = ST(rstd); }
 #endif
 #else
 #pragma unroll
-    for (int i = 0; i < E; ++i) { int c = lane + 32 * i; v[i] = c < d ? xr[c] : NEG_INF; }
+    for (int i = 0; i < E; ++i) { int c = lane + 32 * i; v[i] = c < d ? LD(xr[c]) : NEG_INF; }
     T m = v[0];
 #pragma unroll
     for (int i = 1; i < E; ++i) m = v[i] > m ? v[i] : m;
@@ -112,10 +120,10 @@ extern "C" __global__ void kiln_rows(const T* __restrict__ x, T* __restrict__ y,
 #if MODE == 1
     const T ls = my_log(s);
 #pragma unroll
-    for (int i = 0; i < E; ++i) { int c = lane + 32 * i; if (c < d) yr[c] = v[i] - ls; }
+    for (int i = 0; i < E; ++i) { int c = lane + 32 * i; if (c < d) yr[c] = ST(v[i] - ls); }
 #else
 #pragma unroll
-    for (int i = 0; i < E; ++i) { int c = lane + 32 * i; if (c < d) yr[c] = my_exp(v[i]) / s; }
+    for (int i = 0; i < E; ++i) { int c = lane + 32 * i; if (c < d) yr[c] = ST(my_exp(v[i]) / s); }
 #endif
 #endif
 }
@@ -153,43 +161,43 @@ __device__ __forceinline__ T block_max(T v, T* sh) {
     __syncthreads();
     return v;
 }
-extern "C" __global__ void kiln_rows(const T* __restrict__ x, T* __restrict__ y,
-                                     const T* __restrict__ scale, const T* __restrict__ bias,
-                                     T* __restrict__ mean_out, T* __restrict__ rstd_out,
+extern "C" __global__ void kiln_rows(const S* __restrict__ x, S* __restrict__ y,
+                                     const S* __restrict__ scale, const S* __restrict__ bias,
+                                     S* __restrict__ mean_out, S* __restrict__ rstd_out,
                                      long long rows, int d, T eps) {
     __shared__ T sh[33];
     const long long row = blockIdx.x;
-    const T* xr = x + row * (long long)d;
-    T* yr = y + row * (long long)d;
+    const S* xr = x + row * (long long)d;
+    S* yr = y + row * (long long)d;
 #if MODE == 2
     T s = 0;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) s += xr[c];
+    for (int c = threadIdx.x; c < d; c += blockDim.x) s += LD(xr[c]);
     const T mean = block_sum(s, sh) / (T)d;
     T q = 0;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) { T t = xr[c] - mean; q += t * t; }
+    for (int c = threadIdx.x; c < d; c += blockDim.x) { T t = LD(xr[c]) - mean; q += t * t; }
     const T rstd = (T)1 / my_sqrt(block_sum(q, sh) / (T)d + eps);
     for (int c = threadIdx.x; c < d; c += blockDim.x) {
-        T o = (xr[c] - mean) * rstd * scale[c];
+        T o = (LD(xr[c]) - mean) * rstd * LD(scale[c]);
 #if HAS_BIAS
-        o += bias[c];
+        o += LD(bias[c]);
 #endif
-        yr[c] = o;
+        yr[c] = ST(o);
     }
 #if STATS
-    if (threadIdx.x == 0) { mean_out[row] = mean; rstd_out[row] = rstd; }
+    if (threadIdx.x == 0) { mean_out[row] = ST(mean); rstd_out[row] = ST(rstd); }
 #endif
 #else
     T m = NEG_INF;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) { T t = xr[c]; m = t > m ? t : m; }
+    for (int c = threadIdx.x; c < d; c += blockDim.x) { T t = LD(xr[c]); m = t > m ? t : m; }
     m = block_max(m, sh);
     T s = 0;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) s += my_exp(xr[c] - m);
+    for (int c = threadIdx.x; c < d; c += blockDim.x) s += my_exp(LD(xr[c]) - m);
     s = block_sum(s, sh);
 #if MODE == 1
     const T ls = my_log(s);
-    for (int c = threadIdx.x; c < d; c += blockDim.x) yr[c] = (xr[c] - m) - ls;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) yr[c] = ST((LD(xr[c]) - m) - ls);
 #else
-    for (int c = threadIdx.x; c < d; c += blockDim.x) yr[c] = my_exp(xr[c] - m) / s;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) yr[c] = ST(my_exp(LD(xr[c]) - m) / s);
 #endif
 #endif
 }
@@ -208,8 +216,11 @@ def elements_per_lane(d: int) -> int:
 
 def source(dtype, mode: int, d: int, *, has_bias: bool = False, stats: bool = False) -> str:
     """CUDA source of the row kernel for this dtype/op/row length (warp or block variant)."""
-    head = (f"#define T {_CTYPE[np.dtype(dtype)]}\n#define MODE {mode}\n#define HAS_BIAS {int(has_bias)}\n"
-            f"#define STATS {int(stats)}\n")
+    dt = np.dtype(dtype)
+    storage, load, store = _STORAGE.get(dt, (_CTYPE[dt], "(v)", "(v)"))
+    head = (f"#define T {_CTYPE[dt]}\n#define S {storage}\n#define MODE {mode}\n#define HAS_BIAS {int(has_bias)}\n"
+            f"#define STATS {int(stats)}\n" + (_HALF_CONV if dt in _STORAGE else "")
+            + f"#define LD(v) {load}\n#define ST(v) {store}\n")
     if d <= WARP_MAX_D:
         return head + f"#define E {elements_per_lane(d)}\n" + _COMMON + _WARP
     return head + _COMMON + _BLOCK
@@ -245,7 +256,7 @@ def launch(mode: int, x, rows: int, d: int, *, scale=None, bias=None, eps: float
     # Unused pointer parameters get x: the kernel never dereferences them (compile-time flags).
     args = (x, y, x if scale is None else scale, x if bias is None else bias,
             x if mean is None else mean, x if rstd is None else rstd,
-            np.int64(rows), np.int32(d), x.dtype.type(eps))
+            np.int64(rows), np.int32(d), (np.float32 if x.dtype in _STORAGE else x.dtype.type)(eps))
     if d <= WARP_MAX_D:
         warps = 4 if rows >= 4 * _sm_count() else 1
         kern(((rows + warps - 1) // warps,), (32 * warps,), args)

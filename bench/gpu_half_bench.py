@@ -1,0 +1,165 @@
+"""kiln in float16 on the GPU against torch in float16 (issue 18), one process, one card.
+
+Models built from configs with random weights (as bench/gpu_serve_bench.py builds them): ResNet-50
+(tests/zoo.py, width 64, 3x224x224), transformers BERT-base (seq 128, pooled output) and GPT-2 small
+(seq 128, last hidden state). Per model and batch:
+
+- kiln fp32 and kiln fp16: ``kiln.load(file, device="cuda", precision=...)``, CUDA graphs, device inputs;
+- torch fp16 eager (``model.half()``) and, with ``--compile``, ``torch.compile(mode="reduce-overhead")`` of
+  the half model (each compile only while the ``--deadline`` allows);
+- accuracy: max error of kiln fp16 and of torch fp16 against torch fp32 (on the CPU, float64 reference not
+  needed: the fp32 model), relative to the output's largest magnitude; kiln's host fallbacks (must be 0).
+
+Timing: median of 5 rounds of back-to-back runs (about 25 ms each), CUDA-synchronized. TF32 is off
+everywhere (the fp32 rows are true fp32). Output: one JSON (``--json``) and a table on stdout.
+
+    python bench/gpu_half_bench.py --models resnet50,bert,gpt2 --compile --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+BATCHES = {"resnet50": (1, 32), "bert": (1, 32), "gpt2": (1, 16)}
+
+
+def build(name: str):
+    """(torch module in eval mode on the CPU, input name, example input maker(batch) -> numpy)."""
+    import torch
+    torch.manual_seed(0)
+    if name in ("resnet50", "bert"):
+        import gpu_serve_bench as gsb
+        model, in_name, _, _, _ = gsb.build_model(name)
+        return model, in_name, lambda b: gsb.make_input(name, b, 7)
+    if name == "gpt2":
+        from transformers import GPT2Config, GPT2Model
+
+        class Last(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.gpt = GPT2Model(GPT2Config())
+
+            def forward(self, input_ids):
+                return self.gpt(input_ids=input_ids).last_hidden_state
+        rng = np.random.default_rng(7)
+        return Last().eval(), "input_ids", lambda b: rng.integers(0, 50000, size=(b, 128), dtype=np.int64)
+    raise SystemExit(f"unknown model {name}")
+
+
+def timed(fn, sync, target_ms: float = 25.0, rounds: int = 5) -> float:
+    """Median milliseconds per call."""
+    for _ in range(3):
+        fn()
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    one = max(time.perf_counter() - t, 1e-5)
+    n = max(3, int(target_ms / 1e3 / one))
+    out = []
+    for _ in range(rounds):
+        sync()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+        out.append((time.perf_counter() - t) / n * 1e3)
+    return statistics.median(out)
+
+
+def rel(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-6))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="resnet50,bert,gpt2")
+    ap.add_argument("--compile", action="store_true", help="also torch.compile reduce-overhead in fp16")
+    ap.add_argument("--deadline", type=float, default=420.0, help="seconds after which no new compile starts")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    start = time.monotonic()
+    import cupy as cp
+    import torch
+
+    import kiln
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    sync = torch.cuda.synchronize
+    work = Path(tempfile.mkdtemp(prefix="kiln_half_"))
+    rows = []
+    for name in args.models.split(","):
+        model, in_name, make = build(name)
+        x1 = torch.from_numpy(make(1))
+        with torch.inference_mode():
+            g = kiln.trace(model, {in_name: x1}, dynamic={in_name: {0: "batch"}})
+        path = kiln.save(g, work / f"{name}.kiln")
+        k32 = kiln.load(path, device="cuda")
+        k16 = kiln.load(path, device="cuda", precision="fp16")
+        refs = {}
+        for b in BATCHES[name]:
+            x = make(b)
+            with torch.inference_mode():
+                refs[b] = model(torch.from_numpy(x)).float().numpy()
+        half = model.half().cuda()
+        for b in BATCHES[name]:
+            x = make(b)
+            xd = cp.asarray(x)
+            xt = torch.from_numpy(x).cuda()
+            feed = {in_name: xd}
+            row = {"model": name, "batch": b}
+            got16 = cp.asnumpy(next(iter(k16.run(feed).values())))
+            row["kiln_fp16_err"] = rel(got16, refs[b])
+            row["kiln_fp16_fallbacks"] = dict(k16.fallback_ops)
+            with torch.inference_mode():
+                th = half(xt).float().cpu().numpy()
+            row["torch_fp16_err"] = rel(th, refs[b])
+            row["kiln_fp32_ms"] = timed(lambda: k32.run(feed), cp.cuda.runtime.deviceSynchronize)
+            row["kiln_fp16_ms"] = timed(lambda: k16.run(feed), cp.cuda.runtime.deviceSynchronize)
+            with torch.inference_mode():
+                row["torch_fp16_eager_ms"] = timed(lambda: half(xt), sync)
+            if args.compile and time.monotonic() - start < args.deadline:
+                try:
+                    cf = torch.compile(half, mode="reduce-overhead", dynamic=False)
+                    t = time.perf_counter()
+                    with torch.inference_mode():
+                        cf(xt)
+                        sync()
+                        row["torch_compile_s"] = time.perf_counter() - t
+                        row["torch_fp16_compile_ms"] = timed(lambda: cf(xt), sync)
+                    torch._dynamo.reset()
+                except Exception as e:  # noqa: BLE001 - a compile failure is a result
+                    row["torch_fp16_compile_ms"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        k32 = k16 = half = None
+        torch.cuda.empty_cache()
+        cp.get_default_memory_pool().free_all_blocks()
+    print()
+    print("| model | batch | kiln fp32 ms | kiln fp16 ms | torch fp16 eager ms | torch.compile fp16 ms | "
+          "kiln fp16 / compile | kiln fp16 err | torch fp16 err |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        c = r.get("torch_fp16_compile_ms")
+        ratio = f"{r['kiln_fp16_ms'] / c:.2f}" if isinstance(c, float) else "-"
+        cs = f"{c:.3f}" if isinstance(c, float) else (c or "-")
+        print(f"| {r['model']} | {r['batch']} | {r['kiln_fp32_ms']:.3f} | {r['kiln_fp16_ms']:.3f} | "
+              f"{r['torch_fp16_eager_ms']:.3f} | {cs} | {ratio} | {r['kiln_fp16_err']:.1e} | {r['torch_fp16_err']:.1e} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                               "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

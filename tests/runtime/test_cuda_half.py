@@ -1,0 +1,131 @@
+"""float16 on the GPU (issue 18): each kernel family in half, natively (no host fallback), against the float32
+model on the CPU; and whole models converted with ``kiln.load(..., precision="fp16")`` against torch.
+
+Runs only where CuPy and an NVIDIA GPU are present (CI skips the module); on the device machine:
+``python -m pytest tests/runtime/test_cuda_half.py``."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cuda_helpers import require_gpu
+
+cp, pytestmark = require_gpu()
+
+import kiln  # noqa: E402
+from kiln.ir import Graph  # noqa: E402
+from kiln.ir.passes.precision import convert_precision  # noqa: E402
+
+
+def _rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def _check_half(g: Graph, feeds: dict, tol: float = 1e-2, **cuda):
+    """Convert a float32 graph to fp16 and run it on the GPU: no host fallback, every output within ``tol``
+    (of the output's largest magnitude) of the float32 graph on the CPU."""
+    want = kiln.load(g.copy()).run(feeds)
+    h = g.copy()
+    convert_precision(h, "fp16")
+    p = kiln.load(h, device="cuda", output="numpy", **cuda)
+    got = p.run(feeds)
+    assert p.fallback_ops == {}, f"fell back to the host: {p.fallback_ops}"
+    for name, w in want.items():
+        o = got[name]
+        assert o.dtype == w.dtype and o.shape == w.shape, name
+        err = float(np.abs(o.astype(np.float64) - w).max())
+        assert err <= tol * max(float(np.abs(w).max()), 1e-3), (name, err)
+    return p
+
+
+def test_fused_elementwise_chain_in_half():
+    g = Graph("ew")
+    x = g.add_input("x", "float32", ("n", 64))
+    y = g.op("Mul", g.op("Add", x, g.add_initializer("b", _rng(1).standard_normal(64).astype(np.float32))),
+             g.add_initializer("k", np.array(0.5, np.float32)))
+    y = g.op("Gelu", y)
+    y = g.op("Tanh", g.op("Sigmoid", y))
+    g.outputs = [g.op("Where", g.op("Greater", x, g.add_initializer("z", np.array(0, np.float32))), y, x, name="y")]
+    _check_half(g, {"x": _rng().standard_normal((33, 64)).astype(np.float32)})
+
+
+@pytest.mark.parametrize("batch_dims", [(), (3,), (2, 3)])
+def test_matmul_and_linear_with_bias_on_tensor_cores(batch_dims):
+    g = Graph("lin")
+    x = g.add_input("x", "float32", (*batch_dims, 40, 96))
+    w = g.add_initializer("w", (_rng(2).standard_normal((96, 80)) / 10).astype(np.float32))
+    b = g.add_initializer("b", _rng(3).standard_normal(80).astype(np.float32))
+    h = g.op("Relu", g.op("Add", g.op("MatMul", x, w), b))
+    other = g.add_input("o", "float32", (*batch_dims, 80, 24))
+    g.outputs = [g.op("MatMul", h, other, name="y")]
+    _check_half(g, {"x": _rng(4).standard_normal((*batch_dims, 40, 96)).astype(np.float32),
+                    "o": _rng(5).standard_normal((*batch_dims, 80, 24)).astype(np.float32)})
+
+
+@pytest.mark.parametrize("conv", ["cudnn", "im2col"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_conv_block_with_residual_relu_and_pools(conv, batch):
+    g = Graph("cnn")
+    x = g.add_input("x", "float32", ("n", 8, 16, 16))
+    w1 = g.add_initializer("w1", (_rng(6).standard_normal((8, 8, 3, 3)) / 8).astype(np.float32))
+    b1 = g.add_initializer("b1", _rng(7).standard_normal(8).astype(np.float32))
+    y = g.op("Relu", g.op("Add", g.op("Conv", x, w1, b1, pads=[1, 1, 1, 1]), x))
+    dw = g.add_initializer("dw", (_rng(8).standard_normal((8, 1, 3, 3)) / 3).astype(np.float32))
+    y = g.op("Conv", y, dw, pads=[1, 1, 1, 1], group=8)  # depthwise
+    y = g.op("MaxPool", y, kernel_shape=[2, 2], strides=[2, 2])
+    y = g.op("AveragePool", y, kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    g.outputs = [g.op("GlobalAveragePool", y, name="y")]
+    _check_half(g, {"x": _rng(9).standard_normal((batch, 8, 16, 16)).astype(np.float32)}, conv=conv)
+
+
+@pytest.mark.parametrize("d", [64, 768, 3000])  # warp rows, warp rows, block rows
+def test_softmax_and_layer_norm_rows_in_half(d):
+    g = Graph("rows")
+    x = g.add_input("x", "float32", ("n", d))
+    s = g.add_initializer("s", (1 + _rng(10).standard_normal(d) / 10).astype(np.float32))
+    b = g.add_initializer("b", _rng(11).standard_normal(d).astype(np.float32))
+    ln = g.op("LayerNormalization", x, s, b, axis=-1, epsilon=1e-5)
+    g.outputs = [g.op("Softmax", ln, name="p"), g.op("LogSoftmax", ln, name="lp")]
+    x = (_rng(12).standard_normal((37, d)) * 3 + 5).astype(np.float32)  # a large mean: two-pass statistics
+    _check_half(g, {"x": x}, tol=1.5e-2)
+
+
+# ------------------------------------------------------------------------- whole models, traced from torch
+
+@pytest.fixture(scope="module")
+def zoo():
+    pytest.importorskip("torch")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import zoo as z
+    return z
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3", "transformer_encoder", "gpt", "hf_bert"])
+def test_zoo_models_in_fp16_on_the_gpu_close_to_torch(zoo, name, tmp_path):
+    import torch
+    entry = zoo.by_name(name)
+    if entry.needs:
+        pytest.importorskip(entry.needs)
+    model, inputs, spec = entry.factory()
+    path = kiln.save(kiln.trace(model, inputs, dynamic=spec), tmp_path / "m.kiln")
+    names, tensors = zoo.input_list(model, inputs)
+    feeds = dict(zip(names, [t.numpy() for t in tensors]))
+    p = kiln.load(path, device="cuda", output="numpy", precision="fp16")
+    got = list(p.run(feeds).values())
+    assert p.fallback_ops == {}, f"{name} fell back to the host: {p.fallback_ops}"
+    with torch.inference_mode():
+        want = model(*tensors)
+        half = model.half().cuda()(*[t.cuda() if t.is_floating_point() is False else t.half().cuda()
+                                     for t in tensors])
+    want = want if isinstance(want, (tuple, list)) else [want]
+    half = half if isinstance(half, (tuple, list)) else [half]
+    for w, o, h in zip(want, got, half):
+        w = w.float().numpy()
+        scale = max(float(np.abs(w).max()), 1e-3)
+        err = float(np.abs(o.astype(np.float64) - w).max()) / scale
+        torch_err = float(np.abs(h.float().cpu().numpy() - w).max()) / scale
+        # kiln in fp16 is no worse than torch's own fp16 (a small margin for rounding luck), and close.
+        assert err <= max(2 * torch_err, 1e-2), (name, err, torch_err)
