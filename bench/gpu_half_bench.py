@@ -116,6 +116,8 @@ def main() -> int:
             x = make(b)
             xd = cp.asarray(x)
             xt = torch.from_numpy(x).cuda()
+            if xt.is_floating_point():
+                xt = xt.half()
             feed = {in_name: xd}
             row = {"model": name, "batch": b}
             got16 = cp.asnumpy(next(iter(k16.run(feed).values())))
