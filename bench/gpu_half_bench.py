@@ -50,8 +50,8 @@ def build(name: str):
 
             def forward(self, input_ids):
                 return self.gpt(input_ids=input_ids).last_hidden_state
-        rng = np.random.default_rng(7)
-        return Last().eval(), "input_ids", lambda b: rng.integers(0, 50000, size=(b, 128), dtype=np.int64)
+        return Last().eval(), "input_ids", lambda b: np.random.default_rng(7).integers(0, 50000, size=(b, 128),
+                                                                                       dtype=np.int64)
     raise SystemExit(f"unknown model {name}")
 
 

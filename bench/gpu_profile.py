@@ -135,6 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--no-fuse-epilogues", action="store_true", help="fuse elementwise chains only")
+    ap.add_argument("--precision", choices=["fp32", "fp16"], default="fp32", help="convert the model first (issue 18)")
     args = ap.parse_args(argv)
     import cupy as cp
     import numpy as np
@@ -146,6 +147,9 @@ def main(argv=None) -> int:
     model, inputs, spec = (gpu_models.bert if args.model == "bert" else gpu_models.resnet50)(batch=args.batch)
     graph = kiln.trace(model, inputs, dynamic=spec, check=False)
     from kiln.ir.passes import optimize
+    if args.precision != "fp32":
+        from kiln.ir.passes.precision import convert_precision
+        convert_precision(graph, args.precision)
     optimize(graph)
     if args.no_fuse_epilogues:
         from kiln.ir.passes.fuse import fuse_elementwise
@@ -163,7 +167,7 @@ def main(argv=None) -> int:
     res.update(model=args.model, batch=args.batch, epilogues=p.epilogues, fallback_ops=p.fallback_ops,
                conv_shapes=fused, cudnn_epilogue_fusion=cudnn.FUSE_EPILOGUE,
                device=cp.cuda.runtime.getDeviceProperties(0)["name"].decode())
-    print(f"{args.model} batch {args.batch} on {res['device']}: {res['total_ms']:.3f} ms per eager run")
+    print(f"{args.model} batch {args.batch} {args.precision} on {res['device']}: {res['total_ms']:.3f} ms per eager run")
     res["memory"] = memory(p, feeds)
     print(f"  epilogues: {res['epilogues']}; conv shapes: {fused}")
     print(f"  memory: {res['memory']}")
@@ -172,7 +176,8 @@ def main(argv=None) -> int:
         print(f"  {e['ms']:8.3f} ms {100 * e['ms'] / summed:5.1f}%  x{e['calls']:<4d} {name}")
     out = Path(os.environ.get("OUT") or "gpu_out")
     out.mkdir(parents=True, exist_ok=True)
-    tag = ("_noepi" if args.no_fuse_epilogues else "") + ("" if cudnn.FUSE_EPILOGUE else "_cudnnbias")
+    tag = ("_noepi" if args.no_fuse_epilogues else "") + ("" if cudnn.FUSE_EPILOGUE else "_cudnnbias") + \
+        ("" if args.precision == "fp32" else f"_{args.precision}")
     (out / f"profile_{args.model}_b{args.batch}{tag}.json").write_text(
         json.dumps(res, indent=1))
     return 0
