@@ -139,9 +139,10 @@ class Plan:
     built, and the caller applies the rest itself."""
 
     def __init__(self, cudnn, x_shape, w_shape, pre, post, strides, dilations, epilogue: tuple, tf32: bool,
-                 workspace_cap: Optional[int] = _DEFAULT_CAP, dtype: str = "float32"):
+                 workspace_cap: Optional[int] = _DEFAULT_CAP, dtype: str = "float32", layout: str = "nchw"):
         f32 = cudnn.data_type.FLOAT
         io = cudnn.data_type.HALF if dtype == "float16" else f32
+        self.layout = layout
         last = None
         attempts = [(n, cap) for n in range(len(epilogue), -1, -1)
                     for cap in ((workspace_cap, None) if workspace_cap is not None else (None,))]
@@ -165,8 +166,9 @@ class Plan:
         # float16 (issue 18): tensors in half, the convolution and its epilogue computed in float32.
         io = f32 if io is None else io
         g = cudnn.pygraph(io_data_type=io, intermediate_data_type=f32, compute_data_type=f32)
-        X = g.tensor(name="X", dim=list(x_shape), stride=_row_major(x_shape), data_type=io)
-        W = g.tensor(name="W", dim=list(w_shape), stride=_row_major(w_shape), data_type=io)
+        st = _channels_last if self.layout == "nhwc" else _row_major
+        X = g.tensor(name="X", dim=list(x_shape), stride=st(x_shape), data_type=io)
+        W = g.tensor(name="W", dim=list(w_shape), stride=st(w_shape), data_type=io)
         Y = g.conv_fprop(image=X, weight=W, pre_padding=list(pre), post_padding=list(post),
                          stride=list(strides), dilation=list(dilations), compute_data_type=f32)
         nsp = len(x_shape) - 2
@@ -178,16 +180,16 @@ class Plan:
         for step in epilogue:
             if step == "bias":
                 m = w_shape[0]
-                B = g.tensor(name="B", dim=[1, m] + [1] * nsp, stride=[m, 1] + [1] * nsp, data_type=io)
+                B = g.tensor(name="B", dim=[1, m] + [1] * nsp, stride=st([1, m] + [1] * nsp), data_type=io)
                 Y = g.add(a=Y, b=B, compute_data_type=f32)
             elif step == "residual":
-                R = g.tensor(name="R", dim=list(out), stride=_row_major(out), data_type=io)
+                R = g.tensor(name="R", dim=list(out), stride=st(out), data_type=io)
                 Y = g.add(a=Y, b=R, compute_data_type=f32)
             elif step == "relu":
                 Y = g.relu(input=Y, compute_data_type=f32)
             else:
                 raise ValueError(f"unknown epilogue step {step!r}")
-        Y.set_output(True).set_data_type(io).set_dim(out).set_stride(_row_major(out))
+        Y.set_output(True).set_data_type(io).set_dim(out).set_stride(st(out))
         g.validate()
         g.build_operation_graph()
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
@@ -213,6 +215,37 @@ class Plan:
         self.graph.execute(pack, ws, handle=_handle(cp.cuda.get_current_stream()))
 
 
+def _channels_last(shape) -> list:
+    """NHWC strides (in elements) of a logical [N, C, *spatial] tensor: C the fastest dim."""
+    n, c, *sp = (max(int(d), 1) for d in shape)
+    inner = [0] * len(sp)
+    acc = c
+    for i in range(len(sp) - 1, -1, -1):
+        inner[i] = acc
+        acc *= sp[i]
+    return [acc, 1] + inner
+
+
+def is_channels_last(a) -> bool:
+    """Whether ``a`` ([N, C, *spatial]) is laid out NHWC in memory (a transposed view of an NHWC buffer)."""
+    return a.ndim >= 3 and list(s // a.itemsize for s in a.strides) == _channels_last(a.shape)
+
+
+def channels_last(a):
+    """``a`` laid out NHWC (a view when it already is, else one copy): the logical shape is unchanged."""
+    if is_channels_last(a):
+        return a
+    perm = (0,) + tuple(range(2, a.ndim)) + (1,)
+    inv = (0, a.ndim - 1) + tuple(range(1, a.ndim - 1))
+    return cp.ascontiguousarray(a.transpose(perm)).transpose(inv)
+
+
+def empty_channels_last(shape, dtype):
+    perm_shape = (shape[0],) + tuple(shape[2:]) + (shape[1],)
+    inv = (0, len(shape) - 1) + tuple(range(1, len(shape) - 1))
+    return cp.empty(perm_shape, dtype).transpose(inv)
+
+
 def _row_major(shape) -> list:
     strides, acc = [], 1
     for d in reversed(shape):
@@ -222,7 +255,7 @@ def _row_major(shape) -> list:
 
 
 def plan(x_shape, w_shape, pre, post, strides, dilations, epilogue=(), *, tf32: Optional[bool] = None,
-         workspace_cap=_FROM_OPTIONS, dtype: str = "float32") -> Plan:
+         workspace_cap=_FROM_OPTIONS, dtype: str = "float32", layout: str = "nchw") -> Plan:
     """The built plan for this float32 convolution and epilogue (cached), or raise Unsupported.
     ``tf32`` and ``workspace_cap`` (bytes, None: no cap) default to the bound program's."""
     cudnn = _module()
@@ -233,7 +266,7 @@ def plan(x_shape, w_shape, pre, post, strides, dilations, epilogue=(), *, tf32: 
     if workspace_cap is _FROM_OPTIONS:
         workspace_cap = options().workspace_cap_bytes
     key = (tuple(x_shape), tuple(w_shape), tuple(pre), tuple(post), tuple(strides), tuple(dilations),
-           tuple(epilogue), bool(tf32), workspace_cap, str(np.dtype(dtype)))
+           tuple(epilogue), bool(tf32), workspace_cap, str(np.dtype(dtype)), layout)
     with _LOCK:
         p = _PLANS.get(key)
         if p is None:
@@ -285,6 +318,13 @@ class Executor:
     def __init__(self, w, b, strides, dilations, *, tf32: Optional[bool] = None, workspace_cap=_FROM_OPTIONS,
                  fuse_epilogue: Optional[bool] = None):
         self.w, self.b = w, b  # device arrays: [M, C/group, *k] and [1, M, 1, ...] (or None)
+        # float16 2-D convolutions run channels-last (NHWC: tensor cores without layout transforms inside
+        # cuDNN; torch's channels_last): the weights are kept KRSC, inputs made NHWC (a view when the
+        # previous convolution already wrote NHWC), outputs written NHWC (logical NCHW views, so every
+        # other kernel reads them through their strides).
+        self.layout = "nhwc" if w.dtype == np.float16 and w.ndim == 4 else "nchw"
+        if self.layout == "nhwc":
+            self.w = channels_last(w)
         self.strides, self.dilations = tuple(strides), tuple(dilations)
         opts = options() if tf32 is None or workspace_cap is _FROM_OPTIONS or fuse_epilogue is None else None
         self.tf32 = opts.tf32 if tf32 is None else bool(tf32)
@@ -298,7 +338,7 @@ class Executor:
         if epilogue is None:
             epilogue = self.epilogue()
         return plan(x_shape, self.w.shape, pre, post, self.strides, self.dilations, epilogue,
-                    tf32=self.tf32, workspace_cap=self.workspace_cap, dtype=self.w.dtype)
+                    tf32=self.tf32, workspace_cap=self.workspace_cap, dtype=self.w.dtype, layout=self.layout)
 
     def __call__(self, x, pre, post, out_shape, residual=None, relu: bool = False, finish=None):
         """conv(x) + bias [+ residual] [then relu]. The steps cuDNN did not fuse are done by
@@ -311,10 +351,11 @@ class Executor:
         if p.out_shape is not None and tuple(p.out_shape) != expected:
             raise Unsupported(f"cuDNN infers output {p.out_shape}, ONNX {expected}")
         ws = workspace(p.workspace_bytes)
-        x = cp.ascontiguousarray(x)
-        y = cp.empty(expected, x.dtype)
+        nhwc = self.layout == "nhwc"
+        x = channels_last(x) if nhwc else cp.ascontiguousarray(x)
+        y = empty_channels_last(expected, x.dtype) if nhwc else cp.empty(expected, x.dtype)
         if residual is not None and "residual" in p.fused:
-            residual = cp.ascontiguousarray(residual)
+            residual = channels_last(residual) if nhwc else cp.ascontiguousarray(residual)
         p.execute(x, self.w, self.b if p.fused_bias else None, y, ws, residual)
         b = None if p.fused_bias else self.b
         r = None if residual is None or "residual" in p.fused else residual

@@ -179,7 +179,8 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
         entry = {"path": "im2col"}
         try:
             entry["fused"] = exe.plan_for(x.shape, pre, post, ep).fused
-            if conv_mode == "cudnn" or x.shape[0] >= CUDNN_MIN_BATCH:
+            if conv_mode == "cudnn" or x.shape[0] >= CUDNN_MIN_BATCH or x.dtype == HALF:
+                # (float16: cuDNN channels-last beats the half im2col at every batch, issue 18)
                 entry["path"] = "cudnn"
             else:
                 entry["why"] = f"batch {x.shape[0]} < {CUDNN_MIN_BATCH}: im2col (see the module docstring)"
@@ -325,14 +326,14 @@ def _pool_window(attrs: dict, dilations=True):
 
 
 _MAXPOOL_SOURCE = r"""
-extern "C" __global__ void kiln_maxpool2d(const T* __restrict__ x, T* __restrict__ y, long long total,
+extern "C" __global__ void kiln_maxpool2d(const S* __restrict__ x, S* __restrict__ y, long long total,
         int H, int W, int OH, int OW, int KH, int KW, int SH, int SW, int PH, int PW, int DH, int DW) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (long long)gridDim.x * blockDim.x) {
         const int ow = (int)(i % OW);
         const long long t = i / OW;
         const int oh = (int)(t % OH);
-        const T* p = x + (t / OH) * H * W;
+        const S* p = x + (t / OH) * H * W;
         T m = LOWEST;
         const int h0 = oh * SH - PH, w0 = ow * SW - PW;
         for (int a = 0; a < KH; ++a) {
@@ -341,16 +342,22 @@ extern "C" __global__ void kiln_maxpool2d(const T* __restrict__ x, T* __restrict
             for (int b = 0; b < KW; ++b) {
                 const int w = w0 + b * DW;
                 if (w < 0 || w >= W) continue;
-                const T v = p[h * W + w];
+                const T v = LD(p[h * W + w]);
                 m = (v > m || v != v) ? v : m;  // NaN wins, as in the reference's max
             }
         }
-        y[i] = m;
+        y[i] = ST(m);
     }
 }
 """
 _MAXPOOL_TYPES = {np.dtype(np.float32): ("float", "__int_as_float(0xff800000)"),  # -inf (NVRTC has no INFINITY)
-                  np.dtype(np.float64): ("double", "__longlong_as_double(0xfff0000000000000LL)")}
+                  np.dtype(np.float64): ("double", "__longlong_as_double(0xfff0000000000000LL)"),
+                  HALF: ("float", "__int_as_float(0xff800000)")}  # compared in float, stored as half
+_HALF_IO = r"""
+#define S unsigned short
+__device__ __forceinline__ float LD(unsigned short h) { float f; asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h)); return f; }
+__device__ __forceinline__ unsigned short ST(float f) { unsigned short h; asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f)); return h; }
+"""
 
 
 def _maxpool_direct(dt: np.dtype, window):
@@ -360,7 +367,8 @@ def _maxpool_direct(dt: np.dtype, window):
     batch 32, 8% of the model."""
     from kiln.runtime.kernels.cuda.codegen import compile_kernel
     ctype, lowest = _MAXPOOL_TYPES[dt]
-    kern = compile_kernel(f"#define T {ctype}\n#define LOWEST {lowest}\n" + _MAXPOOL_SOURCE, "kiln_maxpool2d")
+    io = _HALF_IO if dt == HALF else f"#define S {ctype}\n#define LD(v) (v)\n#define ST(v) (v)\n"
+    kern = compile_kernel(f"#define T {ctype}\n#define LOWEST {lowest}\n" + io + _MAXPOOL_SOURCE, "kiln_maxpool2d")
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     one_d = window.rank == 1
 
