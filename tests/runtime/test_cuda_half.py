@@ -131,3 +131,20 @@ def test_zoo_models_in_fp16_on_the_gpu_close_to_torch(zoo, name, tmp_path):
         torch_err = float(np.abs(h.float().cpu().numpy() - w).max()) / scale
         # kiln in fp16 is no worse than torch's own fp16 (a small margin for rounding luck), and close.
         assert err <= max(2 * torch_err, 1e-2), (name, err, torch_err)
+
+
+@pytest.mark.parametrize("lq, lk, d, masked", [(128, 128, 64, True), (77, 50, 32, False), (1, 200, 64, True)])
+def test_attention_kernel_in_half(lq, lk, d, masked):
+    """The fused attention kernel reads and writes float16 (scores and softmax in float32) and agrees with the
+    float32 kernel on the same (half-rounded) inputs."""
+    from kiln.runtime.kernels.cuda.attention import attention
+    rng = _rng(13)
+    q = rng.standard_normal((2, 12, lq, d)).astype(np.float16)
+    kt = rng.standard_normal((2, 12, d, lk)).astype(np.float16)
+    v = rng.standard_normal((2, 12, lk, d)).astype(np.float16)
+    mask = np.where(rng.random((2, 1, lq, lk)) < 0.2, -65504.0, 0.0).astype(np.float16) if masked else None
+    args = [cp.asarray(a) for a in (q, kt, v)] + [None if mask is None else cp.asarray(mask)]
+    half = attention(*args, 0.125, "kernel")
+    full = attention(*[None if a is None else a.astype(cp.float32) for a in args], 0.125, "kernel")
+    assert half is not None and half.dtype == cp.float16 and full is not None
+    np.testing.assert_allclose(cp.asnumpy(half).astype(np.float32), cp.asnumpy(full), rtol=1e-2, atol=2e-3)

@@ -45,8 +45,8 @@ _SOURCE = r"""
 #define QP 68    // pitch of Qt and Pt rows (floats; a multiple of 4 for float4 reads)
 #define KP 34    // pitch of Kt rows (even, for float2 reads)
 extern "C" __global__ void __launch_bounds__(256) kiln_attention(
-        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
-        const float* __restrict__ mask, float* __restrict__ o,
+        const IN* __restrict__ q, const IN* __restrict__ k, const IN* __restrict__ v,
+        const IN* __restrict__ mask, IN* __restrict__ o,
         const int H, const int Lq, const int Lk, const int D, const int Dv, const float scale,
         const long long qs0, const long long qs1, const long long qs2, const long long qs3,
         const long long ks0, const long long ks1, const long long ks2, const long long ks3,
@@ -60,16 +60,16 @@ extern "C" __global__ void __launch_bounds__(256) kiln_attention(
     const int bh = blockIdx.y, b = bh / H, h = bh - b * H;
     const int row0 = blockIdx.x * BQ;
     const float NEG_INF = __int_as_float(0xff800000);
-    const float* qb = q + b * qs0 + h * qs1;
-    const float* kb = k + b * ks0 + h * ks1;
-    const float* vb = v + b * vs0 + h * vs1;
-    const float* mb = mask == nullptr ? nullptr : mask + b * ms0 + h * ms1;
+    const IN* qb = q + b * qs0 + h * qs1;
+    const IN* kb = k + b * ks0 + h * ks1;
+    const IN* vb = v + b * vs0 + h * vs1;
+    const IN* mb = mask == nullptr ? nullptr : mask + b * ms0 + h * ms1;
     // Q: 16 loads a thread, all issued before any is stored (the trip counts are constants).
     float qreg[BQ * HD / 256];
     #pragma unroll
     for (int u = 0; u < BQ * HD / 256; ++u) {
         const int idx = tid + u * 256, r = idx / HD, d = idx - r * HD, i = row0 + r;
-        qreg[u] = (i < Lq && d < D) ? qb[i * qs2 + d * qs3] : 0.f;
+        qreg[u] = (i < Lq && d < D) ? LD(qb[i * qs2 + d * qs3]) : 0.f;
     }
     #pragma unroll
     for (int u = 0; u < BQ * HD / 256; ++u) {
@@ -89,8 +89,8 @@ extern "C" __global__ void __launch_bounds__(256) kiln_attention(
     #pragma unroll
     for (int u = 0; u < KT * HD / 256; ++u) {
         const int idx = tid + u * 256, jj = idx / HD, d = idx - jj * HD, j = jj;
-        kreg[u] = (j < Lk && d < D) ? kb[d * ks2 + j * ks3] : 0.f;
-        vreg[u] = (j < Lk && d < Dv) ? vb[j * vs2 + d * vs3] : 0.f;
+        kreg[u] = (j < Lk && d < D) ? LD(kb[d * ks2 + j * ks3]) : 0.f;
+        vreg[u] = (j < Lk && d < Dv) ? LD(vb[j * vs2 + d * vs3]) : 0.f;
     }
     for (int j0 = 0; j0 < Lk; j0 += KT) {
         __syncthreads();   // the previous tile is consumed (and Qt written, the first time)
@@ -105,8 +105,8 @@ extern "C" __global__ void __launch_bounds__(256) kiln_attention(
             #pragma unroll
             for (int u = 0; u < KT * HD / 256; ++u) {
                 const int idx = tid + u * 256, jj = idx / HD, d = idx - jj * HD, j = j0 + KT + jj;
-                kreg[u] = (j < Lk && d < D) ? kb[d * ks2 + j * ks3] : 0.f;
-                vreg[u] = (j < Lk && d < Dv) ? vb[j * vs2 + d * vs3] : 0.f;
+                kreg[u] = (j < Lk && d < D) ? LD(kb[d * ks2 + j * ks3]) : 0.f;
+                vreg[u] = (j < Lk && d < Dv) ? LD(vb[j * vs2 + d * vs3]) : 0.f;
             }
         }
         // Scores of rows ty*4..+3 against keys tx*2, tx*2+1 of the tile: 8 FMAs per 2 loads.
@@ -130,7 +130,7 @@ extern "C" __global__ void __launch_bounds__(256) kiln_attention(
                 const int j = j0 + tx * 2 + c;
                 float x = s[r][c] * scale;
                 if (j >= Lk) x = NEG_INF;
-                else if (mb != nullptr && i < Lq) x += mb[i * ms2 + j * ms3];
+                else if (mb != nullptr && i < Lq) x += LD(mb[i * ms2 + j * ms3]);
                 s[r][c] = x;
             }
             // The row's 32 scores sit in 16 lanes (one half-warp): max and sum by shuffles.
@@ -172,11 +172,11 @@ extern "C" __global__ void __launch_bounds__(256) kiln_attention(
     for (int r = 0; r < 4; ++r) {
         const int i = row0 + ty * 4 + r;
         if (i < Lq) {
-            float* orow = o + ((long long)bh * Lq + i) * Dv;
+            IN* orow = o + ((long long)bh * Lq + i) * Dv;
             #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int d = tx * 4 + c;
-                if (d < Dv) orow[d] = acc[r][c] / l[r];
+                if (d < Dv) orow[d] = ST(acc[r][c] / l[r]);
             }
         }
     }
@@ -200,11 +200,20 @@ def _sms() -> int:
     return n
 
 
-def _kernel():
-    k = _KERNEL.get("k")
+_IO = {np.dtype(np.float32): "#define IN float\n#define LD(x) (x)\n#define ST(x) (x)\n",
+       # float16 (issue 18): q, k, v, the mask and the output in half; scores, softmax and P V in float32.
+       np.dtype(np.float16): r"""#define IN unsigned short
+__device__ __forceinline__ float LD(unsigned short h) { float f; asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h)); return f; }
+__device__ __forceinline__ unsigned short ST(float f) { unsigned short h; asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f)); return h; }
+"""}
+
+
+def _kernel(dtype=np.float32):
+    dtype = np.dtype(dtype)
+    k = _KERNEL.get(("k", dtype))
     if k is None:
         from kiln.runtime.kernels.cuda.codegen import compile_kernel
-        k = _KERNEL["k"] = compile_kernel(_SOURCE, "kiln_attention")
+        k = _KERNEL[("k", dtype)] = compile_kernel(_IO[dtype] + _SOURCE, "kiln_attention")
     return k
 
 
@@ -220,13 +229,13 @@ def _as4(x):
 
 
 def attention(q, kt, v, mask, scale: float, mode: Optional[str] = None):
-    """softmax(q @ kt * scale + mask) @ v for float32 arrays of one rank >= 3 (mask broadcastable
+    """softmax(q @ kt * scale + mask) @ v for float32 or float16 arrays of one rank >= 3 (mask broadcastable
     to the scores, or None), or None when the kernel does not apply. ``mode``: "auto" leaves
     grids smaller than the GPU to the caller; None: the bound program's option."""
     if mode is None:
         mode = options().attention
-    if q.dtype != np.float32 or kt.dtype != np.float32 or v.dtype != np.float32 or q.ndim < 3 \
-            or not (q.ndim == kt.ndim == v.ndim) or (mask is not None and mask.dtype != np.float32):
+    if q.dtype not in _IO or kt.dtype != q.dtype or v.dtype != q.dtype or q.ndim < 3 \
+            or not (q.ndim == kt.ndim == v.ndim) or (mask is not None and mask.dtype != q.dtype):
         return None
     lq, d = q.shape[-2:]
     lk, dv = kt.shape[-1], v.shape[-1]
@@ -239,7 +248,7 @@ def attention(q, kt, v, mask, scale: float, mode: Optional[str] = None):
     blocks = -(-lq // ROWS_PER_BLOCK) * nbh
     if nbh > 65535 or (mode == "auto" and blocks < MIN_BLOCKS_PER_SM * _sms()):
         return None
-    out = cp.empty(batch + (lq, dv), np.float32)
+    out = cp.empty(batch + (lq, dv), q.dtype)
     if out.size == 0:
         return out
     if lk == 0:
@@ -255,7 +264,7 @@ def attention(q, kt, v, mask, scale: float, mode: Optional[str] = None):
         m4, ms = np.uint64(0), (0, 0, 0, 0)  # a null pointer
     grid = (-(-lq // ROWS_PER_BLOCK), nb * nh)
     i32, i64 = np.int32, np.int64
-    _kernel()(grid, (256,), (q4, k4, v4, m4, out, i32(nh), i32(lq), i32(lk), i32(d), i32(dv), np.float32(scale),
+    _kernel(q.dtype)(grid, (256,), (q4, k4, v4, m4, out, i32(nh), i32(lq), i32(lk), i32(d), i32(dv), np.float32(scale),
                              *map(i64, qs), *map(i64, ks), *map(i64, vs), *map(i64, ms)))
     return out
 
