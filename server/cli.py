@@ -97,6 +97,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "per GPU instance (instance_group kind gpu in config.json: count workers on each listed "
                         "GPU; else --workers on GPU N), batch buckets on with a CUDA graph captured per bucket "
                         "before ready; needs CuPy and a GPU")
+    p.add_argument("--precision", choices=("fp32", "fp16", "bf16"),
+                   help="convert models at load (fp16 on a GPU: tensor cores; the CPU computes in float32); "
+                        "default: as the files are (config.json key 'precision')")
     p.add_argument("--backend", choices=("kiln", "onnxruntime"),
                    help="execution engine (default kiln; onnxruntime needs pip install kiln[onnx])")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
@@ -108,7 +111,8 @@ def _overrides(args: argparse.Namespace) -> dict:
     return {"workers": args.workers, "max_batch_size": args.max_batch_size,
             "max_queue_delay_ms": args.max_queue_delay_ms, "queue_size": args.queue_size,
             "timeout_ms": args.timeout_ms, "backend": args.backend, "batching": args.batching,
-            "memory_budget": args.memory_budget, "device": getattr(args, "device", None)}
+            "memory_budget": args.memory_budget, "device": getattr(args, "device", None),
+            "precision": getattr(args, "precision", None)}
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -108,7 +108,7 @@ def _device_count() -> int:
 
 # ------------------------------------------------------------------------------------ worker process side
 
-def load_on_gpu(path: str) -> Any:
+def load_on_gpu(path: str, precision: Optional[str] = None) -> Any:
     """The worker's program: ``kiln.load(path, device="cuda", output="numpy", wait="block")`` on the one GPU
     its CUDA_VISIBLE_DEVICES shows (outputs come back to host memory, into the caller's arena buffers or the
     program's page-locked ones). ``wait="block"``: a batch waits for its replay in cudaEventSynchronize,
@@ -116,7 +116,8 @@ def load_on_gpu(path: str) -> Any:
     held the GIL for the whole replay: the next batch's thread got it only at Python's 5 ms switch
     interval)."""
     from kiln.runtime.program import load
-    return load(path, device="cuda", output="numpy", wait="block")
+    extra = {"precision": precision} if precision not in (None, "", "fp32") else {}
+    return load(path, device="cuda", output="numpy", wait="block", **extra)
 
 
 class GpuRunner:

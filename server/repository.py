@@ -122,6 +122,10 @@ class ModelConfig:
     - ``device = "cpu"``: ``"cuda"`` / ``"cuda:N"`` runs the model as a CudaProgram in GPU worker
       processes (server/gpu.py; ``kiln serve --device``); batch buckets are then on unless ``buckets``
       is false.
+    - ``precision = None``: ``"fp16"`` or ``"bf16"`` converts the model at load (issue 18:
+      ``kiln.load(..., precision=)``: weights cast once, activations in half, the interface unchanged);
+      on the CPU runtime such a model computes in float32; bf16 runs on the CPU only. ``kiln serve
+      --precision``. Kiln backend only.
     - ``staging_mib = 1024``: the shared-memory arena between the server and its worker processes in
       which batch buckets' input and output buffers live (server/arena.py; batches then cross to workers
       as references, not copies). Virtual size: only the pages used are backed. A buffer that does not fit
@@ -143,6 +147,7 @@ class ModelConfig:
     instance_group: Optional[list] = None
     device: str = "cpu"
     staging_mib: float = 1024.0
+    precision: Optional[str] = None
 
     def __hash__(self) -> int:  # the generated one fails on the dict-valued version_policy
         return hash(json.dumps(self.to_json(), sort_keys=True))
@@ -216,6 +221,12 @@ class ModelConfig:
         if preferred and self.buckets is False:
             raise KilnError(f"{source}: preferred_batch_size {preferred} asks for batch buckets but 'buckets' is "
                             "false; drop one of them")
+        if self.precision not in (None, "fp32") and self.backend != "kiln":
+            raise KilnError(f"{source}: precision {self.precision!r} is kiln's own conversion; backend "
+                            f"{self.backend!r} runs the file as it is (convert it first: kiln convert --precision)")
+        if self.precision == "bf16" and self.device != "cpu":
+            raise KilnError(f"{source}: precision 'bf16' runs on the CPU only for now (kiln's GPU backend has no "
+                            "bfloat16 yet); use 'fp16' on a GPU")
 
     @property
     def uses_buckets(self) -> bool:
@@ -381,6 +392,14 @@ def _instance_group(value: Any, where: str) -> Optional[list]:
     return groups
 
 
+def _precision(value: Any, where: str) -> Optional[str]:
+    if value is None:
+        return None
+    if value not in ("fp32", "fp16", "bf16"):
+        raise KilnError(f"{where} must be \"fp32\", \"fp16\" or \"bf16\", got {value!r}")
+    return value
+
+
 def _device(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise KilnError(f"{where} must be \"cpu\", \"cuda\" or \"cuda:N\", got {_json_type(value)}")
@@ -406,6 +425,7 @@ _VALIDATORS = {
     "instance_group": _instance_group,
     "device": _device,
     "staging_mib": _number(0.0),
+    "precision": _precision,
 }
 
 

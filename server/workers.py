@@ -111,6 +111,7 @@ class ThreadExecutor:
         self.path = path
         self.backend = getattr(config, "backend", "kiln") or "kiln"
         self.memory_budget = getattr(config, "memory_budget", None)
+        self.precision = getattr(config, "precision", None)
         self.instances = _instances(config)
         self.program = None
         self.inputs: List[Any] = []
@@ -121,7 +122,8 @@ class ThreadExecutor:
 
     def start(self) -> None:
         from kiln.runtime.program import load
-        self.program = load(self.path, backend=self.backend, **_budget(self.backend, self.memory_budget))
+        self.program = load(self.path, backend=self.backend, **_budget(self.backend, self.memory_budget),
+                            **_precision(self.precision))
         self.inputs, self.outputs = list(self.program.inputs), list(self.program.outputs)
         self.batch_analysis = batch_analysis(self.program)
         self._pool = ThreadPoolExecutor(self.instances, thread_name_prefix="kiln-run")
@@ -198,8 +200,13 @@ def _budget(backend: str, memory_budget: Any) -> dict:
     return {"memory_budget": memory_budget} if memory_budget is not None and backend == "kiln" else {}
 
 
+def _precision(precision: Optional[str]) -> dict:
+    """kiln.load's precision= where the config sets one (issue 18: converted at load)."""
+    return {"precision": precision} if precision not in (None, "", "fp32") else {}
+
+
 def _worker_main(conn, path: str, backend: str, threads: int, memory_budget: Optional[str] = None,
-                 device: str = "cpu", arena: Any = None) -> None:
+                 device: str = "cpu", arena: Any = None, precision: Optional[str] = None) -> None:
     """The worker process: load the model, report its signature, then serve ``run`` messages until the
     server says ``stop`` or its end of the pipe closes. ``device`` ``cuda``: a CudaProgram on the one GPU
     CUDA_VISIBLE_DEVICES shows this process (server/gpu.py); a CUDA fault during a batch is answered,
@@ -212,10 +219,10 @@ def _worker_main(conn, path: str, backend: str, threads: int, memory_budget: Opt
     try:
         if gpu:
             from kiln.server.gpu import load_on_gpu
-            program = load_on_gpu(path)
+            program = load_on_gpu(path, precision)
         else:
             from kiln.runtime.program import load
-            program = load(path, backend=backend, **_budget(backend, memory_budget))
+            program = load(path, backend=backend, **_budget(backend, memory_budget), **_precision(precision))
     except BaseException as e:  # noqa: BLE001 - reported to the server, which raises it from start()
         if gpu:
             from kiln.server.gpu import describe_load_failure
@@ -326,7 +333,7 @@ def fill_out(outputs: dict, out: Optional[dict]) -> dict:
 
 def _worker_entry(argv: Sequence[str]) -> None:
     """``python -c`` entry point of a worker: argv is [fd, path, backend, threads, memory budget or "",
-    device, arena fd or "", arena size or ""]."""
+    device, arena fd or "", arena size or "", precision or ""]."""
     from multiprocessing.connection import Connection
     fd, path, backend, threads, budget, *rest = argv
     device = rest[0] if rest else "cpu"
@@ -334,7 +341,8 @@ def _worker_entry(argv: Sequence[str]) -> None:
     if len(rest) >= 3 and rest[1]:
         from kiln.server.arena import Arena
         arena = Arena(int(rest[2]), fd=int(rest[1]))
-    _worker_main(Connection(int(fd)), path, backend, int(threads), budget or None, device, arena)
+    precision = rest[3] if len(rest) >= 4 and rest[3] else None
+    _worker_main(Connection(int(fd)), path, backend, int(threads), budget or None, device, arena, precision)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -442,6 +450,7 @@ class ProcessExecutor:
         self.path = os.fspath(path)
         self.backend = getattr(config, "backend", "kiln") or "kiln"
         self.memory_budget = getattr(config, "memory_budget", None)
+        self.precision = getattr(config, "precision", None)
         self.instances = _instances(config)
         self.n_workers = int(n_workers if n_workers is not None else getattr(config, "workers", 1))
         if self.n_workers < 1:
@@ -508,7 +517,8 @@ class ProcessExecutor:
             popen = subprocess.Popen([sys.executable, "-c", _ENTRY, str(theirs.fileno()), self.path, self.backend,
                                       str(self.instances), "" if self.memory_budget is None else str(self.memory_budget),
                                       self.device, str(arena.fd) if arena is not None else "",
-                                      str(arena.size) if arena is not None else ""], pass_fds=fds, env=env,
+                                      str(arena.size) if arena is not None else "",
+                                      getattr(self, "precision", None) or ""], pass_fds=fds, env=env,
                                      stdin=subprocess.DEVNULL)
         except BaseException:
             ours.close()
