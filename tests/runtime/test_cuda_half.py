@@ -148,3 +148,22 @@ def test_attention_kernel_in_half(lq, lk, d, masked):
     full = attention(*[None if a is None else a.astype(cp.float32) for a in args], 0.125, "kernel")
     assert half is not None and half.dtype == cp.float16 and full is not None
     np.testing.assert_allclose(cp.asnumpy(half).astype(np.float32), cp.asnumpy(full), rtol=1e-2, atol=2e-3)
+
+
+def test_float32_and_float16_programs_of_one_model_choose_their_conv_paths_apart():
+    """At batch 1 float32 takes im2col (auto) and float16 cuDNN, whichever program runs first."""
+    from kiln.runtime.kernels.cuda import cudnn as kcudnn
+    if not kcudnn.available():
+        pytest.skip(f"cuDNN unavailable: {kcudnn.why_unavailable()}")
+    g = Graph("c")
+    x = g.add_input("x", "float32", ("n", 8, 16, 16))
+    w = g.add_initializer("w", (_rng(20).standard_normal((8, 8, 3, 3)) / 8).astype(np.float32))
+    g.outputs = [g.op("Relu", g.op("Conv", x, w, pads=[1, 1, 1, 1]), name="y")]
+    feed = {"x": _rng(21).standard_normal((1, 8, 16, 16)).astype(np.float32)}
+    h = g.copy()
+    convert_precision(h, "fp16")
+    p16 = kiln.load(h, device="cuda", output="numpy", cuda_graphs=False)
+    p16.run(feed)
+    p32 = kiln.load(g, device="cuda", output="numpy", cuda_graphs=False)
+    p32.run(feed)
+    assert p16.conv_paths == {"cudnn": 1} and p32.conv_paths == {"im2col": 1}, (p16.conv_paths, p32.conv_paths)

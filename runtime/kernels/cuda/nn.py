@@ -200,8 +200,10 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
             if nsp == 1 and residual is not None:
                 r4 = residual.reshape(residual.shape[:2] + (1, residual.shape[2]))
             ep = exe.epilogue(residual is not None, relu)
-            key = (x4.shape, w.shape, tuple(begin), tuple(end), window.strides, window.dilations, group, ep,
-                   settings)
+            # The dtype is part of the key: float32 and float16 programs of one model decide apart (a shared
+            # decision once ran float32 at batch 1 on cuDNN, 2x slower, after a float16 program decided first).
+            key = (x4.shape, x.dtype.str, w.shape, tuple(begin), tuple(end), window.strides, window.dilations, group,
+                   ep, settings)
             entry = CONV_CHOICES.get(key)
             if cudnn.capturing():
                 path = entry["path"] if entry is not None and cudnn.capture_ok() else "im2col"
