@@ -61,7 +61,7 @@ def test_from_json_reads_every_key():
     c = ModelConfig.from_json(data, "x/config.json")
     # instance_group sets instances, so it cannot be given with it (tests/server/test_buckets.py covers it)
     assert c.to_json() == {**data, "max_queue_delay_ms": 2.0, "timeout_ms": 500.0, "instance_group": None,
-                           "staging_mib": 256.0}
+                           "staging_mib": 256.0, "precision": None}  # precision: tests/server/test_serve_precision.py
     assert isinstance(c.max_queue_delay_ms, float)
 
 
