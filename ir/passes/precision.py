@@ -96,6 +96,9 @@ def convert_precision(graph: Graph, precision: str = "fp16", *, policy: Optional
         raise KilnError(f"precision must be fp16 or bf16, got {precision!r}")
     if io not in ("float32", "half"):
         raise KilnError(f"io must be 'float32' or 'half', got {io!r}")
+    done = graph.metadata.props.get(PRECISION_PROP)
+    if done in ("fp16", "bf16"):
+        raise KilnError(f"this model is already converted to {done}; convert the float32 model instead")
     fp32_ops = set(FP32_OPS)
     for op, where in (policy or {}).items():
         if where not in _POLICIES:

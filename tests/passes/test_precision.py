@@ -206,3 +206,62 @@ def test_bfloat16_on_the_gpu_is_refused_with_the_way_out(tmp_path):
         kiln.load(path, device="cuda")
     with pytest.raises(KilnError, match="precision='fp16' for the GPU"):
         kiln.load(MLP, device="cuda", precision="bf16")
+
+
+def test_a_converted_model_is_not_converted_again():
+    g = mlp_graph()
+    convert_precision(g, "fp16")
+    with pytest.raises(KilnError, match="already converted to fp16"):
+        convert_precision(g, "bf16")
+
+
+# ------------------------------------------------------------------------- property: random graphs
+
+def test_random_graphs_convert_to_valid_half_graphs_that_answer_close():
+    """tests/passes/test_property.py's random graphs (elementwise ops, MatMul with constant weights, Reshape
+    and Transpose pairs, Shape arithmetic, casts, dead nodes): converted, every graph verifies, keeps its
+    signature and output names, has no float32 weight or activation left outside the interface, and (when
+    it divides by nothing data-dependent) answers within half precision of the float32 graph."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kiln.ir import evaluate, verify
+    from kiln.ir.passes import optimize
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder's helpers (--import-mode=importlib)
+    from test_property import RandomGraph
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.data(), st.booleans(), st.sampled_from(["fp16", "bf16"]))
+    def check(data, symbolic, precision):
+        g = RandomGraph(data, symbolic).build()
+        original = g.copy()
+        convert_precision(g, precision)
+        optimize(g)
+        verify(g)
+        assert [(v.name, v.type) for v in g.inputs] == [(v.name, v.type) for v in original.inputs]
+        assert [(v.name, v.dtype) for v in g.outputs] == [(v.name, v.dtype) for v in original.outputs]
+        interface = set(g.inputs) | set(g.outputs)
+        # (an output the optimizer folded to a constant is a float32 weight, read by the Identity that keeps
+        # the output's name: the interface's dtype)
+        for v in g.initializers.values():
+            if v.dtype is DType.FLOAT32 and v not in interface:
+                assert all(u.op == "Identity" and u.outputs[0] in interface for u in v.users), v.name
+        for n in g.nodes:
+            for o in n.outputs:
+                if o.dtype is DType.FLOAT32 and o not in interface:
+                    readers = {u.op for u in o.users}
+                    assert n.op == "Cast" or readers <= {"Cast"}, (n.describe(), readers)
+        if any(n.op == "Div" for n in original.nodes):
+            return
+        rng = np.random.default_rng(0)
+        feeds = {"x": rng.normal(size=(2, 3, 4)).astype(np.float32), "y": rng.normal(size=(3, 4)).astype(np.float32)}
+        h = g.copy()
+        upcast_to_float32(h)
+        with np.errstate(all="ignore"):
+            for want, got in zip(evaluate(original, feeds), evaluate(h, feeds)):
+                assert got.dtype == want.dtype and got.shape == want.shape
+                scale = max(float(np.nanmax(np.abs(want))) if want.size else 0.0, 1.0)
+                tol = 3e-2 if precision == "bf16" else 5e-3
+                np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale)
+
+    check()
