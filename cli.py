@@ -151,6 +151,17 @@ def _run_serve(args: argparse.Namespace) -> int:
     return cmd_serve(args)
 
 
+# ---------------------------------------------------------------------------- deploy (server/deploy.py)
+def _add_deploy_args(p: argparse.ArgumentParser) -> None:
+    from kiln.server.deploy import add_deploy_args
+    add_deploy_args(p)
+
+
+def _run_deploy(args: argparse.Namespace) -> int:
+    from kiln.server.deploy import cmd_deploy
+    return cmd_deploy(args)
+
+
 # ---------------------------------------------------------------------------- mobile (mobile_stub/cli.py)
 def _add_mobile_args(p: argparse.ArgumentParser) -> None:
     from kiln.mobile_stub.cli import add_mobile_args
@@ -179,6 +190,8 @@ COMMANDS: dict[str, Command] = {
               "--backend onnxruntime times ONNX Runtime", _add_bench_args, _run_bench),
     "serve": ("serve a .kiln file or a model repository over HTTP (KServe/Triton V2 inference protocol) with "
               "dynamic batching, worker processes and Prometheus metrics", _add_serve_args, _run_serve),
+    "deploy": ("write what it takes to run a model elsewhere: `kserve` (a ServingRuntime, an InferenceService, "
+               "Dockerfiles and the model repository to upload)", _add_deploy_args, _run_deploy),
     "mobile": ("the mobile path: `check` a model against the mobile op set, `pack` it ahead of time (static "
                "memory plan, optional int8 weights), `bundle` it into a numpy-only zipapp",
                _add_mobile_args, _run_mobile),
