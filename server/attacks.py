@@ -45,7 +45,6 @@ import sys
 import tempfile
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
