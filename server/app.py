@@ -443,7 +443,7 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
                on_ready: Optional[Callable[[ServerState], Any]] = None,
                on_load_error: Optional[Callable[[BaseException], Any]] = None,
                allow_client_shm: Optional[bool] = None, shm_max_regions: int = SHM_MAX_REGIONS,
-               shm_max_bytes: int = SHM_MAX_BYTES) -> FastAPI:
+               shm_max_bytes: int = SHM_MAX_BYTES, wait_for_load: bool = False) -> FastAPI:
     """The V2 inference app for ``entries`` (from :func:`kiln.server.repository.discover`).
 
     ``executor_factory(entry)`` builds each model version's executor (default: :func:`default_executor`;
@@ -453,7 +453,9 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
     memory region. ``allow_client_shm`` lets clients register system shared memory regions (at most
     ``shm_max_regions`` of ``shm_max_bytes`` in all; see server/shm.py for why it is off by default);
     None reads the environment variable ``KILN_ALLOW_CLIENT_SHM`` (``1``/``true``/``yes`` turn it on).
-    ``app.state.kiln`` is the :class:`ServerState`."""
+    ``wait_for_load``: the lifespan's startup returns only once every model is loaded (raising the first load
+    error), for hosts that count an app ready when its startup is done (a Ray Serve replica); kiln serve
+    itself loads in the background and answers 503 until ready. ``app.state.kiln`` is the :class:`ServerState`."""
     if not entries:
         raise KilnError("nothing to serve: no model entries")
     if max_body_bytes <= 0:
@@ -480,6 +482,10 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
         for model in state.served():
             metrics.add_model(model.name, model.version)
         state._load_task = asyncio.get_running_loop().create_task(state.load())
+        if wait_for_load:  # the host (a Ray Serve replica) counts the replica ready when startup returns
+            await state._load_task
+            if state.load_error is not None:
+                raise state.load_error
         try:
             yield
         finally:

@@ -102,6 +102,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "default: as the files are (config.json key 'precision')")
     p.add_argument("--backend", choices=("kiln", "onnxruntime"),
                    help="execution engine (default kiln; onnxruntime needs pip install kiln[onnx])")
+    ray = p.add_argument_group("Ray Serve (scale-out over a Ray cluster; pip install 'ray[serve]')")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve through Ray Serve: replicas of this server behind Ray's HTTP proxy on --host/--port")
+    ray.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (default: start a local one)")
+    ray.add_argument("--replicas", type=int, default=1, metavar="N", help="Ray Serve replicas (default 1)")
+    ray.add_argument("--autoscale", metavar="MIN:MAX", help="autoscale between MIN and MAX replicas on ongoing requests")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, metavar="C", help="CPUs Ray reserves per replica")
+    ray.add_argument("--replica-gpus", type=float, default=0.0, metavar="G", help="GPUs per replica (with --device cuda)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="server log level (default warning)")
     p.add_argument("--access-log", action="store_true", help="log every request (off by default: it costs time)")
@@ -113,6 +121,31 @@ def _overrides(args: argparse.Namespace) -> dict:
             "timeout_ms": args.timeout_ms, "backend": args.backend, "batching": args.batching,
             "memory_budget": args.memory_budget, "device": getattr(args, "device", None),
             "precision": getattr(args, "precision", None)}
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    """``kiln serve PATH --ray``: server/ray_serve.py."""
+    from kiln.server.repository import discover
+    overrides = {k: v for k, v in _overrides(args).items() if v is not None}
+    discover(args.path, name=args.name, overrides=overrides)  # a bad path or config fails now, not in a replica
+    if args.replicas < 1:
+        raise KilnError(f"--replicas must be at least 1, got {args.replicas}")
+    autoscale = None
+    if args.autoscale:
+        lo, sep, hi = args.autoscale.partition(":")
+        if not sep or not lo.isdigit() or not hi.isdigit() or not 1 <= int(lo) <= int(hi):
+            raise KilnError(f"--autoscale takes MIN:MAX with 1 <= MIN <= MAX, got {args.autoscale!r}")
+        autoscale = (int(lo), int(hi))
+    try:
+        import ray  # noqa: F401  (imported to say what is missing, before any Ray work)
+        from ray import serve  # noqa: F401
+    except ImportError as e:
+        raise KilnError(f"--ray needs Ray Serve: pip install 'ray[serve]' ({e.name} is missing)") from None
+    from kiln.server.ray_serve import serve_on_ray
+    serve_on_ray(str(args.path), host=args.host, port=args.port, address=args.ray_address, name=args.name,
+                 overrides=overrides, replicas=args.replicas, autoscale=autoscale, num_cpus=args.replica_cpus,
+                 num_gpus=args.replica_gpus)
+    return 0
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -162,6 +195,10 @@ def _url(sock: socket.socket, host: str) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if getattr(args, "ray", False):
+        return _serve_on_ray(args)
+    if getattr(args, "ray_address", None) or getattr(args, "autoscale", None) or getattr(args, "replicas", 1) != 1:
+        raise KilnError("--ray-address, --replicas and --autoscale go with --ray")
     try:
         import uvicorn
         from kiln.server.app import create_app

@@ -1,0 +1,122 @@
+"""kiln on Ray Serve (server/ray_serve.py, issue 19): a local Ray instance, two replicas of kiln's V2 app
+behind Ray's HTTP proxy, distinct requests answered equal to Program.run. Needs ``ray[serve]`` (CI runs this
+module in a venv that has it; the main venv skips it)."""
+from __future__ import annotations
+
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+httpx = pytest.importorskip("httpx")
+
+import kiln  # noqa: E402
+from kiln.server.ray_serve import build_app, deployment  # noqa: E402
+
+MLP = Path(__file__).resolve().parents[1] / "fixtures" / "mlp_runtime.kiln"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_serve():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def test_two_replicas_answer_distinct_requests_like_program_run(ray_serve):
+    serve.run(deployment(str(MLP), name="mlp", replicas=2, num_cpus=0.5, overrides={"workers": 0}),
+              name="kiln", route_prefix="/")
+    status = serve.status().applications["kiln"]
+    assert status.status == "RUNNING"
+    (dep,) = status.deployments.values()
+    assert dep.replica_states.get("RUNNING") == 2, dep.replica_states
+    assert httpx.get(ray_serve + "/v2/health/ready").status_code == 200
+    meta = httpx.get(ray_serve + "/v2/models/mlp").json()
+    assert meta["name"] == "mlp" and meta["inputs"][0]["name"] == "x"
+    program = kiln.load(MLP)
+    rng = np.random.default_rng(4)
+    xs = [rng.standard_normal((1, 16)).astype(np.float32) for _ in range(200)]
+
+    def call(i):
+        body = {"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32", "data": xs[i].ravel().tolist()}]}
+        with httpx.Client(timeout=60) as c:
+            r = c.post(ray_serve + "/v2/models/mlp/infer", json=body)
+        assert r.status_code == 200, r.text
+        return i, {o["name"]: np.array(o["data"], np.float32).reshape(o["shape"]) for o in r.json()["outputs"]}
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(call, range(len(xs))))
+    assert sorted(i for i, _ in answers) == list(range(len(xs)))  # none lost
+    for i, got in answers:
+        for name, want in program.run({"x": xs[i]}).items():
+            np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6)
+    serve.delete("kiln")
+
+
+def test_a_model_that_cannot_load_fails_its_replica_with_the_reason(ray_serve, tmp_path):
+    bad = tmp_path / "bad.kiln"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(Exception) as e:
+        serve.run(build_app({"path": str(bad), "replicas": 1, "num_cpus": 0.5}), name="bad", route_prefix="/bad")
+    assert "failed" in str(e.value)
+    (dep,) = serve.status().applications["bad"].deployments.values()
+    assert "bad.kiln" in dep.message, dep.message  # the load error, as Ray reports the replica's failure
+    serve.delete("bad")
+
+
+@pytest.mark.parametrize("stop_signal", ["SIGTERM", "SIGINT"])
+def test_kiln_serve_ray_command_serves_and_drains_on_a_signal(tmp_path, stop_signal):
+    """``kiln serve PATH --ray --replicas 2``: a local Ray cluster started by the command, the V2 routes on the
+    given port, an answer equal to Program.run, and SIGTERM or SIGINT (Ctrl-C) draining it with exit code 0."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    port = _free_port()
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(MLP), "--name", "mlp", "--ray", "--replicas",
+                             "2", "--replica-cpus", "0.5", "--host", "127.0.0.1", "--port", str(port), "--workers", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/v2/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError("kiln serve --ray did not become ready")
+        x = np.random.default_rng(9).standard_normal((3, 16)).astype(np.float32)
+        body = {"inputs": [{"name": "x", "shape": [3, 16], "datatype": "FP32", "data": x.ravel().tolist()}]}
+        r = httpx.post(url + "/v2/models/mlp/infer", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        got = {o["name"]: np.array(o["data"], np.float32).reshape(o["shape"]) for o in r.json()["outputs"]}
+        for name, want in kiln.load(MLP).run({"x": x}).items():
+            np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6)
+    finally:
+        proc.send_signal(getattr(signal, stop_signal))
+        try:
+            out, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert proc.returncode == 0, out
+    assert f"on Ray Serve at http://127.0.0.1:{port}" in out and "stopping (Ray Serve drains" in out
