@@ -90,7 +90,10 @@ def serve_on_ray(path: str, *, host: str, port: int, address: Optional[str] = No
     import ray
     from ray import serve
     stop = threading.Event()
-    ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    # A local cluster (no address) binds its services to loopback and starts no dashboard: nothing listens
+    # beyond this machine but the Serve proxy on --host.
+    local = {"_node_ip_address": "127.0.0.1", "include_dashboard": False} if address is None else {}
+    ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, **local)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:

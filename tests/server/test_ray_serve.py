@@ -28,7 +28,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ray_serve():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True,
+             _node_ip_address="127.0.0.1")  # tests listen on loopback only
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
