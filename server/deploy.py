@@ -195,6 +195,40 @@ liveness probe `/v2/health/live`; Prometheus metrics are on `/metrics` (port {po
 """
 
 
+def ray_config(path: str, *, replicas: int = 1, autoscale: Optional[str] = None, num_cpus: float = 1.0,
+               num_gpus: float = 0.0, host: str = "0.0.0.0", port: int = 8000) -> dict:
+    """A Ray Serve deploy config (``serve deploy``) for kiln's app over ``path``."""
+    args: dict = {"path": path, "num_cpus": num_cpus, "num_gpus": num_gpus}
+    if autoscale:
+        args["autoscale"] = autoscale
+    else:
+        args["replicas"] = replicas
+    return {"proxy_location": "EveryNode", "http_options": {"host": host, "port": port},
+            "applications": [{"name": "kiln", "route_prefix": "/",
+                              "import_path": "kiln.server.ray_serve:build_app", "args": args}]}
+
+
+def deploy_ray(path, output, *, replicas: int = 1, autoscale: Optional[str] = None, num_cpus: float = 1.0,
+               num_gpus: float = 0.0, host: str = "0.0.0.0", port: int = 8000, force: bool = False) -> str:
+    """Write the Serve config of :func:`ray_config` to ``output``; returns a summary."""
+    from kiln.server.repository import discover
+    src, out = Path(path).resolve(), Path(output)
+    discover(src)
+    if replicas < 1:
+        raise KilnError(f"--replicas must be at least 1, got {replicas}")
+    if autoscale is not None:
+        lo, sep, hi = autoscale.partition(":")
+        if not sep or not lo.isdigit() or not hi.isdigit() or not 1 <= int(lo) <= int(hi):
+            raise KilnError(f"--autoscale takes MIN:MAX with 1 <= MIN <= MAX, got {autoscale!r}")
+    if out.exists() and not force:
+        raise KilnError(f"{out} exists; give --force to overwrite")
+    config = ray_config(str(src), replicas=replicas, autoscale=autoscale, num_cpus=num_cpus, num_gpus=num_gpus,
+                        host=host, port=port)
+    out.write_text("# Ray Serve config for kiln (written by `kiln deploy ray`): serve deploy " + out.name + "\n"
+                   f"# {src} must be readable at this path on every node (shared storage).\n" + to_yaml(config))
+    return f"wrote {out}: Ray Serve application 'kiln' over {src}; run: serve deploy {out}"
+
+
 def _service_name(name: str) -> str:
     """``name`` as a Kubernetes name (lowercase, '_' as '-'), or a KilnError saying what a DNS label allows."""
     dns = name.lower().replace("_", "-")
@@ -226,11 +260,30 @@ def add_deploy_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--precision", choices=("fp32", "fp16", "bf16"),
                    help="the model's config.json 'precision' (converted at load in the pod)")
     k.add_argument("--force", action="store_true", help="overwrite DIR's files")
+    r = sub.add_parser("ray", help="write a Ray Serve config file for `serve deploy` (kiln's app as replicas)",
+                       description="Write a Ray Serve config (serve deploy FILE) that runs PATH as replicas of "
+                                   "kiln's V2 app (kiln.server.ray_serve:build_app). PATH is written as an "
+                                   "absolute path: it must be readable at that path on every node (shared storage).")
+    r.add_argument("path", metavar="PATH", help="a .kiln/.onnx file or a kiln model repository directory")
+    r.add_argument("-o", "--output", required=True, metavar="FILE", help="the config to write (serve.yaml)")
+    r.add_argument("--replicas", type=int, default=1, metavar="N")
+    r.add_argument("--autoscale", metavar="MIN:MAX", help="autoscale between MIN and MAX replicas instead")
+    r.add_argument("--replica-cpus", type=float, default=1.0, metavar="C")
+    r.add_argument("--replica-gpus", type=float, default=0.0, metavar="G")
+    r.add_argument("--host", default="0.0.0.0", help="Ray Serve's HTTP proxy host (default 0.0.0.0)")
+    r.add_argument("--port", type=int, default=8000, help="Ray Serve's HTTP proxy port (default 8000)")
+    r.add_argument("--force", action="store_true", help="overwrite FILE")
 
 
 def cmd_deploy(args: argparse.Namespace) -> int:
-    if getattr(args, "target", None) != "kserve":
-        raise KilnError("choose a target: kiln deploy kserve PATH -o DIR")
+    target = getattr(args, "target", None)
+    if target == "ray":
+        print(deploy_ray(args.path, args.output, replicas=args.replicas, autoscale=args.autoscale,
+                         num_cpus=args.replica_cpus, num_gpus=args.replica_gpus, host=args.host, port=args.port,
+                         force=args.force))
+        return 0
+    if target != "kserve":
+        raise KilnError("choose a target: kiln deploy kserve PATH -o DIR, or kiln deploy ray PATH -o serve.yaml")
     print(deploy_kserve(args.path, args.output, name=args.name, storage_uri=args.storage_uri, image=args.image,
                         gpu=args.gpu, namespaced=args.namespaced, namespace=args.namespace,
                         precision=args.precision, force=args.force))

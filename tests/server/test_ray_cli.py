@@ -29,3 +29,19 @@ def test_ray_arguments_are_checked_first(args, message, capsys):
 def test_ray_missing_is_one_line_with_the_install_hint(capsys):
     assert main(["serve", MLP, "--ray"]) == 1
     assert "--ray needs Ray Serve: pip install 'ray[serve]'" in capsys.readouterr().err
+
+
+def test_kiln_deploy_ray_writes_a_serve_config(tmp_path, capsys):
+    yaml = pytest.importorskip("yaml")
+    out = tmp_path / "serve.yaml"
+    assert main(["deploy", "ray", MLP, "-o", str(out), "--autoscale", "1:3", "--port", "9000"]) == 0
+    assert "serve deploy" in capsys.readouterr().out
+    config = yaml.safe_load(out.read_text())
+    (app,) = config["applications"]
+    assert app["import_path"] == "kiln.server.ray_serve:build_app" and app["route_prefix"] == "/"
+    assert app["args"]["path"] == str(Path(MLP).resolve()) and app["args"]["autoscale"] == "1:3"
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 9000}
+    assert main(["deploy", "ray", MLP, "-o", str(out)]) == 1
+    assert "exists; give --force" in capsys.readouterr().err
+    assert main(["deploy", "ray", MLP, "-o", str(out), "--force", "--autoscale", "0:2"]) == 1
+    assert "--autoscale takes MIN:MAX" in capsys.readouterr().err

@@ -121,3 +121,26 @@ def test_kiln_serve_ray_command_serves_and_drains_on_a_signal(tmp_path, stop_sig
             out, _ = proc.communicate()
     assert proc.returncode == 0, out
     assert f"on Ray Serve at http://127.0.0.1:{port}" in out and "stopping (Ray Serve drains" in out
+
+
+def test_kiln_deploy_ray_config_is_a_valid_serve_config_that_deploys(ray_serve, tmp_path):
+    """``kiln deploy ray`` writes a config Ray's own schema accepts, whose application (import path and args)
+    deploys and answers."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from kiln.cli import main
+    out = tmp_path / "serve.yaml"
+    assert main(["deploy", "ray", str(MLP), "-o", str(out), "--replicas", "2", "--replica-cpus", "0.5"]) == 0
+    config = yaml.safe_load(out.read_text())
+    ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    module, _, attr = app["import_path"].partition(":")
+    import importlib
+    builder = getattr(importlib.import_module(module), attr)
+    serve.run(builder(app["args"]), name="fromconfig", route_prefix="/cfg")
+    x = np.ones((1, 16), np.float32)
+    body = {"inputs": [{"name": "x", "shape": [1, 16], "datatype": "FP32", "data": x.ravel().tolist()}]}
+    r = httpx.post(ray_serve + "/cfg/v2/models/mlp_runtime/infer", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    serve.delete("fromconfig")
