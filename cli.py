@@ -191,7 +191,8 @@ COMMANDS: dict[str, Command] = {
     "serve": ("serve a .kiln file or a model repository over HTTP (KServe/Triton V2 inference protocol) with "
               "dynamic batching, worker processes and Prometheus metrics", _add_serve_args, _run_serve),
     "deploy": ("write what it takes to run a model elsewhere: `kserve` (a ServingRuntime, an InferenceService, "
-               "Dockerfiles and the model repository to upload)", _add_deploy_args, _run_deploy),
+               "Dockerfiles and the model repository to upload) or `ray` (a Ray Serve config for serve deploy)",
+               _add_deploy_args, _run_deploy),
     "mobile": ("the mobile path: `check` a model against the mobile op set, `pack` it ahead of time (static "
                "memory plan, optional int8 weights), `bundle` it into a numpy-only zipapp",
                _add_mobile_args, _run_mobile),
