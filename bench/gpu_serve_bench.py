@@ -264,6 +264,23 @@ def triton_server_main(model_name: str, port: int) -> None:
 
 # --------------------------------------------------------------------------------------------- clients
 
+def _register(conn, path: str, payload: dict):
+    """POST a shared memory registration; the error text, or None when it took."""
+    conn.request("POST", path, body=json.dumps(payload), headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    text = r.read()
+    return None if r.status == 200 else f"register {r.status}: {text[:200]!r}"
+
+
+def _shm_request(in_name, shape, dtype, in_region, in_bytes, out_name, out_region, out_bytes) -> bytes:
+    """An inference request whose input and output are in shared memory regions (system or CUDA alike)."""
+    return json.dumps({"inputs": [{"name": in_name, "shape": shape, "datatype": dtype,
+                                   "parameters": {"shared_memory_region": in_region,
+                                                  "shared_memory_byte_size": in_bytes}}],
+                       "outputs": [{"name": out_name, "parameters": {"shared_memory_region": out_region,
+                                                                     "shared_memory_byte_size": out_bytes}}]}).encode()
+
+
 def client_main(spec: dict) -> None:
     """One client process: ``threads`` closed-loop clients; a JSON summary on stdout."""
     host, port = "127.0.0.1", spec["port"]
@@ -293,23 +310,15 @@ def client_main(spec: dict) -> None:
                     ptr = rt.malloc(size)
                     dev.append((f"{tag}{suffix}", ptr, size))
                     handle = base64.b64encode(bytes(rt.ipcGetMemHandle(ptr))).decode()
-                    conn.request("POST", f"/v2/cudasharedmemory/region/{tag}{suffix}/register",
-                                 body=json.dumps({"raw_handle": {"b64": handle}, "device_id": 0, "byte_size": size}),
-                                 headers={"Content-Type": "application/json"})
-                    r = conn.getresponse()
-                    text = r.read()
-                    if r.status != 200:
-                        errors.append(f"register {r.status}: {text[:200]!r}")
+                    failed = _register(conn, f"/v2/cudasharedmemory/region/{tag}{suffix}/register",
+                                       {"raw_handle": {"b64": handle}, "device_id": 0, "byte_size": size})
+                    if failed:
+                        errors.append(failed)
                         return
                 xc = np.ascontiguousarray(x)
                 rt.memcpy(dev[0][1], xc.ctypes.data, xc.nbytes, 1)
-                head = json.dumps({"inputs": [{"name": in_name, "shape": [1, *row], "datatype": dtype,
-                                               "parameters": {"shared_memory_region": dev[0][0],
-                                                              "shared_memory_byte_size": x.nbytes}}],
-                                   "outputs": [{"name": out_name,
-                                                "parameters": {"shared_memory_region": dev[1][0],
-                                                               "shared_memory_byte_size": out_bytes}}]}).encode()
-                body, headers = head, {"Content-Type": "application/json"}
+                body = _shm_request(in_name, [1, *row], dtype, dev[0][0], x.nbytes, out_name, dev[1][0], out_bytes)
+                headers = {"Content-Type": "application/json"}
                 y_host = np.empty(out_bytes // 4, np.float32)
             elif mode == "shm":
                 tag = f"kb{os.getpid()}_{k}"
@@ -319,22 +328,15 @@ def client_main(spec: dict) -> None:
                     mm = mmap.mmap(fd, size)
                     os.close(fd)
                     regions.append((f"{tag}{suffix}", mm, size))
-                    conn.request("POST", f"/v2/systemsharedmemory/region/{tag}{suffix}/register",
-                                 body=json.dumps({"key": f"/{tag}{suffix}", "offset": 0, "byte_size": size}),
-                                 headers={"Content-Type": "application/json"})
-                    r = conn.getresponse()
-                    text = r.read()
-                    if r.status != 200:
-                        errors.append(f"register {r.status}: {text[:200]!r}")
+                    failed = _register(conn, f"/v2/systemsharedmemory/region/{tag}{suffix}/register",
+                                       {"key": f"/{tag}{suffix}", "offset": 0, "byte_size": size})
+                    if failed:
+                        errors.append(failed)
                         return
                 regions[0][1][:] = x.tobytes()
-                head = json.dumps({"inputs": [{"name": in_name, "shape": [1, *row], "datatype": dtype,
-                                               "parameters": {"shared_memory_region": regions[0][0],
-                                                              "shared_memory_byte_size": x.nbytes}}],
-                                   "outputs": [{"name": out_name,
-                                                "parameters": {"shared_memory_region": regions[1][0],
-                                                               "shared_memory_byte_size": out_bytes}}]}).encode()
-                body, headers = head, {"Content-Type": "application/json"}
+                body = _shm_request(in_name, [1, *row], dtype, regions[0][0], x.nbytes, out_name, regions[1][0],
+                                    out_bytes)
+                headers = {"Content-Type": "application/json"}
             else:
                 head = json.dumps({"inputs": [{"name": in_name, "shape": [1, *row], "datatype": dtype,
                                                "parameters": {"binary_data_size": x.nbytes}}],

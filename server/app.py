@@ -839,10 +839,11 @@ async def _close_cuda_regions(state: ServerState, regions: list) -> None:
 
 
 def _cuda_use(state: ServerState, model: ServedModel, req: Any) -> list:
-    """Refuse CUDA shared memory for a model that cannot take it (400); return the CUDA outputs."""
+    """Refuse CUDA shared memory for a model that cannot take it (400); return ``(requested output, CudaSpan)``
+    for the outputs that go to CUDA regions (the worker writes them with the batch)."""
     spans = [(n, a.span) for n, a in req.inputs.items() if isinstance(a, DeviceInput)]
-    outs = [o for o in (req.outputs or ()) if o.shared_memory is not None
-            and o.shared_memory.get("shared_memory_region") in state.cuda_shm]
+    outs = [(o, state.cuda_shm.span(o.shared_memory, f"output '{o.name}'")) for o in (req.outputs or ())
+            if o.shared_memory is not None and o.shared_memory.get("shared_memory_region") in state.cuda_shm]
     if not spans and not outs:
         return outs
     gpus = _model_gpus(model)
@@ -850,8 +851,7 @@ def _cuda_use(state: ServerState, model: ServedModel, req: Any) -> list:
         raise ApiError(400, f"model '{model.name}' runs on the CPU: CUDA shared memory inputs and outputs need a "
                             "model served on a GPU (--device cuda)")
     where = [(f"input '{n}'", sp.device_id) for n, sp in spans]
-    where += [(f"output '{o.name}'", state.cuda_shm.span(o.shared_memory, f"output '{o.name}'").device_id)
-              for o in outs]
+    where += [(f"output '{o.name}'", sp.device_id) for o, sp in outs]
     for what, device in where:
         if device not in gpus:
             raise ApiError(400, f"{what} is in a CUDA region on GPU {device}, but model '{model.name}' runs on "
@@ -963,10 +963,8 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
         timeout_ms = min(timeout_ms, req.timeout_ms)
 
     try:
-        outputs = await model.batcher.submit(req.inputs, timeout_ms / 1000.0, device_out=cuda_outputs and {
-            o.name: state.cuda_shm.span(o.shared_memory, f"output '{o.name}'") for o in cuda_outputs})
-    except protocol.ProtocolError as e:  # a CUDA region unregistered since the request was parsed
-        raise ApiError(e.status, e.message) from None
+        outputs = await model.batcher.submit(req.inputs, timeout_ms / 1000.0,
+                                             device_out={o.name: sp for o, sp in cuda_outputs})
     except RegionTooSmall as e:
         raise ApiError(400, str(e)) from None
     except QueueFull as e:  # also Draining
@@ -989,7 +987,7 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
 
     if req.outputs is not None:
         outputs = {o.name: outputs[o.name] for o in req.outputs}
-    for o in cuda_outputs:  # the GPU worker wrote them with the batch (the HTTP process never touches CUDA)
+    for o, _ in cuda_outputs:  # the GPU worker wrote them with the batch (the HTTP process never touches CUDA)
         o.written = int(np.asarray(outputs[o.name]).nbytes)
     encode = protocol.encode_infer_response
     args = (model.name, model.version, req.id, outputs, req.outputs, req.binary_default, state.shared)

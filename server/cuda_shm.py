@@ -47,7 +47,7 @@ from typing import Any, Iterable, List, NamedTuple, Optional
 import numpy as np
 
 from kiln.server.protocol import ProtocolError
-from kiln.server.shm import _NAME_RE, _nonneg_int
+from kiln.server.shm import _NAME_RE, _nonneg_int, check_room, region_status
 
 IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 
@@ -128,12 +128,7 @@ class CudaSharedMemory:
 
     def status(self, name: Optional[str] = None) -> list[dict]:
         with self._lock:
-            if name is None:
-                return [r.status() for r in sorted(self._regions.values(), key=lambda r: r.name)]
-            region = self._regions.get(name)
-            if region is None:
-                raise _error(f"no CUDA shared memory region named '{name}' is registered")
-            return [region.status()]
+            return region_status(self._regions, name, "CUDA")
 
     def register(self, name: str, request: Any) -> CudaRegion:
         """Register ``name`` from ``{"raw_handle": {"b64"}, "device_id", "byte_size"}`` (parsed JSON)."""
@@ -172,13 +167,7 @@ class CudaSharedMemory:
         with self._lock:
             if name in self._regions or self._taken(name):
                 raise _error(f"a shared memory region named '{name}' is already registered (unregister it first)")
-            if len(self._regions) >= self.max_regions:
-                raise _error(f"cannot register '{name}': {len(self._regions)} CUDA regions are registered, this "
-                             f"server's limit is {self.max_regions}")
-            total = sum(r.byte_size for r in self._regions.values())
-            if total + byte_size > self.max_bytes:
-                raise _error(f"cannot register '{name}' ({byte_size:,} bytes): {total:,} bytes of CUDA regions "
-                             f"are registered and this server's limit is {self.max_bytes:,}")
+            check_room(self._regions, name, byte_size, self.max_regions, self.max_bytes, "CUDA ")
             region = CudaRegion(name, handle, device, byte_size, next(self._ids))
             self._regions[name] = region
             return region

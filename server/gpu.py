@@ -443,10 +443,7 @@ class GpuExecutor(ProcessExecutor):
         gpu = gpus.pop()
         if gpu not in self.slots:
             raise KilnError(f"CUDA shared memory on GPU {gpu}, but this model's workers run on GPU(s) {self.gpus}")
-        arena = self.arena
-        sent = arena.encode(inputs) if arena is not None else inputs
-        refs = ({k: r for k, r in ((k, arena.ref(v)) for k, v in (out or {}).items()) if r is not None}
-                if arena is not None else None)
+        sent, refs = self._run_payload(inputs, out)
         return await self._submit(lambda: self._least_busy_on(gpu),
                                   lambda rid: ("run", rid, sent, refs, device, device_out or None))
 

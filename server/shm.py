@@ -65,6 +65,31 @@ def _nonneg_int(value: Any, what: str) -> int:
     return value
 
 
+def region_status(regions: dict, name: Optional[str], kind: str) -> list[dict]:
+    """The V2 status list of ``regions`` (by name), or of the one named ``name``; ``kind`` ("system",
+    "CUDA") names the registry in the error for an unknown name. The caller holds the registry's lock."""
+    if name is None:
+        return [r.status() for r in sorted(regions.values(), key=lambda r: r.name)]
+    region = regions.get(name)
+    if region is None:
+        raise _error(f"no {kind} shared memory region named '{name}' is registered")
+    return [region.status()]
+
+
+def check_room(regions: dict, name: str, byte_size: int, max_regions: int, max_bytes: int,
+               kind: str = "") -> None:
+    """Refuse a registration past the region count or byte limits (``kind``: "" or "CUDA ", as the messages
+    name the regions). The caller holds the registry's lock."""
+    if len(regions) >= max_regions:
+        raise _error(f"cannot register '{name}': {len(regions)} {kind}regions are registered, this "
+                     f"server's limit is {max_regions}")
+    total = sum(r.byte_size for r in regions.values())
+    if total + byte_size > max_bytes:
+        of = f" of {kind.strip()} regions" if kind else ""
+        raise _error(f"cannot register '{name}' ({byte_size:,} bytes): {total:,} bytes{of} are registered "
+                     f"and this server's limit is {max_bytes:,}")
+
+
 @dataclass
 class Region:
     """One registered region: ``byte_size`` bytes at ``offset`` of ``/dev/shm/<key>``."""
@@ -109,12 +134,7 @@ class SystemSharedMemory:
 
     def status(self, name: Optional[str] = None) -> list[dict]:
         with self._lock:
-            if name is None:
-                return [r.status() for r in sorted(self._regions.values(), key=lambda r: r.name)]
-            region = self._regions.get(name)
-            if region is None:
-                raise _error(f"no system shared memory region named '{name}' is registered")
-            return [region.status()]
+            return region_status(self._regions, name, "system")
 
     def register(self, name: str, request: Any) -> None:
         """Register ``name`` from a ``{"key", "offset", "byte_size"}`` request body (parsed JSON)."""
@@ -144,13 +164,7 @@ class SystemSharedMemory:
             if name in self._regions:
                 raise _error(f"a system shared memory region named '{name}' is already registered "
                              f"(unregister it first)")
-            if len(self._regions) >= self.max_regions:
-                raise _error(f"cannot register '{name}': {len(self._regions)} regions are registered, this "
-                             f"server's limit is {self.max_regions}")
-            total = sum(r.byte_size for r in self._regions.values())
-            if total + byte_size > self.max_bytes:
-                raise _error(f"cannot register '{name}' ({byte_size:,} bytes): {total:,} bytes are registered "
-                             f"and this server's limit is {self.max_bytes:,}")
+            check_room(self._regions, name, byte_size, self.max_regions, self.max_bytes)
             self._regions[name] = self._map(name, key, stripped, offset, byte_size)
 
     def _map(self, name: str, key: str, stripped: str, offset: int, byte_size: int) -> Region:

@@ -767,12 +767,19 @@ class ProcessExecutor:
                   ) -> Dict[str, np.ndarray]:
         """Run one batch on the least busy worker. Inputs in the arena go as references (read in place by
         the worker); ``out`` (arena buffers, by output name): where the worker writes outputs that fit."""
+        if self.arena is None:
+            return await self._submit(self._least_busy, lambda rid: ("run", rid, dict(inputs)))
+        sent, refs = self._run_payload(inputs, out)
+        return await self._submit(self._least_busy, lambda rid: ("run", rid, sent, refs))
+
+    def _run_payload(self, inputs: Dict[str, Any], out: Optional[Dict[str, Any]]) -> tuple:
+        """(inputs as sent: arena arrays as ArenaRefs, the rest as they are; ``out`` as ArenaRefs, or None
+        without an arena)."""
         arena = self.arena
         if arena is None:
-            return await self._submit(self._least_busy, lambda rid: ("run", rid, dict(inputs)))
-        sent = arena.encode(inputs)
-        refs = {k: r for k, r in ((k, arena.ref(v)) for k, v in (out or {}).items()) if r is not None}
-        return await self._submit(self._least_busy, lambda rid: ("run", rid, sent, refs))
+            return dict(inputs), None
+        return arena.encode(inputs), {k: r for k, r in ((k, arena.ref(v)) for k, v in (out or {}).items())
+                                      if r is not None}
 
     async def worker_info(self) -> List[Dict[str, Any]]:
         """Ask each live worker for its pid, the modules it has imported (``sys.modules``) and its BLAS
