@@ -89,6 +89,8 @@ def main() -> int:
     ap.add_argument("--top1", type=int, default=0, metavar="N",
                     help="also the top-1 agreement of kiln fp16 with fp32 (kiln's, which matches torch's) over N random inputs "
                          "(the issue's ResNet-50 accuracy bound: >= 99%% over 1,000)")
+    ap.add_argument("--attention", default="", metavar="MODES",
+                    help="also time kiln fp16 with these attention paths (comma list of auto,cudnn,kernel,ops), in the same process")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     start = time.monotonic()
@@ -107,8 +109,20 @@ def main() -> int:
         with torch.inference_mode():
             g = kiln.trace(model, {in_name: x1}, dynamic={in_name: {0: "batch"}})
         path = kiln.save(g, work / f"{name}.kiln")
-        k32 = kiln.load(path, device="cuda")
+        # Peak device memory of kiln fp16 at the largest batch: everything its program allocates (weights,
+        # activations, CUDA-graph buffers, cuDNN/cuBLAS workspaces) comes from CuPy's pool, which keeps
+        # what it has held: its total after the first run (capture included) is the high-water mark.
+        pool = cp.get_default_memory_pool()
+        pool.free_all_blocks()
+        base = pool.total_bytes()
         k16 = kiln.load(path, device="cuda", precision="fp16")
+        big = BATCHES[name][-1]
+        k16.run({in_name: cp.asarray(make(big))})
+        cp.cuda.runtime.deviceSynchronize()
+        kiln_peak = (pool.total_bytes() - base) / 2**20
+        k32 = kiln.load(path, device="cuda")
+        modes = [m for m in args.attention.split(",") if m]
+        k16_modes = {m: kiln.load(path, device="cuda", precision="fp16", attention=m) for m in modes}
         refs = {}
         for b in BATCHES[name]:
             x = make(b)
@@ -131,8 +145,18 @@ def main() -> int:
             row["torch_fp16_err"] = rel(th, refs[b])
             row["kiln_fp32_ms"] = timed(lambda: k32.run(feed), cp.cuda.runtime.deviceSynchronize)
             row["kiln_fp16_ms"] = timed(lambda: k16.run(feed), cp.cuda.runtime.deviceSynchronize)
+            row["kiln_fp16_attention_paths"] = k16.attention_paths
+            for m, km in k16_modes.items():
+                row[f"kiln_fp16_ms_attention_{m}"] = timed(lambda: km.run(feed), cp.cuda.runtime.deviceSynchronize)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
             with torch.inference_mode():
+                half(xt)
+                torch.cuda.synchronize()
                 row["torch_fp16_eager_ms"] = timed(lambda: half(xt), sync)
+            if b == big:  # torch's weights and activations at this batch (max allocated), against kiln's pool
+                row["torch_fp16_eager_peak_MiB"] = torch.cuda.max_memory_allocated() / 2**20
+                row["kiln_fp16_peak_MiB"] = kiln_peak
             if args.compile and time.monotonic() - start < args.deadline:
                 try:
                     cf = torch.compile(half, mode="reduce-overhead", dynamic=False)
@@ -161,7 +185,7 @@ def main() -> int:
             top["agreement"] = top["agree"] / top["inputs"]
             rows.append({"top1": top})
             print(json.dumps({"top1": top}), flush=True)
-        k32 = k16 = half = None
+        k32 = k16 = half = k16_modes = None
         torch.cuda.empty_cache()
         cp.get_default_memory_pool().free_all_blocks()
     print()
@@ -176,6 +200,11 @@ def main() -> int:
         cs = f"{c:.3f}" if isinstance(c, float) else (c or "-")
         print(f"| {r['model']} | {r['batch']} | {r['kiln_fp32_ms']:.3f} | {r['kiln_fp16_ms']:.3f} | "
               f"{r['torch_fp16_eager_ms']:.3f} | {cs} | {ratio} | {r['kiln_fp16_err']:.1e} | {r['torch_fp16_err']:.1e} |")
+    mem = [r for r in rows if "kiln_fp16_peak_MiB" in r]
+    if mem:
+        print("\n| model | batch | kiln fp16 peak MiB | torch fp16 eager peak MiB |\n|---|---:|---:|---:|")
+        for r in mem:
+            print(f"| {r['model']} | {r['batch']} | {r['kiln_fp16_peak_MiB']:.0f} | {r['torch_fp16_eager_peak_MiB']:.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                                "rows": rows}, indent=1))

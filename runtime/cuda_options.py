@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional, Union
 from kiln.errors import KilnError
 
 CONV_MODES = ("auto", "cudnn", "im2col")
-ATTENTION_MODES = ("auto", "kernel", "ops")
+ATTENTION_MODES = ("auto", "cudnn", "kernel", "ops")
 OUTPUTS = ("cupy", "numpy")
 GRAPH_MODES = (True, False, "auto")
 DEFAULT_WORKSPACE_MIB = 32.0
@@ -81,8 +81,9 @@ class CudaOptions:
       compute type, cuDNN engines with tensor-core notes). Default False.
     - ``conv``: "auto" (cuDNN from nn.CUDNN_MIN_BATCH samples up, im2col below), "cudnn" or
       "im2col" (``KILN_CUDA_CONV``).
-    - ``attention``: "auto" (the fused kernel where it fills the GPU), "kernel" or "ops"
-      (``KILN_ATTENTION``).
+    - ``attention``: "auto" (float16: cuDNN's fused attention where it has an engine; else the fused
+      kernel where it fills the GPU), "cudnn" (the same, and the kernel even below a full GPU),
+      "kernel" (kiln's kernel only) or "ops" (``KILN_ATTENTION``).
     - ``cudnn_workspace_mib``: engines needing more workspace are passed over while another
       takes the graph; None = no cap (``KILN_CUDNN_WORKSPACE_MIB``, "none"; default 32).
     - ``cudnn_epilogue``: residual add and ReLU inside the cuDNN graph (``KILN_CUDNN_EPILOGUE``,

@@ -293,9 +293,9 @@ class CudaProgram:
 
     @property
     def attention_paths(self) -> dict:
-        """``{"kernel"|"ops": calls}`` of this program's FusedAttention kernels (eager calls and
+        """``{"cudnn"|"kernel"|"ops": calls}`` of this program's FusedAttention kernels (eager calls and
         the calls that were captured; a graph replay runs no Python and counts nothing)."""
-        counts = {"kernel": 0, "ops": 0}
+        counts = {"cudnn": 0, "kernel": 0, "ops": 0}
         for _node, k in self._kernels:
             paths = _find_attr(k, "attention_paths")
             for p, n in (paths or {}).items():

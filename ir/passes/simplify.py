@@ -183,6 +183,61 @@ def decide_constant_check(node: Node, ed: Editor) -> bool:
     return True
 
 
+def gemm_between_flattens(node: Node, ed: Editor) -> bool:
+    """``Reshape(Gemm(Reshape(x, [-1, K]), W, c), x.shape[:-1] + [N])`` -> ``MatMul(x, W) + c``
+    (x's trailing dims may be several whose product is K: they are merged by a Reshape first).
+
+    A linear layer written with ``addmm`` on flattened rows (transformers' GPT-2 ``Conv1D``, many
+    hand-written MLPs) traces to a flatten, a 2-D Gemm and an unflatten. The unflatten hides the
+    Gemm from the elementwise op after it (the residual add, the GELU), so no epilogue fusion
+    took them: GPT-2 ran its 48 Gemms, their bias adds and 36 epilogues as separate kernels on the
+    GPU. As a MatMul on the unflattened ``x`` plus a bias Add it is the graph a ``nn.Linear``
+    gives, which every backend fuses. Sound because a Gemm computes each row on its own: the
+    flatten keeps ``x``'s last dim (K) and the unflatten gives back ``x``'s leading dims, so row
+    order is unchanged (the same for x's trailing dims merged into K). Only for alpha 1, no transposed A, a constant 2-D W and a constant (or
+    absent) C of N elements; every dim involved known (ints or named symbols)."""
+    gemm = node.inputs[0].producer
+    if not _is_onnx(gemm, "Gemm") or gemm.attr("transA") or gemm.attr("alpha") != 1.0:
+        return False
+    g_out = gemm.outputs[0]
+    if len(g_out.uses) != 1 or ed.is_output(g_out):
+        return False
+    flat = gemm.inputs[0].producer
+    w = _const(gemm.inputs[1])
+    if not _is_onnx(flat, "Reshape") or w is None or w.ndim != 2:
+        return False
+    x, y = flat.inputs[0], node.outputs[0]
+    xs, fs, ys = x.shape, flat.outputs[0].shape, y.shape
+    if xs is None or fs is None or ys is None or len(xs) < 2 or len(fs) != 2 or None in xs or None in ys:
+        return False
+    k, n = (w.shape[1], w.shape[0]) if gemm.attr("transB") else w.shape
+    lead = len(ys) - 1
+    if fs[-1] != k or ys[-1] != n or x.dtype != y.dtype or tuple(xs[:lead]) != tuple(ys[:lead]):
+        return False
+    tail = xs[lead:]  # x's dims that the flatten merges into one row (just K, or e.g. [heads, head_dim])
+    if not tail or not all(isinstance(d, int) for d in tail) or int(np.prod(tail)) != k:
+        return False
+    c = None
+    if len(gemm.inputs) > 2 and gemm.inputs[2] is not None:
+        c = _const(gemm.inputs[2])
+        if c is None or c.size != n or (c.ndim == 2 and c.shape[0] != 1) or c.ndim > 2:
+            return False
+        beta = gemm.attr("beta")
+        c = (c * c.dtype.type(beta) if beta != 1.0 else c).reshape(n)
+    g = node.graph
+    if len(tail) > 1:  # merge the tail into K first: Reshape(x, [0, .., 0, K]) (0 keeps a leading dim)
+        target = g.add_constant(np.array([0] * lead + [k], np.int64), "shape")
+        x = g.add_node("Reshape", [x, target], before=node, name="reshape", output_types=[y.type.with_shape(
+            tuple(ys[:lead]) + (k,))], meta=flat.meta).outputs[0]
+    wv = g.add_constant(np.ascontiguousarray(w.T), "weight_t") if gemm.attr("transB") else gemm.inputs[1]
+    t = y.type
+    out = g.add_node("MatMul", [x, wv], before=node, name="matmul", output_types=[t], meta=gemm.meta).outputs[0]
+    if c is not None:
+        cv = g.add_constant(c, "bias")
+        out = g.add_node("Add", [out, cv], before=node, name="add", output_types=[t], meta=gemm.meta).outputs[0]
+    return forward(node, out, ed)
+
+
 RULES: tuple = (
     Rule("decide_constant_check", frozenset({"kiln.Guard", "kiln.Assert"}), decide_constant_check),
     Rule("compare_with_itself", frozenset(_SELF_COMPARE), compare_with_itself),
@@ -191,6 +246,7 @@ RULES: tuple = (
     Rule("remove_neutral_element", frozenset(_NEUTRAL), remove_neutral_element),
     Rule("remove_noop_reshape", frozenset({"Reshape"}), remove_noop_reshape),
     Rule("merge_reshapes", frozenset({"Reshape"}), merge_reshapes),
+    Rule("gemm_between_flattens", frozenset({"Reshape"}), gemm_between_flattens),
     Rule("merge_transposes", frozenset({"Transpose"}), merge_transposes),
     Rule("remove_noop_cast", frozenset({"Cast"}), remove_noop_cast),
 )

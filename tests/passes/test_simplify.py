@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from kiln.ir import Graph
-from kiln.ir.passes import RULES, simplify
+from kiln.ir.passes import RULES, infer_shapes, simplify
 from kiln.ir.passes.simplify import Rule, remove_identity
 
 
@@ -197,3 +197,64 @@ def test_custom_rule_table(check_pass):
     check_pass(lambda graph: simplify(graph, [Rule("only_identity", frozenset({"Identity"}), remove_identity)]),
                g, {"x": rand(3)})
     assert ops(g) == ["Cast", "Neg"]
+
+
+def _linear_on_rows(g, x, k, n, *, trans_b=False, bias=True, alpha=1.0, beta=1.0, out_shape=None):
+    """GPT-2's Conv1D as traced: flatten x's rows, Gemm, unflatten to x's leading dims (read from
+    Shape(x), as the trace does, so a symbolic batch stays symbolic)."""
+    rng = np.random.default_rng(5)
+    w = rng.normal(size=(n, k) if trans_b else (k, n)).astype(np.float32)
+    flat = g.op("Reshape", x, g.add_constant(np.array([-1, k], np.int64), "flat"))
+    args = [flat, g.add_initializer(f"w{len(g.initializers)}", w)]
+    if bias:
+        args.append(g.add_initializer(f"b{len(g.initializers)}", rng.normal(size=n).astype(np.float32)))
+    y = g.op("Gemm", *args, transB=int(trans_b), alpha=alpha, beta=beta)
+    if out_shape is None:
+        lead = g.op("Shape", x, start=0, end=x.type.rank - 1 if x.type.rank == 3 else 2)
+        target = g.op("Concat", lead, g.add_constant(np.array([n], np.int64), "n"), axis=0)
+    else:
+        target = g.add_constant(np.array(out_shape, np.int64), "s")
+    out = g.op("Reshape", y, target)
+    infer_shapes(g)  # the whole graph's inference follows Shape values into the target (as after a trace)
+    return out
+
+
+@pytest.mark.parametrize("trans_b,bias,beta", [(False, True, 1.0), (True, True, 0.5), (False, False, 1.0)])
+def test_gemm_between_flattens_becomes_matmul_and_bias(check_pass, trans_b, bias, beta):
+    from kiln.ir.passes import dce
+    g = Graph()
+    x = g.add_input("x", "float32", ("batch", 5, 8))
+    g.outputs = [g.op("Relu", _linear_on_rows(g, x, 8, 6, trans_b=trans_b, bias=bias, beta=beta))]
+    assert g.outputs[0].type.shape == ("batch", 5, 6)
+    check_pass(lambda gr: simplify(gr) and (dce(gr) or True), g, {"x": rand(3, 5, 8)})
+    assert "Gemm" not in ops(g) and ops(g).count("MatMul") == 1
+    mm = next(n for n in g.nodes if n.op == "MatMul")
+    assert mm.inputs[0] is x and mm.outputs[0].type.shape == ("batch", 5, 6)
+    assert ("Add" in ops(g)) == bias
+
+
+def test_gemm_between_flattens_merges_trailing_dims(check_pass):
+    # x [batch, seq, heads, head_dim] flattened to [-1, heads * head_dim]: attention's output projection.
+    from kiln.ir.passes import dce
+    g = Graph()
+    x = g.add_input("x", "float32", ("batch", 5, 2, 4))
+    g.outputs = [_linear_on_rows(g, x, 8, 6)]
+    check_pass(lambda gr: simplify(gr) and (dce(gr) or True), g, {"x": rand(2, 5, 2, 4)})
+    assert "Gemm" not in ops(g)
+    mm = next(n for n in g.nodes if n.op == "MatMul")
+    assert mm.inputs[0].producer.op == "Reshape" and mm.inputs[0].type.shape == ("batch", 5, 8)
+
+
+def test_gemm_between_flattens_must_not_fire(check_pass):
+    g = Graph()
+    x = g.add_input("x", "float32", (2, 5, 8))
+    scaled = _linear_on_rows(g, x, 8, 6, alpha=2.0)                 # alpha is not 1
+    swapped = _linear_on_rows(g, x, 8, 6, out_shape=(5, 2, 6))      # rows unflattened in another order
+    flat = g.op("Reshape", x, g.add_constant(np.array([-1, 8], np.int64), "flat"))
+    shared = g.op("Gemm", flat, g.add_initializer("w_shared", rand(8, 6)))  # the Gemm is read twice
+    twice = g.op("Reshape", shared, g.add_constant(np.array([2, 5, 6], np.int64), "s"))
+    dynamic_w = g.add_input("w", "float32", (8, 6))                 # a weight that is not a constant
+    dyn = g.op("Reshape", g.op("Gemm", flat, dynamic_w), g.add_constant(np.array([2, 5, 6], np.int64), "s"))
+    g.outputs = [scaled, swapped, twice, g.op("Neg", shared), dyn]
+    check_pass(simplify, g, {"x": rand(2, 5, 8), "w": rand(8, 6)}, changes=False)
+    assert ops(g).count("Gemm") == 4

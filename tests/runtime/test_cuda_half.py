@@ -167,3 +167,84 @@ def test_float32_and_float16_programs_of_one_model_choose_their_conv_paths_apart
     p32 = kiln.load(g, device="cuda", output="numpy", cuda_graphs=False)
     p32.run(feed)
     assert p16.conv_paths == {"cudnn": 1} and p32.conv_paths == {"im2col": 1}, (p16.conv_paths, p32.conv_paths)
+
+
+def _attention_ref(q, kt, v, mask, scale):
+    s = np.einsum("...id,...dj->...ij", q.astype(np.float64), kt.astype(np.float64)) * scale
+    if mask is not None:
+        s = s + mask.astype(np.float64)
+    s = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("...ij,...jd->...id", s / s.sum(-1, keepdims=True), v.astype(np.float64))
+
+
+def _projections(rng, b, lq, lk, h, d):
+    """q, kt, v as the graph hands them over: [B, H, L, D] transposed views of [B, L, H*D] projections
+    (one fused QKV buffer for q and v, a separate one for k, as GPT-2 and BERT do)."""
+    qv = cp.asarray(rng.standard_normal((b, lq, 2, h, d)).astype(np.float16))
+    k = cp.asarray(rng.standard_normal((b, lk, h, d)).astype(np.float16))
+    return qv[:, :, 0].transpose(0, 2, 1, 3), k.transpose(0, 2, 3, 1), qv[:, :lk, 1].transpose(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("lq, lk, h, d, mask", [
+    (128, 128, 12, 64, "padding"),   # BERT: a [B, 1, 1, Lk] additive bias
+    (128, 128, 12, 64, "causal"),    # GPT-2: a [Lq, Lk] bias
+    (64, 40, 4, 128, None),          # a head dim the kernel does not take
+    (77, 50, 6, 32, "full")])        # a [B, H, Lq, Lk] bias, odd lengths
+def test_cudnn_attention_in_half_reads_views_and_writes_the_head_merge_layout(lq, lk, h, d, mask):
+    from kiln.runtime.kernels.cuda import cudnn as kcudnn
+    from kiln.runtime.kernels.cuda.attention import attention_path
+    if not kcudnn.available():
+        pytest.skip(f"cuDNN unavailable: {kcudnn.why_unavailable()}")
+    rng = _rng(31)
+    b = 3
+    q, kt, v = _projections(rng, b, max(lq, lk), lk, h, d)
+    q = q[:, :, :lq]
+    m = None
+    if mask == "padding":
+        m = np.zeros((b, 1, 1, lk), np.float16)
+        m[1, ..., lk // 2:] = -65504.0
+    elif mask == "causal":
+        m = np.triu(np.full((lq, lk), -65504.0, np.float16), 1)
+    elif mask == "full":
+        m = np.where(rng.random((b, h, lq, lk)) < 0.2, -65504.0, 0.0).astype(np.float16)
+    scale = 1 / np.sqrt(d)
+    out, path = attention_path(q, kt, v, None if m is None else cp.asarray(m), scale, "cudnn")
+    assert path == "cudnn", path
+    assert out.shape == (b, h, lq, d) and out.dtype == cp.float16
+    assert out.transpose(0, 2, 1, 3).flags.c_contiguous  # the head merge after it is a view
+    want = _attention_ref(*(cp.asnumpy(a) for a in (q, kt, v)), m, scale)
+    np.testing.assert_allclose(cp.asnumpy(out).astype(np.float64), want, rtol=1e-2, atol=4e-3)
+
+
+def test_attention_kernel_writes_the_head_merge_layout_too():
+    from kiln.runtime.kernels.cuda.attention import attention_path
+    q, kt, v = _projections(_rng(32), 2, 128, 128, 12, 64)
+    for dtype in (cp.float16, cp.float32):
+        args = [a.astype(dtype) for a in (q, kt, v)]
+        out, path = attention_path(*args, None, 0.125, "kernel")
+        assert path == "kernel" and out.transpose(0, 2, 1, 3).flags.c_contiguous
+        want = _attention_ref(*(cp.asnumpy(a) for a in args), None, 0.125)
+        np.testing.assert_allclose(cp.asnumpy(out).astype(np.float64), want, rtol=1e-2, atol=3e-3)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_attention_in_a_half_program_takes_cudnn_and_replays(graphs):
+    """A whole program: FusedAttention in fp16 takes cuDNN (at batch 1 too, below a full GPU), captures
+    into a CUDA graph and replays with new inputs; answers as the float32 model's on the CPU."""
+    from kiln.runtime.kernels.cuda import cudnn as kcudnn
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_cuda_options import _attention_graph
+    if not kcudnn.available():
+        pytest.skip(f"cuDNN unavailable: {kcudnn.why_unavailable()}")
+    g = _attention_graph(d=64)
+    for batch in (1, 4):
+        feeds = {"x": _rng(33 + batch).standard_normal((batch, 20, 256)).astype(np.float32)}
+        p = _check_half(g, feeds, cuda_graphs=graphs)
+        assert p.attention_paths["cudnn"] > 0 and p.attention_paths["ops"] == 0, p.attention_paths
+        if graphs:
+            assert p.graph_failures == {}, p.graph_failures
+            feeds2 = {"x": _rng(50 + batch).standard_normal((batch, 20, 256)).astype(np.float32)}
+            want = kiln.load(g.copy()).run(feeds2)
+            got = p.run(feeds2)
+            for name, w in want.items():
+                assert float(np.abs(got[name] - w).max()) <= 1e-2 * float(np.abs(w).max()), name

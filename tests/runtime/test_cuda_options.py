@@ -391,10 +391,10 @@ def test_attention_mode_is_per_program(graphs):
     assert k["kernel"] > 0 and k["ops"] == 0, k
     assert o["ops"] > 0 and o["kernel"] == 0, o
     if graphs:  # eager warm-up + capture: two calls each, the replays run no Python
-        assert k == {"kernel": 2, "ops": 0} and o == {"kernel": 0, "ops": 2}
+        assert k == {"cudnn": 0, "kernel": 2, "ops": 0} and o == {"cudnn": 0, "kernel": 0, "ops": 2}
         assert all(p.graph_failures == {} for p in progs.values()), {m: p.graph_failures for m, p in progs.items()}
     else:
-        assert k == {"kernel": 3, "ops": 0} and o == {"kernel": 0, "ops": 3}
+        assert k == {"cudnn": 0, "kernel": 3, "ops": 0} and o == {"cudnn": 0, "kernel": 0, "ops": 3}
 
 
 @pytest.mark.gpu

@@ -22,10 +22,15 @@ gave each warp one query row at a time (lane = key) ran 411 us a layer on BERT-b
 
 Where it does not apply (float64, a head dim over 64, fewer blocks than SMs in "auto" mode), the
 body runs node by node with the CUDA kernels of its ops, as an unfused graph would. The mode is
-the program's ``CudaOptions.attention`` ("auto", "kernel", "ops"; default KILN_ATTENTION or the
+the program's ``CudaOptions.attention`` ("auto", "cudnn", "kernel", "ops"; default KILN_ATTENTION or the
 deprecated process-wide ``MODE["mode"]``), bound into each FusedAttention kernel at load (issue
-17); each kernel counts the calls that took each path (``run.attention_paths``: {"kernel": n,
-"ops": n}; under CUDA graphs only the eager warm-up and the capture call count, not replays).
+17); each kernel counts the calls that took each path (``run.attention_paths``: {"cudnn": n,
+"kernel": n, "ops": n}; under CUDA graphs only the eager warm-up and the capture call count, not
+replays). In float16, "auto" and "cudnn" first try cuDNN's fused attention (sdpa.py: tensor cores),
+at any grid size; this kernel is the fallback where cuDNN has no engine (issue 18).
+
+The output is written [B, Lq, H, Dv] and returned as its [B, H, Lq, Dv] view (``empty_output``),
+so the usual head merge after attention is a view rather than a copy.
 """
 from __future__ import annotations
 
@@ -51,7 +56,8 @@ extern "C" __global__ void __launch_bounds__(256) kiln_attention(
         const long long qs0, const long long qs1, const long long qs2, const long long qs3,
         const long long ks0, const long long ks1, const long long ks2, const long long ks3,
         const long long vs0, const long long vs1, const long long vs2, const long long vs3,
-        const long long ms0, const long long ms1, const long long ms2, const long long ms3) {
+        const long long ms0, const long long ms1, const long long ms2, const long long ms3,
+        const long long os0, const long long os1, const long long os2) {
     __shared__ __align__(16) float Qt[HD * QP];   // q rows transposed: Qt[d][row]
     __shared__ __align__(16) float Kt[HD * KP];   // the key tile transposed: Kt[d][key]
     __shared__ __align__(16) float Vs[KT * HD];   // the value tile: Vs[key][d]
@@ -172,7 +178,7 @@ extern "C" __global__ void __launch_bounds__(256) kiln_attention(
     for (int r = 0; r < 4; ++r) {
         const int i = row0 + ty * 4 + r;
         if (i < Lq) {
-            IN* orow = o + ((long long)bh * Lq + i) * Dv;
+            IN* orow = o + b * os0 + h * os1 + i * os2;
             #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int d = tx * 4 + c;
@@ -231,29 +237,39 @@ def _as4(x):
 def attention(q, kt, v, mask, scale: float, mode: Optional[str] = None):
     """softmax(q @ kt * scale + mask) @ v for float32 or float16 arrays of one rank >= 3 (mask broadcastable
     to the scores, or None), or None when the kernel does not apply. ``mode``: "auto" leaves
-    grids smaller than the GPU to the caller; None: the bound program's option."""
+    grids smaller than the GPU to the caller; None: the bound program's option. Float16 goes
+    through cuDNN's fused attention first where it has an engine (sdpa.py)."""
+    return attention_path(q, kt, v, mask, scale, mode)[0]
+
+
+def attention_path(q, kt, v, mask, scale: float, mode: Optional[str] = None) -> tuple:
+    """``attention``'s result and the path that made it: "cudnn", "kernel", or None (not applicable)."""
     if mode is None:
         mode = options().attention
     if q.dtype not in _IO or kt.dtype != q.dtype or v.dtype != q.dtype or q.ndim < 3 \
             or not (q.ndim == kt.ndim == v.ndim) or (mask is not None and mask.dtype != q.dtype):
-        return None
+        return None, None
     lq, d = q.shape[-2:]
     lk, dv = kt.shape[-1], v.shape[-1]
     batch = q.shape[:-2]
     if kt.shape[:-2] != batch or v.shape[:-2] != batch or kt.shape[-2] != d or v.shape[-2] != lk:
-        return None
+        return None, None
+    if mode in ("auto", "cudnn") and q.dtype == np.float16 and d > 0 and lk > 0 and math.prod(batch) * lq * dv > 0:
+        from kiln.runtime.kernels.cuda.sdpa import sdpa
+        out = sdpa(q, kt, v, mask, scale)
+        if out is not None:
+            return out, "cudnn"
     if d > MAX_HEAD or dv > MAX_HEAD or d == 0:
-        return None
+        return None, None
     nbh = math.prod(batch)
     blocks = -(-lq // ROWS_PER_BLOCK) * nbh
-    if nbh > 65535 or (mode == "auto" and blocks < MIN_BLOCKS_PER_SM * _sms()):
-        return None
-    out = cp.empty(batch + (lq, dv), q.dtype)
-    if out.size == 0:
-        return out
-    if lk == 0:
-        out.fill(np.nan)  # softmax over no keys: 0 / 0, as the reference
-        return out
+    if nbh > 65535 or (mode in ("auto", "cudnn") and blocks < MIN_BLOCKS_PER_SM * _sms()):
+        return None, None
+    if math.prod(batch) * lq * dv == 0 or lk == 0:
+        out = cp.empty(batch + (lq, dv), q.dtype)
+        if lk == 0:
+            out.fill(np.nan)  # softmax over no keys: 0 / 0, as the reference
+        return out, "kernel"
     q4, qs = _as4(q)
     k4, ks = _as4(kt)
     v4, vs = _as4(v)
@@ -262,11 +278,27 @@ def attention(q, kt, v, mask, scale: float, mode: Optional[str] = None):
         m4, ms = _as4(cp.broadcast_to(mask, batch + (lq, lk)))
     else:
         m4, ms = np.uint64(0), (0, 0, 0, 0)  # a null pointer
+    out, buf, os_ = empty_output(batch, lq, dv, q.dtype)
     grid = (-(-lq // ROWS_PER_BLOCK), nb * nh)
     i32, i64 = np.int32, np.int64
-    _kernel(q.dtype)(grid, (256,), (q4, k4, v4, m4, out, i32(nh), i32(lq), i32(lk), i32(d), i32(dv), np.float32(scale),
-                             *map(i64, qs), *map(i64, ks), *map(i64, vs), *map(i64, ms)))
-    return out
+    _kernel(q.dtype)(grid, (256,), (q4, k4, v4, m4, buf, i32(nh), i32(lq), i32(lk), i32(d), i32(dv), np.float32(scale),
+                             *map(i64, qs), *map(i64, ks), *map(i64, vs), *map(i64, ms), *map(i64, os_)))
+    return out, "kernel"
+
+
+def empty_output(batch: tuple, lq: int, dv: int, dtype):
+    """The attention output [*batch, Lq, Dv], its buffer and the buffer's (batch, head, row) strides in
+    elements. For the usual [B, H, Lq, Dv] the buffer is [B, Lq, H, Dv] and the output its transposed
+    view: the graph's next steps (``transpose(1, 2)`` then a reshape to [B, Lq, H * Dv], the heads
+    merged for the output projection) are then views, not a copy of every layer's attention output
+    (the copies around attention were 17% of BERT's half-precision profile). Other ranks: contiguous."""
+    if len(batch) == 2:
+        nb, nh = batch
+        buf = cp.empty((nb, lq, nh, dv), dtype)
+        return buf.transpose(0, 2, 1, 3), buf, (lq * nh * dv, dv, nh * dv)
+    out = cp.empty(batch + (lq, dv), dtype)
+    nh = 1 if len(batch) == 0 else batch[-1]
+    return out, out, (nh * lq * dv, lq * dv, dv)
 
 
 @kernel("FusedAttention", domain="kiln")
@@ -278,14 +310,14 @@ def fused_attention(node, attrs) -> Optional[Callable[..., Any]]:
     scale, has_mask = float(parts["scale"]), bool(parts["mask"])
     by_nodes = _interpret(node, body)
     mode = options().attention  # the program's, bound at load
-    paths = {"kernel": 0, "ops": 0}
+    paths = {"cudnn": 0, "kernel": 0, "ops": 0}
 
     def run(q, kt, v, mask=None):
-        out = None if mode == "ops" else attention(q, kt, v, mask if has_mask else None, scale, mode)
+        out, path = (None, None) if mode == "ops" else attention_path(q, kt, v, mask if has_mask else None, scale, mode)
         if out is None:
             paths["ops"] += 1
             return by_nodes(*((q, kt, v, mask) if has_mask else (q, kt, v)))
-        paths["kernel"] += 1
+        paths[path] += 1
         return out
     run.strategy = "fused kernel"
     run.attention_paths = paths
