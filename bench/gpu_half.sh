@@ -22,6 +22,6 @@ if [ -n "${MODELS:-}" ]; then
 fi
 for mb in ${PROFILE:-}; do
   timeout ${PROFILE_S:-200} python3 bench/gpu_kernel_profile.py --model ${mb%%:*} --batch ${mb##*:} \
-    --json "$OUT/kernels_${mb%%:*}_b${mb##*:}.json" 2>&1 | tee "$OUT/kernels_${mb%%:*}_b${mb##*:}.log" | tail -60 || status=1
+    ${PROFILE_NO_COMPILE:+--no-compile} --json "$OUT/kernels_${mb%%:*}_b${mb##*:}.json" 2>&1 | tee "$OUT/kernels_${mb%%:*}_b${mb##*:}.log" | tail -60 || status=1
 done
 exit $status

@@ -90,6 +90,9 @@ def main() -> int:
     result["kiln"] = kernels(lambda: k16.run(feed), args.runs, cp.cuda.runtime.deviceSynchronize)
     result["kiln_attention_paths"] = k16.attention_paths
     result["kiln_epilogues"] = dict(k16.epilogues) if hasattr(k16, "epilogues") else None
+    result["kiln_graph_failures"] = {str(k): v for k, v in k16.graph_failures.items()}
+    result["kiln_fallback_ops"] = dict(k16.fallback_ops)
+    print({k: result[k] for k in ("kiln_attention_paths", "kiln_graph_failures", "kiln_fallback_ops")}, flush=True)
     print(table(f"kiln fp16 {args.model} b{args.batch}", result["kiln"], args.top), flush=True)
     if not args.no_compile:
         half = model.half().cuda()

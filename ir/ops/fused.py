@@ -49,8 +49,13 @@ fixed layout, checked by :func:`attention_parts` on every inference (and so by `
 - ``body.nodes`` are, in this order: ``MatMul(q, kt)``; optionally ``Mul(s, c)`` (either
   operand order) or ``Div(s, c)`` (only s / c), c a one-element float body initializer (the
   body's only one); ``Add(s, mask)`` (either operand order) exactly when there is a mask input;
-  ``Softmax(s)`` over the last axis; ``MatMul(p, v)``. Each intermediate is read only by the
-  next node, once; ``body.outputs`` is ``[the last MatMul's output]``;
+  ``Softmax(s)`` over the last axis; optionally the *safe softmax* tail ``ReduceMax(s, last axis,
+  keepdims)``, ``Equal(max, -inf)`` (either order), ``Where(equal, 0, p)`` (torch's
+  ``_safe_softmax``, which the math attention of torch >= 2.5 uses: a row whose every score is
+  masked out gives zeros instead of NaN), the ReduceMax reading the Softmax's input, -inf, 0 and a
+  ReduceMax axes input one-element or last-axis body initializers; ``MatMul(p, v)``. Each
+  intermediate is read only by the next node, once (the Softmax's input also by the ReduceMax);
+  ``body.outputs`` is ``[the last MatMul's output]``;
 - q [..., Lq, D], kt [..., D, Lk], v [..., Lk, Dv] have one rank r >= 3, one float dtype and
   the same batch dims ``[...]`` (no broadcasting among them); every value's shape is fully known
   (ints and symbols). The mask has their dtype and broadcasts into the scores' shape without
@@ -199,8 +204,14 @@ def attention_parts(body: Graph, types: Optional[dict] = None) -> dict:
         if inner.domain != ONNX_DOMAIN or len(inner.outputs) != 1:
             broken(f"node rule: {inner.describe()} is not a default-domain op with one output")
     names = [n.op for n in nodes]
+    tail = None  # the safe-softmax tail (ReduceMax, Equal, Where), if any
+    if len(nodes) >= 6 and names[-5:] == ["Softmax", "ReduceMax", "Equal", "Where", "MatMul"]:
+        tail = nodes[-4:-1]
+        nodes = nodes[:-4] + nodes[-1:]
+        names = [n.op for n in nodes]
     if len(nodes) < 3 or names[0] != "MatMul" or names[-2:] != ["Softmax", "MatMul"]:
-        broken(f"node rule: the nodes must be MatMul, [Mul|Div], [Add], Softmax, MatMul; got {names}")
+        broken(f"node rule: the nodes must be MatMul, [Mul|Div], [Add], Softmax, [ReduceMax, Equal, Where], MatMul; "
+               f"got {[n.op for n in body.nodes]}")
     first, softmax, last = nodes[0], nodes[-2], nodes[-1]
     middle = nodes[1:-2]
     scaler = middle[0] if middle and middle[0].op in ("Mul", "Div") else None
@@ -216,24 +227,29 @@ def attention_parts(body: Graph, types: Optional[dict] = None) -> dict:
 
     # The chain: each node reads the previous node's output once (at a fixed position for Div,
     # Softmax and the last MatMul) and nothing else reads it.
-    chain = [first] + [n for n in (scaler, adder) if n is not None] + [softmax, last]
+    chain = [first] + [n for n in (scaler, adder) if n is not None] + [softmax] + ([tail[2]] if tail else []) + [last]
+    constants = set()
+    if tail is not None:
+        constants |= _safe_tail(tail, softmax, broken)
     for prev, nxt in zip(chain, chain[1:]):
         s = prev.outputs[0]
-        at = None if nxt.op in ("Mul", "Add") else 0
+        at = {"Mul": None, "Add": None, "Where": 2}.get(nxt.op, 0)
         positions = [i for i, x in enumerate(nxt.inputs) if x is s]
         if nxt.op == "Div" and positions == [1]:
             broken(f"scale rule: {nxt.describe()} must divide the scores by c (s / c), not c by the scores")
-        if len(nxt.inputs) != (1 if nxt is softmax else 2) or len(positions) != 1 or at not in (None, positions[0]):
+        arity = {"Softmax": 1, "Where": 3}.get(nxt.op, 2)
+        if len(nxt.inputs) != arity or len(positions) != 1 or at not in (None, positions[0]):
             broken(f"chain rule: {nxt.describe()} must read '{s.name}' ({prev.describe()}'s output) once"
-                   + ("" if at is None else f", as input {at}") + " and one other value")
-        if [u for u, _ in s.uses] != [nxt] or any(s is o for o in body.outputs):
-            broken(f"chain rule: '{s.name}' ({prev.describe()}'s output) must be read by {nxt.describe()} only")
+                   + ("" if at is None else f", as input {at}") + f" and {arity - 1} other value(s)")
+        readers = [nxt] + ([tail[0]] if tail is not None and nxt is softmax else [])
+        if sorted((id(u) for u, _ in s.uses)) != sorted(id(r) for r in readers) or any(s is o for o in body.outputs):
+            broken(f"chain rule: '{s.name}' ({prev.describe()}'s output) must be read by "
+                   f"{' and '.join(r.describe() for r in readers)} only")
     if len(body.outputs) != 1 or body.outputs[0] is not last.outputs[0]:
         broken("output rule: the body's only output is the last MatMul's output")
     if adder is not None and mask not in adder.inputs:
         broken(f"mask rule: {adder.describe()} must add the mask (body input 3) to the scores")
     scale = 1.0
-    constants = set()
     if scaler is not None:
         c = scaler.inputs[1] if scaler.inputs[0] is first.outputs[0] else scaler.inputs[0]
         if (c is None or body.initializers.get(c.name) is not c or c.const is None or c.const.size != 1
@@ -246,7 +262,8 @@ def attention_parts(body: Graph, types: Optional[dict] = None) -> dict:
             broken(f"scale rule: the scale of {scaler.describe()} gives the factor {scale}, not a finite number")
         constants.add(c)
     if set(body.initializers.values()) != constants:
-        broken("scale rule: the body's only initializer is the scale constant c (none without a Mul/Div)")
+        broken("scale rule: the body's only initializers are the scale constant c (none without a Mul/Div) and "
+               "the safe-softmax tail's constants")
     for x, role in ((q, "q"), (kt, "kt"), (v, "v"), (mask, "mask")):
         if x is not None and {u for u, _ in x.uses if u.graph is body} != {
                 {"q": first, "kt": first, "v": last, "mask": adder}[role]}:
@@ -278,7 +295,52 @@ def attention_parts(body: Graph, types: Optional[dict] = None) -> dict:
     axis = softmax.schema.fill_attrs(softmax.attrs).get("axis", -1)
     if axis not in (-1, r - 1):
         broken(f"softmax rule: {softmax.describe()} must normalize over the last axis (-1 or {r - 1}), not {axis}")
-    return {"scale": scale, "mask": mask is not None}
+    if tail is not None:
+        for n in tail:
+            t = type_of(n.outputs[0])
+            if t is None or t.shape is None or len(t.shape) != r or t.shape[:-1] != scores[:-1]:
+                broken(f"safe-softmax rule: {n.describe()} gives {t}, not the scores' shape (or its rows)")
+    return {"scale": scale, "mask": mask is not None, "safe": tail is not None}
+
+
+def _safe_tail(tail: list, softmax, broken) -> set:
+    """Check the safe-softmax tail ``ReduceMax(s), Equal(max, -inf), Where(equal, 0, p)`` of an attention
+    body (``s`` the Softmax's input, ``p`` its output); returns the body constants it reads."""
+    reducemax, equal, where = tail
+    s, p = softmax.inputs[0], softmax.outputs[0]
+
+    def const(v, want) -> bool:
+        g = v.graph if v is not None else None
+        return (v is not None and g is not None and g.initializers.get(v.name) is v and v.const is not None
+                and v.const.size == 1 and np.issubdtype(v.const.dtype, np.floating) and bool(want(v.const).all()))
+
+    used = set()
+    if not reducemax.inputs or reducemax.inputs[0] is not s:
+        broken(f"safe-softmax rule: {reducemax.describe()} must read the Softmax's input '{s.name}'")
+    attrs = reducemax.schema.fill_attrs(reducemax.attrs)
+    axes = attrs.get("axes")
+    if len(reducemax.inputs) > 1 and reducemax.inputs[1] is not None:
+        a = reducemax.inputs[1]
+        if a.graph.initializers.get(a.name) is not a or a.const is None:
+            broken(f"safe-softmax rule: {reducemax.describe()}'s axes must be a body initializer")
+        axes = a.const.reshape(-1).tolist()
+        used.add(a)
+    rank = s.type.rank if s.type is not None else None
+    if axes is None or len(axes) != 1 or axes[0] not in (-1, None if rank is None else rank - 1) \
+            or not attrs.get("keepdims", 1):
+        broken(f"safe-softmax rule: {reducemax.describe()} must reduce the last axis only, keeping it")
+    mx = reducemax.outputs[0]
+    other = [x for x in equal.inputs if x is not mx]
+    if len(equal.inputs) != 2 or len(other) != 1 or not const(other[0], np.isneginf):
+        broken(f"safe-softmax rule: {equal.describe()} must compare the ReduceMax's output with a -inf constant")
+    used.add(other[0])
+    if [u for u, _ in mx.uses] != [equal] or [u for u, _ in equal.outputs[0].uses] != [where]:
+        broken("safe-softmax rule: the ReduceMax's output is read by the Equal only, and the Equal's by the Where only")
+    if len(where.inputs) != 3 or where.inputs[0] is not equal.outputs[0] or where.inputs[2] is not p \
+            or not const(where.inputs[1], lambda c: c == 0):
+        broken(f"safe-softmax rule: {where.describe()} must be Where(equal, 0, softmax)")
+    used.add(where.inputs[1])
+    return used
 
 
 def _check_counts(ctx: InferContext, body: Graph) -> None:

@@ -10,7 +10,9 @@ same values with the same condition as an earlier one is removed, whatever line 
 (the descriptive attributes ``location``/``code``/``what`` do not count), since it fails exactly
 when the first one does, which fails the run first. A node inside an
 If/Loop body may be merged into an equal node of an enclosing graph defined before it.
-Identical small initializers (same dtype, shape and bytes) are merged the same way.
+Identical small initializers (same dtype, shape and bytes) are merged the same way. The bodies
+of fused nodes are closed (they read only their inputs and their own initializers): merging
+happens inside them, never with what an enclosing graph defines.
 """
 from __future__ import annotations
 
@@ -19,7 +21,11 @@ from typing import Any, Hashable, Optional
 import numpy as np
 
 from kiln.ir.graph import Graph, Node, Value
+from kiln.ir.ops.fused import ATTENTION_OP, EPILOGUE_OP, FUSED_OP
 from kiln.ir.passes._rewrite import Editor
+from kiln.ir.registry import KILN_DOMAIN
+
+CLOSED_BODY_OPS = frozenset({FUSED_OP, EPILOGUE_OP, ATTENTION_OP})
 
 DEFAULT_MAX_INITIALIZER_BYTES = 4096
 
@@ -41,8 +47,11 @@ def _cse_graph(graph: Graph, ed: Editor, nodes_seen: dict, consts_seen: dict, ma
     consts_seen = dict(consts_seen)
     changed = _merge_initializers(graph, ed, consts_seen, max_bytes)
     for node in list(graph.nodes):
+        closed = node.domain == KILN_DOMAIN and node.op in CLOSED_BODY_OPS
         for sg in node.subgraphs():
-            changed |= _cse_graph(sg, ed, nodes_seen, consts_seen, max_bytes)
+            # A fused node's body is closed (it reads only its inputs and its own initializers):
+            # nothing outside may stand in for what it defines.
+            changed |= _cse_graph(sg, ed, {} if closed else nodes_seen, {} if closed else consts_seen, max_bytes)
         key = node_key(node)
         if key is None:
             continue

@@ -328,10 +328,12 @@ class _Attention:
     mask_at: int                       # the masker's input position of the mask (Add) or the fill (Where)
     softmax: Node
     final: Node                        # MatMul(p, v)
+    safe: tuple = ()                   # the safe-softmax tail: (ReduceMax, Equal, Where), or ()
 
     @property
     def nodes(self) -> list:
-        return [n for n in (self.first, self.scaler, self.masker, self.softmax, self.final) if n is not None]
+        return [n for n in (self.first, self.scaler, self.masker, self.softmax, *self.safe, self.final)
+                if n is not None]
 
 
 def _attention_chain(final: Node, graph: Graph, outputs: set) -> Optional[_Attention]:
@@ -339,10 +341,13 @@ def _attention_chain(final: Node, graph: Graph, outputs: set) -> Optional[_Atten
     "Attention")."""
     if not _plain(final, ("MatMul",)):
         return None
-    softmax = _link(final.inputs[0], final, graph, outputs, ("Softmax",))
+    safe = _safe_softmax_tail(final, graph, outputs) or []
+    softmax = safe[0] if safe else _link(final.inputs[0], final, graph, outputs, ("Softmax",))
     if softmax is None:
         return None
-    node = _link(softmax.inputs[0], softmax, graph, outputs, ("Add", "Where", "Mul", "Div", "MatMul"))
+    safe = safe[1:]
+    node = _link(softmax.inputs[0], softmax, graph, outputs, ("Add", "Where", "Mul", "Div", "MatMul"),
+                 also=safe[:1])
     masker, mask_at = None, 0
     if node is not None and node.op in ("Add", "Where"):
         masker, node = node, None
@@ -365,8 +370,43 @@ def _attention_chain(final: Node, graph: Graph, outputs: set) -> Optional[_Atten
                     break
     if node is None or node.op != "MatMul":
         return None
-    chain = _Attention(node, scaler, scale_at, masker, mask_at, softmax, final)
+    chain = _Attention(node, scaler, scale_at, masker, mask_at, softmax, final, tuple(safe))
     return chain if _attention_types_fit(chain) else None
+
+
+def _safe_softmax_tail(final: Node, graph: Graph, outputs: set) -> Optional[list]:
+    """``[Softmax, ReduceMax, Equal, Where]`` when ``final`` reads torch's safe softmax,
+    ``Where(Equal(ReduceMax(s, -1, keepdims), -inf), 0, Softmax(s))`` (each value read once by the
+    next, ``s`` by the Softmax and the ReduceMax only), else None. The constants are checked by the
+    body layout (ir/ops/fused.py), which the fused node must pass anyway."""
+    where = _link(final.inputs[0], final, graph, outputs, ("Where",))
+    if where is None or len(where.inputs) != 3:
+        return None
+    zero = where.inputs[1]
+    if zero is None or zero.const is None or zero.const.size != 1 or not np.all(zero.const == 0):
+        return None
+    softmax = _link(where.inputs[2], where, graph, outputs, ("Softmax",))
+    equal = _link(where.inputs[0], where, graph, outputs, ("Equal",))
+    if softmax is None or equal is None:
+        return None
+    mx = [x for x in equal.inputs if x is not None and x.producer is not None and x.producer.op == "ReduceMax"]
+    ninf = [x for x in equal.inputs if _neg_inf(x)]
+    if len(mx) != 1 or len(ninf) != 1:
+        return None
+    reducemax = _link(mx[0], equal, graph, outputs, ("ReduceMax",))
+    s = softmax.inputs[0]
+    if reducemax is None or reducemax.inputs[0] is not s or s in outputs \
+            or sorted(id(u) for u, _ in s.uses) != sorted((id(softmax), id(reducemax))):
+        return None
+    axes = reducemax.attrs.get("axes")
+    if len(reducemax.inputs) > 1 and reducemax.inputs[1] is not None:
+        a = reducemax.inputs[1]
+        axes = None if a.const is None else a.const.reshape(-1).tolist()
+    rank = s.type.rank if s.type is not None else None
+    if axes is None or len(axes) != 1 or axes[0] not in (-1, None if rank is None else rank - 1) \
+            or not reducemax.schema.fill_attrs(reducemax.attrs).get("keepdims", 1):
+        return None
+    return [softmax, reducemax, equal, where]
 
 
 def _attention_types_fit(chain: _Attention) -> bool:
@@ -386,6 +426,11 @@ def _attention_types_fit(chain: _Attention) -> bool:
         return False
     scores = tq.shape[:-1] + tk.shape[-1:]
     for n in chain.nodes[:-1]:
+        if n in chain.safe[:2]:  # ReduceMax and Equal: one value a row
+            t = n.outputs[0].type
+            if t is None or t.shape is None or t.shape[:-1] != scores[:-1]:
+                return False
+            continue
         t = n.outputs[0].type
         if t is None or t.shape != scores or t.dtype is not tq.dtype:
             return False
@@ -432,7 +477,7 @@ def _fuse_attention(graph: Graph, chain: _Attention, outputs: set) -> Node:
     bq, bk, bv = body.inputs[:3]
     node = graph.add_node(ATTENTION_OP, outer, {"body": body}, domain=KILN_DOMAIN, num_outputs=0,
                           name="attention", meta=dict(first.meta), before=final)
-    for m in [n for n in (first, scaler, masker, softmax, final) if n is not None]:
+    for m in [n for n in (first, scaler, masker, softmax, *chain.safe, final) if n is not None]:
         del graph.nodes[graph._index_of(m)]
         m.graph = body
         body.nodes.append(m)
@@ -442,12 +487,19 @@ def _fuse_attention(graph: Graph, chain: _Attention, outputs: set) -> Node:
             c = scaler.inputs[chain.scale_at]
             scaler.set_input(chain.scale_at, body.add_constant(c.const, c.name))
             dropped.append(c)
+        if m in chain.safe:  # the safe-softmax tail's constants (-inf, 0, the axes) move in as the scale does
+            for i, c in enumerate(m.inputs):
+                if c is not None and c.const is not None and c.producer is None:
+                    m.set_input(i, body.add_constant(c.const, c.name))
+                    dropped.append(c)
         if where is not None and m is (first if scaler is None else scaler):
             # A Where mask's Add(s, mask) takes the Where's place: right after the scores' last node.
             s = m.outputs[0]
             add = body.add_node("Add", [s, body.inputs[3]], name="add", meta=dict(where.meta),
                                 output_types=[where.outputs[0].type])
             softmax.set_input(0, add.outputs[0])
+            if chain.safe:  # the safe softmax's ReduceMax reads the masked scores too
+                chain.safe[0].set_input(0, add.outputs[0])
             graph.remove_node(where)
     first.inputs = [bq, bk]
     if masker is not None:
@@ -487,10 +539,13 @@ def _plain(node: Node, ops: tuple) -> bool:
     return node.domain == ONNX_DOMAIN and node.op in ops and len(node.outputs) == 1
 
 
-def _link(value: Optional[Value], reader: Node, graph: Graph, outputs: set, ops: tuple) -> Optional[Node]:
+def _link(value: Optional[Value], reader: Node, graph: Graph, outputs: set, ops: tuple,
+          also: Iterable = ()) -> Optional[Node]:
     """The producer of ``value`` if it is a default-domain node of ``ops`` in ``graph`` with one
-    output, and ``value`` is read once, by ``reader``, and is no graph output; else None."""
-    if value is None or value in outputs or len(value.uses) != 1 or value.uses[0][0] is not reader:
+    output, and ``value`` is read once, by ``reader`` (and once by each node of ``also``), and is no
+    graph output; else None."""
+    readers = [reader, *also]
+    if value is None or value in outputs or sorted(id(u) for u, _ in value.uses) != sorted(map(id, readers)):
         return None
     p = _producer_in(value, graph)
     return p if p is not None and _plain(p, ops) else None

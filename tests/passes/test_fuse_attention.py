@@ -84,7 +84,7 @@ def assert_layout(node, outer: list, scale: float, mask: bool) -> None:
     for prev, nxt in zip(body.nodes, body.nodes[1:]):
         assert [u for u, _ in prev.outputs[0].uses] == [nxt]
     assert [c.const.size for c in body.initializers.values()] == ([1] if middle and middle[0].op != "Add" else [])
-    assert attention_parts(body) == {"scale": pytest.approx(scale, rel=1e-6), "mask": mask}
+    assert attention_parts(body) == {"scale": pytest.approx(scale, rel=1e-6), "mask": mask, "safe": False}
 
 
 # --------------------------------------------------------------------------- what fuses
@@ -148,6 +148,53 @@ def test_bool_mask_through_where(check_pass, fill_first, constant):
         assert where.op == "Where" and where.inputs[0] is cond
         assert [x.const.item() for x in where.inputs[1:]] == ([-np.inf, 0.0] if fill_first else [0.0, -np.inf])
         assert [n.op for n in g.nodes] == ["Transpose", "Where", "FusedAttention"]
+
+
+def _safe_softmax_chain(g, q, kt, v, cond):
+    """kiln's trace of F.scaled_dot_product_attention with a bool mask on torch >= 2.5 (frontend/torch_ops/
+    attention.py): Where(cond, s, -inf), then the safe softmax Where(Equal(ReduceMax(s), -inf), 0, Softmax(s))."""
+    s = g.op("Mul", g.op("MatMul", q, kt), g.add_constant(np.array(0.5, np.float32), "scale"))
+    s = g.op("Where", cond, s, g.add_constant(np.array(-np.inf, np.float32), "ninf"))
+    p = g.op("Softmax", s, axis=-1)
+    mx = g.op("ReduceMax", s, g.add_constant(np.array([-1], np.int64), "axes"), keepdims=1)
+    empty = g.op("Equal", mx, g.add_constant(np.array(-np.inf, np.float32), "ninf"))
+    return g.op("MatMul", g.op("Where", empty, g.add_constant(np.array(0.0, np.float32), "zero"), p), v)
+
+
+def test_safe_softmax_fuses_and_keeps_zeros_for_fully_masked_rows(check_pass):
+    """torch's _safe_softmax tail moves into the body (attention_parts says safe): a fully masked row
+    gives zeros in the fused graph as in the unfused one, in the evaluator and in the CPU runtime."""
+    g = Graph("sdpa_mask")
+    q, kt, v = qkv(g, seq=5)
+    cond = g.add_input("cond", "bool", ("batch", 1, 5, 5))
+    g.outputs = [g.op("Relu", _safe_softmax_chain(g, q, kt, v, cond))]
+    feeds = feeds_for(g)
+    c = np.ones((2, 1, 5, 5), bool)
+    c[0, 0, 2] = False          # query 2 of sequence 0 sees no key
+    c[1, 0, :, 3:] = False      # padding
+    feeds["cond"] = c
+    want = evaluate(g, feeds)[0]
+    assert np.all(want[0, :, 2] == 0) and np.isfinite(want).all()
+    check_pass(attention, g, feeds)
+    (node,) = attention_nodes(g)
+    assert body_ops(node) == ["MatMul", "Mul", "Add", "Softmax", "ReduceMax", "Equal", "Where", "MatMul"]
+    assert attention_parts(node.attrs["body"]) == {"scale": 0.5, "mask": True, "safe": True}
+    assert [n.op for n in g.nodes] == ["Transpose", "Where", "FusedAttention", "Relu"]
+    verify(g)
+    np.testing.assert_allclose(kiln.load(g).run(feeds, as_list=True)[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_safe_softmax_variants_left_alone(check_pass):
+    """A tail that is not exactly the safe softmax (ReduceMax over another axis, Where's fill not 0)."""
+    for axis, fill in ((2, 0.0), (-1, 1.0)):
+        g = Graph("alone")
+        q, kt, v = qkv(g, seq=5)
+        s = g.op("MatMul", q, kt)
+        p = g.op("Softmax", s, axis=-1)
+        mx = g.op("ReduceMax", s, g.add_constant(np.array([axis], np.int64), "axes"), keepdims=1)
+        empty = g.op("Equal", mx, g.add_constant(np.array(-np.inf, np.float32), "ninf"))
+        g.outputs = [g.op("MatMul", g.op("Where", empty, g.add_constant(np.array(fill, np.float32), "f"), p), v)]
+        check_pass(attention, g, feeds_for(g), changes=False)
 
 
 def test_two_layers_share_the_scale_constant(check_pass):
@@ -402,7 +449,7 @@ def test_bench_bert_gets_one_node_per_layer():
     assert len(nodes) == 2 and all(n.graph is g for n in nodes)
     for n in nodes:
         assert body_ops(n) == ["MatMul", "Mul", "Softmax", "MatMul"]
-        assert attention_parts(n.attrs["body"]) == {"scale": pytest.approx(64 ** -0.5), "mask": False}
+        assert attention_parts(n.attrs["body"]) == {"scale": pytest.approx(64 ** -0.5), "mask": False, "safe": False}
         assert n.outputs[0].type == TensorType("float32", ("batch", 12, 128, 64))
 
 

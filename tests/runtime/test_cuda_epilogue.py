@@ -164,6 +164,64 @@ def test_linear_epilogue(kind, tail, strategy):
     assert eager.epilogues == {strategy: 1}
 
 
+@pytest.mark.parametrize("bias,tail,strategy", [
+    (True, None, "cublasLt bias+residual"),
+    (False, None, "cublasLt residual"),
+    (True, "Gelu", "cublasLt bias+residual + generated epilogue (Gelu)"),
+    (False, "Relu", "cublasLt residual + generated epilogue (Relu)"),
+])
+def test_linear_with_residual_add_in_cublaslt(bias, tail, strategy):
+    """A transformer's ``x + linear(h)`` (with or without a bias: zero biases are removed at export):
+    the residual is cublasLt's C operand, the rest of the epilogue one generated kernel."""
+    g = Graph("residual")
+    h = g.add_input("h", "float32", ["batch", 5, 32])
+    x = g.add_input("x", "float32", ["batch", 5, 24])
+    y = g.op("MatMul", h, g.op("Transpose", g.add_initializer("w", _r(24, 32, scale=0.2)), perm=[1, 0]))
+    if bias:
+        y = g.op("Add", y, g.add_initializer("bias", _r(24)))
+    y = g.op("Add", x, y)  # the residual first, as transformers write it
+    if tail:
+        y = g.op(tail, y)
+    g.outputs = [y]
+    infer_shapes(g)
+    feeds = [_r(3, 5, 32), _r(3, 5, 24)]
+    eager, want, a, b, b2 = _run_both(g, feeds)
+    for got in (a, b, b2):
+        _close(got[0], want[0])
+    assert eager.fallback_ops == {} and eager.epilogues == {strategy: 1}
+
+
+def test_relu_between_bias_and_residual_keeps_the_residual_out_of_cublaslt():
+    """relu(x W + b) + r: cublasLt adds C before its ReLU epilogue, so the residual stays in the generated kernel."""
+    g = Graph("relu_first")
+    h = g.add_input("h", "float32", ["batch", 32])
+    r = g.add_input("r", "float32", ["batch", 24])
+    y = g.op("Relu", g.op("Add", g.op("MatMul", h, g.add_initializer("w", _r(32, 24, scale=0.2))),
+                          g.add_initializer("bias", _r(24))))
+    g.outputs = [g.op("Add", y, r)]
+    infer_shapes(g)
+    eager, want, a, b, b2 = _run_both(g, [_r(7, 32), _r(7, 24)])
+    for got in (a, b, b2):
+        _close(got[0], want[0])
+    assert eager.epilogues == {"cublasLt bias+relu + generated epilogue (Add)": 1}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_cublaslt_residual_operand(dtype):
+    m, k, n = 33, 40, 24
+    a, b, r = _r(m, k).astype(dtype), _r(k, n).astype(dtype), _r(m, n).astype(dtype)
+    want = a.astype(np.float64) @ b.astype(np.float64) + r
+    for bias in (None, _r(n).astype(dtype)):
+        lt = linalg.LtBias(None if bias is None else cp.asarray(bias))
+        got = lt(cp.asarray(a), cp.asarray(b), cp.asarray(r))
+        assert got is not None
+        w = want if bias is None else want + bias
+        tol = 1e-5 if dtype == np.float32 else 2e-2
+        _close(got.get().astype(np.float64), w, rtol=tol, atol=tol)
+        r_t = cp.asarray(np.ascontiguousarray(r.T)).T  # the right shape, not contiguous: refused
+        assert lt(cp.asarray(a), cp.asarray(b), r_t) is None
+
+
 def test_gemm_with_its_own_bias_then_relu_runs_the_generated_epilogue():
     g = Graph("gemm_c")
     x = g.add_input("x", "float32", [6, 10])

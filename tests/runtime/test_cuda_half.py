@@ -208,7 +208,8 @@ def test_cudnn_attention_in_half_reads_views_and_writes_the_head_merge_layout(lq
     elif mask == "full":
         m = np.where(rng.random((b, h, lq, lk)) < 0.2, -65504.0, 0.0).astype(np.float16)
     scale = 1 / np.sqrt(d)
-    out, path = attention_path(q, kt, v, None if m is None else cp.asarray(m), scale, "cudnn")
+    # no row is fully masked here (may_empty=False): cuDNN's answer for one does not matter
+    out, path = attention_path(q, kt, v, None if m is None else cp.asarray(m), scale, "cudnn", may_empty=False)
     assert path == "cudnn", path
     assert out.shape == (b, h, lq, d) and out.dtype == cp.float16
     assert out.transpose(0, 2, 1, 3).flags.c_contiguous  # the head merge after it is a view
@@ -248,3 +249,119 @@ def test_attention_in_a_half_program_takes_cudnn_and_replays(graphs):
             got = p.run(feeds2)
             for name, w in want.items():
                 assert float(np.abs(got[name] - w).max()) <= 1e-2 * float(np.abs(w).max()), name
+
+
+@pytest.mark.parametrize("mode", ["auto", "kernel", "ops"])
+def test_safe_softmax_attention_with_fully_masked_rows_in_half(mode):
+    """F.scaled_dot_product_attention with a bool mask as kiln traces it on torch >= 2.5 (a safe softmax):
+    fused, in fp16, every path gives zeros for a query row that sees no key, as the float32 graph on the
+    CPU does; "auto" takes cuDNN only if cuDNN's answer for such a row is zeros (sdpa.empty_row_answer)."""
+    from kiln.ir.passes.shape_inference import infer_shapes
+    from kiln.runtime.kernels.cuda import sdpa as ksdpa
+    g = Graph("sdpa_safe")
+    x = g.add_input("x", "float32", ("batch", 32, 256))
+    cond = g.add_input("cond", "bool", ("batch", 1, 32, 32))
+    shape = g.add_constant(np.array([0, 32, 4, 64], np.int64))
+    q, k, v = [g.op("Transpose", g.op("Reshape", g.op("MatMul", x, g.add_initializer(
+        n, (_rng(40 + i).standard_normal((256, 256)) / 16).astype(np.float32))), shape), perm=[0, 2, 1, 3])
+        for i, n in enumerate(("wq", "wk", "wv"))]
+    s = g.op("Mul", g.op("MatMul", q, g.op("Transpose", k, perm=[0, 1, 3, 2])), g.add_constant(np.array(0.125, np.float32)))
+    s = g.op("Where", cond, s, g.add_constant(np.array(-np.inf, np.float32)))
+    p = g.op("Softmax", s, axis=-1)
+    mx = g.op("ReduceMax", s, g.add_constant(np.array([-1], np.int64)), keepdims=1)
+    p = g.op("Where", g.op("Equal", mx, g.add_constant(np.array(-np.inf, np.float32))),
+             g.add_constant(np.array(0.0, np.float32)), p)
+    o = g.op("MatMul", p, v)
+    g.outputs = [g.op("Reshape", g.op("Transpose", o, perm=[0, 2, 1, 3]), g.add_constant(np.array([0, 32, 256], np.int64)),
+                      name="y")]
+    infer_shapes(g)
+    c = np.ones((8, 1, 32, 32), bool)
+    c[0, 0, 5] = False          # query 5 of sequence 0 sees nothing
+    c[1, 0, :, 20:] = False     # padding
+    c[2] = False                # a sequence that is all padding
+    feeds = {"x": _rng(44).standard_normal((8, 32, 256)).astype(np.float32), "cond": c}
+    # float32, batch 1, CUDA graphs: the body runs node by node ("ops" below a full GPU) and must capture
+    # (its ReduceMax's axes stay on the host: no copy back, no synchronization inside the capture)
+    one = {"x": feeds["x"][:1], "cond": c[:1]}
+    p32 = kiln.load(g.copy(), device="cuda", output="numpy", attention=mode, cuda_graphs=True)
+    want32 = kiln.load(g.copy()).run(one)["y"]
+    for _ in range(2):
+        np.testing.assert_allclose(p32.run(one)["y"], want32, rtol=1e-4, atol=1e-4)
+    assert p32.graph_failures == {} and p32.fallback_ops == {}, (p32.graph_failures, p32.fallback_ops)
+    p = _check_half(g, feeds, attention=mode, cuda_graphs=False)
+    assert p.fused_attention == 1
+    got = p.run(feeds)["y"]
+    assert np.all(got[0, 5] == 0) and np.all(got[2] == 0) and np.isfinite(got).all()
+    paths = p.attention_paths
+    if mode in ("ops", "kernel"):
+        assert paths[mode] > 0 and paths["cudnn"] == 0, paths
+    elif ksdpa.available():
+        zero = ksdpa.empty_row_answer() == "zero"
+        assert (paths["cudnn"] > 0) == zero, (paths, ksdpa.empty_row_answer())
+
+
+@pytest.mark.parametrize("n, vector", [(4096, True), (4100, False), (8, True), (7, False)])
+def test_half_elementwise_takes_the_8_wide_vector_path(n, vector):
+    """float16 bodies load 8 halves (16 bytes) a thread where the size and alignment allow, the element
+    path otherwise; both agree with the float32 graph."""
+    from kiln.runtime.kernels.cuda.codegen import ElementwiseKernel, body_from_graph
+    g = Graph("ew8")
+    x = g.add_input("x", "float16", (n,))
+    r = g.add_input("r", "float16", (n,))
+    y = g.op("Add", g.op("Gelu", g.op("Mul", x, g.add_initializer("k", np.array(1.5, np.float16)))), r)
+    g.outputs = [y]
+    k = ElementwiseKernel(body_from_graph(g))
+    xs = _rng(60).standard_normal(n).astype(np.float16)
+    rs = _rng(61).standard_normal(n).astype(np.float16)
+    (got,) = k(cp.asarray(xs), cp.asarray(rs))
+    assert got.dtype == cp.float16 and k.vector_launches == int(vector)
+    x64 = xs.astype(np.float64) * 1.5
+    from math import erf
+    want = np.array([v * 0.5 * (1 + erf(v / np.sqrt(2))) for v in x64]) + rs
+    np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=2e-3, atol=2e-3)
+    # a view one element in: not aligned to 8 halves, so the element path, with the same answer
+    if vector:
+        xo = cp.asarray(np.concatenate([[0], xs]).astype(np.float16))[1:]
+        (got2,) = k(xo, cp.asarray(rs))
+        assert k.vector_launches == 1 and cp.array_equal(got2, got)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_small_integer_powers_are_products(dtype):
+    """Pow by a constant -1, 2, 3 or 4 is written as products (no powf: issue 24's GELU approximation);
+    other exponents keep powf; all agree with numpy."""
+    from kiln.runtime.kernels.cuda.codegen import ElementwiseKernel, body_from_graph
+    exps = [-1.0, 2.0, 3.0, 4.0, 2.5]
+    g = Graph("pow")
+    x = g.add_input("x", np.dtype(dtype).name, (1024,))
+    g.outputs = [g.op("Pow", x, g.add_initializer(f"e{i}", np.array(e, dtype))) for i, e in enumerate(exps)]
+    body = body_from_graph(g)
+    assert [s.attrs.get("_exponent") for s in body.steps] == [-1.0, 2.0, 3.0, 4.0, None]
+    xs = (np.abs(_rng(70).standard_normal(1024)) + 0.1).astype(dtype) * np.where(np.arange(1024) % 2, 1, -1).astype(dtype)
+    outs = ElementwiseKernel(body)(cp.asarray(xs))
+    for e, o in zip(exps, outs):
+        want = np.power(xs.astype(np.float64), e)
+        tol = 1e-6 if dtype == np.float32 else 2e-3
+        np.testing.assert_allclose(cp.asnumpy(o).astype(np.float64), want, rtol=tol, atol=tol, err_msg=str(e))
+
+
+@pytest.mark.parametrize("d, vector", [(768, True), (1024, True), (40, True), (772, False)])
+@pytest.mark.parametrize("kind", ["LayerNorm", "Softmax"])
+def test_row_kernels_read_16_byte_vectors_in_half(kind, d, vector):
+    from kiln.runtime.kernels.cuda import rowwise
+    x = (_rng(80).standard_normal((37, d)) * 3).astype(np.float16)
+    x[0, :2] = (-np.inf if kind == "Softmax" else 0.0, 60.0)
+    before = dict(rowwise.LAUNCHES)
+    if kind == "LayerNorm":
+        scale = (_rng(81).standard_normal(d)).astype(np.float16)
+        bias = (_rng(82).standard_normal(d)).astype(np.float16)
+        got = rowwise.layer_norm(cp.asarray(x), cp.asarray(scale), cp.asarray(bias), 1, 1e-5)
+        x64 = x.astype(np.float64)
+        want = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-5) * scale + bias
+    else:
+        got = rowwise.softmax_last(cp.asarray(x))
+        x64 = x.astype(np.float64)
+        e = np.exp(x64 - x64.max(-1, keepdims=True))
+        want = e / e.sum(-1, keepdims=True)
+    assert rowwise.LAUNCHES["vector"] == before["vector"] + int(vector)
+    np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=1e-2, atol=1e-2 if kind == "LayerNorm" else 1e-3)

@@ -57,7 +57,7 @@ extern "C" __global__ void __launch_bounds__(256) kiln_attention(
         const long long ks0, const long long ks1, const long long ks2, const long long ks3,
         const long long vs0, const long long vs1, const long long vs2, const long long vs3,
         const long long ms0, const long long ms1, const long long ms2, const long long ms3,
-        const long long os0, const long long os1, const long long os2) {
+        const long long os0, const long long os1, const long long os2, const int safe) {
     __shared__ __align__(16) float Qt[HD * QP];   // q rows transposed: Qt[d][row]
     __shared__ __align__(16) float Kt[HD * KP];   // the key tile transposed: Kt[d][key]
     __shared__ __align__(16) float Vs[KT * HD];   // the value tile: Vs[key][d]
@@ -182,7 +182,9 @@ extern "C" __global__ void __launch_bounds__(256) kiln_attention(
             #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 const int d = tx * 4 + c;
-                if (d < Dv) orow[d] = ST(acc[r][c] / l[r]);
+                // l == 0 only for a row whose every key is masked out: NaN (0 / 0) as the reference's softmax,
+                // or zeros for torch's safe softmax.
+                if (d < Dv) orow[d] = ST(safe && l[r] == 0.f ? 0.f : acc[r][c] / l[r]);
             }
         }
     }
@@ -234,15 +236,19 @@ def _as4(x):
     return x, tuple(s // x.itemsize for s in x.strides)
 
 
-def attention(q, kt, v, mask, scale: float, mode: Optional[str] = None):
+def attention(q, kt, v, mask, scale: float, mode: Optional[str] = None, *, safe: bool = False,
+              may_empty: bool = True):
     """softmax(q @ kt * scale + mask) @ v for float32 or float16 arrays of one rank >= 3 (mask broadcastable
     to the scores, or None), or None when the kernel does not apply. ``mode``: "auto" leaves
     grids smaller than the GPU to the caller; None: the bound program's option. Float16 goes
-    through cuDNN's fused attention first where it has an engine (sdpa.py)."""
-    return attention_path(q, kt, v, mask, scale, mode)[0]
+    through cuDNN's fused attention first where it has an engine (sdpa.py). ``safe``: a row whose every
+    key is masked out gives zeros (torch's safe softmax), else NaN; ``may_empty``: whether the mask can
+    mask out a whole row (False for no mask, or a constant one that does not)."""
+    return attention_path(q, kt, v, mask, scale, mode, safe=safe, may_empty=may_empty)[0]
 
 
-def attention_path(q, kt, v, mask, scale: float, mode: Optional[str] = None) -> tuple:
+def attention_path(q, kt, v, mask, scale: float, mode: Optional[str] = None, *, safe: bool = False,
+                   may_empty: bool = True) -> tuple:
     """``attention``'s result and the path that made it: "cudnn", "kernel", or None (not applicable)."""
     if mode is None:
         mode = options().attention
@@ -256,7 +262,7 @@ def attention_path(q, kt, v, mask, scale: float, mode: Optional[str] = None) -> 
         return None, None
     if mode in ("auto", "cudnn") and q.dtype == np.float16 and d > 0 and lk > 0 and math.prod(batch) * lq * dv > 0:
         from kiln.runtime.kernels.cuda.sdpa import sdpa
-        out = sdpa(q, kt, v, mask, scale)
+        out = sdpa(q, kt, v, mask, scale, safe=safe, may_empty=may_empty and mask is not None)
         if out is not None:
             return out, "cudnn"
     if d > MAX_HEAD or dv > MAX_HEAD or d == 0:
@@ -268,7 +274,7 @@ def attention_path(q, kt, v, mask, scale: float, mode: Optional[str] = None) -> 
     if math.prod(batch) * lq * dv == 0 or lk == 0:
         out = cp.empty(batch + (lq, dv), q.dtype)
         if lk == 0:
-            out.fill(np.nan)  # softmax over no keys: 0 / 0, as the reference
+            out.fill(0 if safe else np.nan)  # softmax over no keys: 0 / 0, as the reference (0 if safe)
         return out, "kernel"
     q4, qs = _as4(q)
     k4, ks = _as4(kt)
@@ -282,7 +288,7 @@ def attention_path(q, kt, v, mask, scale: float, mode: Optional[str] = None) -> 
     grid = (-(-lq // ROWS_PER_BLOCK), nb * nh)
     i32, i64 = np.int32, np.int64
     _kernel(q.dtype)(grid, (256,), (q4, k4, v4, m4, buf, i32(nh), i32(lq), i32(lk), i32(d), i32(dv), np.float32(scale),
-                             *map(i64, qs), *map(i64, ks), *map(i64, vs), *map(i64, ms), *map(i64, os_)))
+                             *map(i64, qs), *map(i64, ks), *map(i64, vs), *map(i64, ms), *map(i64, os_), i32(safe)))
     return out, "kernel"
 
 
@@ -307,13 +313,18 @@ def fused_attention(node, attrs) -> Optional[Callable[..., Any]]:
     from kiln.runtime.kernels.cuda.elementwise import _interpret
     body = attrs["body"]
     parts = attention_parts(body)
-    scale, has_mask = float(parts["scale"]), bool(parts["mask"])
+    scale, has_mask, safe = float(parts["scale"]), bool(parts["mask"]), bool(parts.get("safe"))
+    # Whether the mask can mask out a whole row (cuDNN's answer there is checked before it is used):
+    # not without a mask, nor for a constant mask with a finite score in every row (a causal mask).
+    m = node.inputs[3].const if has_mask and len(node.inputs) > 3 and node.inputs[3] is not None else None
+    may_empty = has_mask and (m is None or bool(np.isneginf(m).all(axis=-1).any()))
     by_nodes = _interpret(node, body)
     mode = options().attention  # the program's, bound at load
     paths = {"cudnn": 0, "kernel": 0, "ops": 0}
 
     def run(q, kt, v, mask=None):
-        out, path = (None, None) if mode == "ops" else attention_path(q, kt, v, mask if has_mask else None, scale, mode)
+        out, path = (None, None) if mode == "ops" else attention_path(q, kt, v, mask if has_mask else None, scale, mode,
+                                                                     safe=safe, may_empty=may_empty)
         if out is None:
             paths["ops"] += 1
             return by_nodes(*((q, kt, v, mask) if has_mask else (q, kt, v)))

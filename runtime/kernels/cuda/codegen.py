@@ -17,9 +17,11 @@ Layout of a generated kernel (one thread per output element, grid-stride loop):
   Adjacent dims that every operand walks contiguously are merged first, so a bias broadcast
   over [N, C, H, W] is a 2-D or 3-D index computation, not 4-D.
 - Indices are 32-bit when every element offset fits, else 64-bit.
-- A vectorized path handles 4 elements per thread with 16-byte loads and stores (for 4-byte
-  dtypes) when every operand is ``flat`` or ``scalar``, every pointer is aligned to 4 elements
-  and the size is a multiple of 4.
+- A vectorized path handles 4 elements per thread with 16-byte loads and stores (4-byte dtypes),
+  or 8 when every operand read and every output is a 2-byte type (float16: 16-byte loads of 8
+  halves, converted and computed in float32), when every operand is ``flat`` or ``scalar``,
+  every pointer is aligned to its vector and the size is a multiple of the width. Before the
+  8-wide path, half bodies took the element path (2-byte loads).
 - Body constants of one element become C literals (exactly: floats via their float64 repr).
 - Math runs in the op's dtype (float32 stays float32, with CUDA's float functions); the CPU
   references compute in float64 and round once, so results differ by a few ulps.
@@ -133,6 +135,7 @@ class Body:
     outputs: list = field(default_factory=list)  # C names of the outputs
     output_dtypes: list = field(default_factory=list)
     literals: dict = field(default_factory=dict)  # C name -> literal expression
+    exponents: dict = field(default_factory=dict)  # C name of a literal that is a small integer power -> it
 
     def signature(self) -> str:
         parts = [",".join(str(d) for d in self.operand_dtypes)]
@@ -177,6 +180,7 @@ def body_from_nodes(inputs, initializers, nodes, outputs) -> Body:
         if arr.size == 1:
             name = f"k{len(body.literals)}"
             body.literals[name] = literal(arr.reshape(-1)[0], dt)
+            _note_exponent(body, name, arr)
         else:
             name = f"a{len(body.operand_dtypes)}"
             body.operand_dtypes.append(dt)
@@ -211,6 +215,7 @@ def body_from_node(node, attrs: dict, const_literals: Optional[dict] = None) -> 
         if i in const_literals:
             name = f"k{len(body.literals)}"
             body.literals[name] = literal(const_literals[i], dt)
+            _note_exponent(body, name, np.asarray(const_literals[i]))
         else:
             name = f"a{len(body.operand_dtypes)}"
             body.operand_dtypes.append(dt)
@@ -224,6 +229,17 @@ def body_from_node(node, attrs: dict, const_literals: Optional[dict] = None) -> 
     return body
 
 
+# Powers written as products (issue 24: ``x ** 3`` in a GELU approximation): exact for -1 (one
+# division, as pow's correctly rounded 1/x) and within an ulp or two for 2..4, like powf itself.
+SMALL_POWERS = (-1.0, 1.0, 2.0, 3.0, 4.0)
+
+
+def _note_exponent(body: Body, name: str, arr: np.ndarray) -> None:
+    v = arr.reshape(-1)[0]
+    if np.issubdtype(arr.dtype, np.floating) and float(v) in SMALL_POWERS:
+        body.exponents[name] = float(v)
+
+
 def _add_step(body: Body, op: str, domain: str, attrs: dict, args: list, dts: list, outputs, names: dict) -> None:
     if domain != "" or op not in EXPRESSIONS:
         raise Unsupported(f"no CUDA expression for {op}")
@@ -234,7 +250,10 @@ def _add_step(body: Body, op: str, domain: str, attrs: dict, args: list, dts: li
         if not supported_dtype(dt):
             raise Unsupported(f"{op} on {dt}")
     name = f"t{len(body.steps)}"
-    body.steps.append(Step(op, dict(attrs), list(args), list(dts), name, out_dt))
+    attrs = dict(attrs)
+    if op == "Pow" and len(args) == 2 and args[1] in body.exponents and np.dtype(dts[0]).kind == "f":
+        attrs["_exponent"] = body.exponents[args[1]]  # a small integer power: multiplications (_pow)
+    body.steps.append(Step(op, attrs, list(args), list(dts), name, out_dt))
     names[outputs[0]] = name
 
 
@@ -257,6 +276,11 @@ def _div(attrs, t, dts, a, b):
 
 def _pow(attrs, t, dts, a, b):
     base, exp = np.dtype(dts[0]), np.dtype(dts[1])
+    e = attrs.get("_exponent")
+    if base.kind == "f" and e is not None:
+        x = f"(({t}){a})"
+        return {-1.0: f"(({t})1 / {x})", 1.0: x, 2.0: f"({x} * {x})", 3.0: f"({x} * {x} * {x})",
+                4.0: f"(({x} * {x}) * ({x} * {x}))"}[e]
     if base.kind == "f":
         return f"k_pow(({t}){a}, ({t}){b})"
     if exp.kind in "iu":
@@ -395,7 +419,7 @@ template <typename T> KF T k_ipow(T base, long long e) {
   while (e) { if (e & 1) r = (T)(r * b); b = (T)(b * b); e >>= 1; }
   return r;
 }
-template <typename T> struct alignas(sizeof(T) * 4) V4 { T v[4]; };
+template <typename T, int W> struct alignas(sizeof(T) * W) VW { T v[W]; };
 KF float kiln_h2f(unsigned short h) { float f; asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h)); return f; }
 KF unsigned short kiln_f2h(float f) { unsigned short h; asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f)); return h; }
 """
@@ -456,11 +480,13 @@ def operands_read(body: Body) -> set:
     return used
 
 
-def generate(body: Body, modes: Sequence[str], ndim: int, index: str, vec: bool, alias: bool = False) -> str:
+def generate(body: Body, modes: Sequence[str], ndim: int, index: str, vec: int, alias: bool = False) -> str:
     """The kernel source for ``body`` with operand ``modes`` (FLAT/SCALAR/STRIDED, '-' for
     operands not read), ``ndim`` collapsed output dims, index type ``index`` ('int' or
-    'long long') and the 4-wide vector path or not. ``alias``: an output is also an operand
-    (an in-place launch), so no pointer is declared ``__restrict__``."""
+    'long long') and the vector width ``vec`` (4 or 8 elements a thread; 0 or False: the element
+    path; True means 4). ``alias``: an output is also an operand (an in-place launch), so no
+    pointer is declared ``__restrict__``."""
+    w = 4 if vec is True else int(vec)
     restrict = "" if alias else " __restrict__"
     params = []
     for k, dt in enumerate(body.operand_dtypes):
@@ -481,22 +507,22 @@ def generate(body: Body, modes: Sequence[str], ndim: int, index: str, vec: bool,
             lines.append(f"  const {ctype(body.operand_dtypes[k])} s{k} = p{k}[0];")
     lines.append(f"  const {index} step = ({index})gridDim.x * blockDim.x;")
     if vec:
-        lines.append(f"  for ({index} v = ({index})blockIdx.x * blockDim.x + threadIdx.x; v < n / 4; v += step) {{")
+        lines.append(f"  for ({index} v = ({index})blockIdx.x * blockDim.x + threadIdx.x; v < n / {w}; v += step) {{")
         for k, m in enumerate(modes):
             if m == FLAT:
-                lines.append(f"    const V4<{ctype(body.operand_dtypes[k])}> v{k} = "
-                             f"reinterpret_cast<const V4<{ctype(body.operand_dtypes[k])}>*>(p{k})[v];")
+                lines.append(f"    const VW<{ctype(body.operand_dtypes[k])}, {w}> v{k} = "
+                             f"reinterpret_cast<const VW<{ctype(body.operand_dtypes[k])}, {w}>*>(p{k})[v];")
         for j, dt in enumerate(body.output_dtypes):
-            lines.append(f"    V4<{ctype(dt)}> r{j};")
+            lines.append(f"    VW<{ctype(dt)}, {w}> r{j};")
         lines.append("    #pragma unroll")
-        lines.append("    for (int e = 0; e < 4; ++e) {")
+        lines.append(f"    for (int e = 0; e < {w}; ++e) {{")
         code = body_code(body, lambda k: f"v{k}.v[e]" if modes[k] == FLAT else f"s{k}")
         lines += ["      " + c for c in code]
         for j, o in enumerate(body.outputs):
             lines.append(f"      r{j}.v[e] = {store_expr(body.output_dtypes[j], o)};")
         lines.append("    }")
         for j, dt in enumerate(body.output_dtypes):
-            lines.append(f"    reinterpret_cast<V4<{ctype(dt)}>*>(q{j})[v] = r{j};")
+            lines.append(f"    reinterpret_cast<VW<{ctype(dt)}, {w}>*>(q{j})[v] = r{j};")
         lines.append("  }")
     else:
         lines.append(f"  for ({index} i = ({index})blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step) {{")
@@ -665,9 +691,15 @@ class ElementwiseKernel:
                 el_strides.append(st)
         strided = [k for k, m in enumerate(modes) if m == STRIDED]
         all_flat = not strided
-        aligned = all(ops[k].data.ptr % (4 * ops[k].itemsize) == 0 for k, m in enumerate(modes) if m == FLAT)
-        # The 4-wide path is for 4-byte types' 16-byte loads; half types take the element path.
-        vec = all_flat and n % 4 == 0 and n >= 4 and aligned and not has_half(self.dtypes + self.body.output_dtypes)
+        # Vector width: 16-byte loads, 8 elements a thread where every operand read and every output is a
+        # 2-byte type (float16: issue 18), else 4 (4-byte types; a half operand beside float32 ones takes
+        # 8-byte loads). Each flat operand must be aligned to its vector.
+        sizes = [ops[k].itemsize for k, m in enumerate(modes) if m == FLAT] + \
+            [np.dtype(d).itemsize for d in self.body.output_dtypes]
+        width = 8 if sizes and all(z == 2 for z in sizes) else 4
+        aligned = all(ops[k].data.ptr % (width * ops[k].itemsize) == 0 for k, m in enumerate(modes) if m == FLAT)
+        vec = width if (all_flat and n % width == 0 and n >= width and aligned
+                        and all(z in (2, 4) for z in sizes)) else 0
         # Outputs are fresh cupy allocations (256-byte aligned): always vector-aligned.
         if strided:
             cshape, cstr = collapse(tuple(shape), [el_strides[k] for k in strided])
@@ -675,12 +707,12 @@ class ElementwiseKernel:
             cshape, cstr = (n,), []
         span = max([n] + [sum(abs(s) * (d - 1) for s, d in zip(st, cshape)) + 1 for st in cstr])
         block, per_sm = (BLOCK_VEC, BLOCKS_PER_SM_VEC) if vec else (BLOCK, BLOCKS_PER_SM)
-        work = n // 4 if vec else n
+        work = n // vec if vec else n
         blocks = -(-work // block)
         if per_sm:
             blocks = min(blocks, self.sms * per_sm)
         blocks = max(1, blocks)
-        index = "int" if span <= _INT32_MAX and n + 4 * block * blocks <= _INT32_MAX else "long long"
+        index = "int" if span <= _INT32_MAX and n + 8 * block * blocks <= _INT32_MAX else "long long"
         it = np.int32 if index == "int" else np.int64
         src = generate(self.body, modes, len(cshape), index, vec, alias)
         kern = compile_kernel(src)
@@ -689,4 +721,4 @@ class ElementwiseKernel:
             extra += [it(d) for d in cshape]
             for st in cstr:
                 extra += [it(s) for s in st]
-        return kern, tuple(shape), blocks, block, extra, int(vec)
+        return kern, tuple(shape), blocks, block, extra, int(bool(vec))

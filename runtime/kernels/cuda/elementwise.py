@@ -84,7 +84,12 @@ def _interpret(node, body_graph) -> Callable[..., Any]:
     """The body node by node: each with its CUDA kernel (or host fallback), constants uploaded once."""
     from kiln.runtime.kernels import cuda
     steps = []
-    env_consts = {v: cp.asarray(v.const) for v in body_graph.initializers.values()}
+    # A constant read only as a host parameter (a ReduceMax's axes, a Reshape's shape) stays numpy: on the
+    # device, the kernel would copy it back on every call, a synchronization that also breaks CUDA-graph
+    # capture (issue 18: the safe softmax's ReduceMax axes in an attention body run node by node).
+    host_only = {v for v in body_graph.initializers.values()
+                 if v.uses and all(i in cuda.host_inputs(u) for u, i in v.uses)}
+    env_consts = {v: v.const if v in host_only else cp.asarray(v.const) for v in body_graph.initializers.values()}
     for n in body_graph.nodes:
         k = cuda.choose(n, n.schema.fill_attrs(n.attrs))
         if k is None:

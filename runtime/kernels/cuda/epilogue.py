@@ -10,8 +10,10 @@ writing over the anchor's output in place:
   the conv kernel's ``with_epilogue`` (nn.py), i.e. cuDNN's fused graph, or for what cuDNN
   would not fuse, and on the im2col path, one pass after the GEMM;
 - **MatMul / Gemm** whose epilogue starts with the add of a constant bias vector (a Linear
-  layer): cublasLt with its bias epilogue (linalg.LtBias; with a ReLU right after, ReLU too),
-  then the rest of the epilogue (a Gelu, a residual add) as one generated kernel;
+  layer) and/or a residual add (a tensor of the product's shape, the transformer's ``x + ...``):
+  cublasLt with its bias epilogue (linalg.LtBias; with a ReLU right after the bias, ReLU too)
+  and the residual as its C operand (beta 1), then the rest of the epilogue (a Gelu) as one
+  generated kernel;
 - **MatMul** times a one-element constant (attention's ``q @ k^T * (1/sqrt(d))``): the scale
   is the GEMM's alpha, free;
 - anything else: the anchor's own kernel, then the whole epilogue as one generated kernel.
@@ -78,24 +80,36 @@ def fused_epilogue(node, attrs) -> Optional[Callable[..., Any]]:
     def const(v) -> Optional[np.ndarray]:
         return outer[v].const if v in outer else v.const
 
-    # ---- MatMul / Gemm: a constant bias vector first (and a ReLU right after it) -> cublasLt.
-    lt, bias_at, t, steps, operands = None, None, y, list(rest), None
+    # ---- MatMul / Gemm: [a constant bias vector [and a ReLU right after it]] [then a residual add] -> cublasLt
+    # (the bias and ReLU as its epilogue, the residual as its C operand with beta 1).
+    lt, bias_at, residual_at, t, steps, operands = None, None, None, y, list(rest), None
     if anchor.op in ("MatMul", "Gemm") and steps and steps[0].op == "Add" and _only_reader(y, steps[0]):
         n = y.type.shape[-1]
         b = _other(steps[0], y)
         c = None if b is None else const(b)
         operands = _matmul_operands(anchor, const)
+        bias, relu = None, False
         if c is not None and operands is not None and isinstance(n, int) and c.size == n and c.ndim >= 1 \
                 and c.shape[-1] == n and np.dtype(c.dtype) in FLOATS and np.dtype(c.dtype) == in_dtype(anchor):
-            from kiln.runtime.kernels.cuda.linalg import LtBias
+            bias = c
             t = steps[0].outputs[0]
             steps.pop(0)
             relu = bool(steps) and steps[0].op == "Relu" and _only_reader(t, steps[0])
             if relu:
                 t = steps[0].outputs[0]
                 steps.pop(0)
-            lt = LtBias(cp.asarray(np.ascontiguousarray(c.reshape(-1))), relu=relu, tf32=tf32)
             bias_at = position.get(b)
+        if operands is not None and not relu and steps and steps[0].op == "Add" and _only_reader(t, steps[0]):
+            r = _other(steps[0], t)
+            if r is not None and r in position and const(r) is None and r.type is not None and t.type is not None \
+                    and r.type.shape == t.type.shape and r.type.dtype == t.type.dtype \
+                    and steps[0].outputs[0].type is not None and steps[0].outputs[0].type.shape == t.type.shape:
+                residual_at, t = position[r], steps[0].outputs[0]
+                steps.pop(0)
+        if bias is not None or residual_at is not None:
+            from kiln.runtime.kernels.cuda.linalg import LtBias
+            lt = LtBias(None if bias is None else cp.asarray(np.ascontiguousarray(bias.reshape(-1))), relu=relu,
+                        tf32=tf32)
     # ---- MatMul then a multiply by a one-element constant (attention's 1/sqrt(d)) -> the GEMM's alpha.
     alpha = None
     if lt is None and anchor.op == "MatMul" and steps and steps[0].op == "Mul" and _only_reader(y, steps[0]) \
@@ -165,17 +179,22 @@ def fused_epilogue(node, attrs) -> Optional[Callable[..., Any]]:
         def first(args):
             a = args[0].T if ta else args[0]
             bm = b_dev if b_dev is not None else (args[1].T if tb else args[1])
-            out = lt(a, bm)
-            if out is None:  # a layout cublasLt cannot take: cuBLAS, then the bias (and ReLU)
+            r = None if residual_at is None else args[residual_at]
+            out = lt(a, bm, r)
+            if out is None:  # a layout cublasLt cannot take: cuBLAS, then the bias (and ReLU), the residual
                 out = cublas_matmul(a, bm, tf32=tf32) if a.ndim == 2 or bm.ndim != 2 else \
                     cublas_matmul(a.reshape(-1, a.shape[-1]), bm, tf32=tf32).reshape(a.shape[:-1] + (bm.shape[1],))
-                out += lt.bias
+                if lt.bias is not None:
+                    out += lt.bias
                 if lt.relu:
                     cp.maximum(out, 0, out=out)
+                if r is not None:
+                    out += r
             return out
         ignored = tuple(sorted(({1} if b_dev is not None else set())
                                | ({bias_at} if bias_at is not None and bias_at >= k else set())))
-        strategy = "cublasLt bias" + ("+relu" if lt.relu else "")
+        strategy = "cublasLt " + "+".join(p for p, on in (("bias", lt.bias is not None), ("relu", lt.relu),
+                                                           ("residual", residual_at is not None)) if on)
     elif alpha is not None:
         from kiln.runtime.kernels.cuda.linalg import matmul2
 

@@ -226,7 +226,7 @@ def cublas_matmul(a, b, alpha: float = 1.0, tf32: Optional[bool] = None):
 # second pass over its result. Reached through ctypes for the reason above (CuPy refuses cuBLAS
 # calls during a capture). Enum values are cublasLt.h's (CUDA 11.4 and later).
 _LT_DESC_TRANSA, _LT_DESC_TRANSB, _LT_DESC_EPILOGUE, _LT_DESC_BIAS_POINTER = 3, 4, 7, 8
-_LT_EPILOGUE_BIAS, _LT_EPILOGUE_RELU_BIAS = 4, 6
+_LT_EPILOGUE_DEFAULT, _LT_EPILOGUE_RELU, _LT_EPILOGUE_BIAS, _LT_EPILOGUE_RELU_BIAS = 1, 2, 4, 6
 _LT_PREF_MAX_WORKSPACE_BYTES = 1
 _COMPUTE = {(np.dtype(np.float32), False): 68, (np.dtype(np.float32), True): 77,  # 32F, 32F_FAST_TF32
             (np.dtype(np.float64), False): 70, (np.dtype(np.float64), True): 70,
@@ -265,8 +265,11 @@ def _lt():
 
 
 class LtBias:
-    """``a @ b + bias`` (+ ReLU) for float32/float64 matrices through one cublasLt matmul with
-    a bias epilogue; ``bias`` is a device vector of b's column count. Descriptors and the
+    """``a @ b + bias [+ residual]`` (+ ReLU) for float matrices through one cublasLt matmul with
+    a bias epilogue; ``bias`` is a device vector of b's column count, or None (no bias). A
+    ``residual`` of the product's shape is added inside the same call as cublasLt's C operand with
+    beta 1 (D = A B + C, then the bias and ReLU epilogue): a transformer's ``x + linear(h)`` without
+    a pass of its own over the output (issue 18: those adds were 24 kernels of BERT). Descriptors and the
     heuristic's algorithm are built once per operand layout, outside any capture; the workspace
     is the cuBLAS handle's of the same stream (calls on one stream never overlap).
     ``__call__`` returns None for operands it cannot describe (the caller then multiplies and
@@ -278,12 +281,19 @@ class LtBias:
         self.tf32 = _default_tf32() if tf32 is None else bool(tf32)
         self._plans: dict = {}
 
-    def __call__(self, a, b):
+    def __call__(self, a, b, residual=None):
         if a.ndim > 2 and b.ndim == 2:
-            y = self(_as_rows(a), b)
+            if residual is not None:
+                if residual.shape != a.shape[:-1] + (b.shape[1],) or not residual.flags.c_contiguous:
+                    return None
+                residual = residual.reshape(-1, b.shape[1])
+            y = self(_as_rows(a), b, residual)
             return None if y is None else y.reshape(a.shape[:-1] + (b.shape[1],))
-        if a.ndim != 2 or b.ndim != 2 or a.dtype != b.dtype or a.dtype not in _CUDA_TYPE or \
-                self.bias.dtype != a.dtype or self.bias.size != b.shape[1] or 0 in a.shape or 0 in b.shape:
+        if a.ndim != 2 or b.ndim != 2 or a.dtype != b.dtype or a.dtype not in _CUDA_TYPE or 0 in a.shape \
+                or 0 in b.shape or (self.bias is not None and (self.bias.dtype != a.dtype or self.bias.size != b.shape[1])):
+            return None
+        if residual is not None and (residual.shape != (a.shape[0], b.shape[1]) or residual.dtype != a.dtype
+                                     or not residual.flags.c_contiguous):
             return None
         da, db = _operand(a), _operand(b)
         if da is None or db is None:
@@ -301,9 +311,11 @@ class LtBias:
         stream = cp.cuda.get_current_stream()
         ws = stream_workspace(stream)
         one, zero = _ONE[a.dtype], _ZERO[a.dtype]
+        c = out if residual is None else residual
         # Row-major D = A @ B is column-major D^T = B^T @ A^T: cublasLt gets B first (as cublas_matmul).
-        _check(lib.cublasLtMatmul(h, desc, one.ctypes.data, b3.data.ptr, la, a3.data.ptr, lb, zero.ctypes.data,
-                                  out.data.ptr, ld, out.data.ptr, ld, ctypes.byref(algo), ws.ptr,
+        _check(lib.cublasLtMatmul(h, desc, one.ctypes.data, b3.data.ptr, la, a3.data.ptr, lb,
+                                  (zero if residual is None else one).ctypes.data,
+                                  c.data.ptr, ld, out.data.ptr, ld, ctypes.byref(algo), ws.ptr,
                                   WORKSPACE_BYTES, stream.ptr), "cublasLtMatmul")
         return out
 
@@ -325,8 +337,11 @@ class LtBias:
                    "cublasLtMatmulDescSetAttribute")
         set_attr(_LT_DESC_TRANSA, ctypes.c_int32(_OP_T if tb else _OP_N))
         set_attr(_LT_DESC_TRANSB, ctypes.c_int32(_OP_T if ta else _OP_N))
-        set_attr(_LT_DESC_EPILOGUE, ctypes.c_uint32(_LT_EPILOGUE_RELU_BIAS if self.relu else _LT_EPILOGUE_BIAS))
-        set_attr(_LT_DESC_BIAS_POINTER, vp(self.bias.data.ptr))
+        if self.bias is None:
+            set_attr(_LT_DESC_EPILOGUE, ctypes.c_uint32(_LT_EPILOGUE_RELU if self.relu else _LT_EPILOGUE_DEFAULT))
+        else:
+            set_attr(_LT_DESC_EPILOGUE, ctypes.c_uint32(_LT_EPILOGUE_RELU_BIAS if self.relu else _LT_EPILOGUE_BIAS))
+            set_attr(_LT_DESC_BIAS_POINTER, vp(self.bias.data.ptr))
         t = _CUDA_TYPE[dtype]
 
         def layout(rows, cols, ld):

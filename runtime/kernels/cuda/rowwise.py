@@ -11,7 +11,10 @@ axis for the softmaxes, ``prod(shape[axis:])`` for LayerNorm), and each row is r
 
 - **one warp** when ``d <= 1024``: each lane keeps its ``ceil(d / 32)`` elements in registers
   (the count is a compile-time bucket 1, 2, 4, ... 32, so the loops unroll), max and sum are
-  warp shuffles; the row is read from memory once. Blocks hold 4 warps (4 rows), or 1 when
+  warp shuffles; the row is read from memory once. Where the row length is a multiple of 16
+  bytes' worth of elements and the rows and affine vectors are 16-byte aligned, each lane reads
+  16-byte vectors (8 halves or 4 floats) instead of single elements (issue 18: LayerNorm was
+  the third-largest kernel of GPT-2 in half precision). Blocks hold 4 warps (4 rows), or 1 when
   there are few rows, so that small problems still spread over the SMs.
 - **one block** (256 to 1024 threads) otherwise: each pass strides over the row, partial
   results meet through warp shuffles and a 33-word shared array; the later passes re-read the
@@ -47,7 +50,7 @@ _HALF_CONV = r"""
 __device__ __forceinline__ float kiln_h2f(unsigned short h) { float f; asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h)); return f; }
 __device__ __forceinline__ unsigned short kiln_f2h(float f) { unsigned short h; asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f)); return h; }
 """
-LAUNCHES = {"warp": 0, "block": 0}  # launches per variant (tests check which path ran)
+LAUNCHES = {"warp": 0, "block": 0, "vector": 0}  # launches per variant (tests check which path ran)
 
 _COMMON = r"""
 #define NEG_INF ((T)__longlong_as_double(0xfff0000000000000LL))
@@ -203,6 +206,115 @@ extern "C" __global__ void kiln_rows(const S* __restrict__ x, S* __restrict__ y,
 }
 """
 
+# One warp per row, vector loads (issue 18): each lane reads VEC contiguous elements at a time (16 bytes:
+# 8 halves or 4 floats) instead of one, E vectors a lane (a power of two, 32 * E * VEC >= d). For rows
+# whose length is a multiple of VEC with aligned rows and affine vectors; the math is the warp kernel's.
+_WARP_VEC = r"""
+template <typename U, int W> struct alignas(sizeof(U) * W) VW { U v[W]; };
+extern "C" __global__ void kiln_rows(const S* __restrict__ x, S* __restrict__ y,
+                                     const S* __restrict__ scale, const S* __restrict__ bias,
+                                     S* __restrict__ mean_out, S* __restrict__ rstd_out,
+                                     long long rows, int d, T eps) {
+    typedef VW<S, VEC> V;
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= rows) return;  // whole warps leave together: the shuffles below stay full
+    const V* xr = reinterpret_cast<const V*>(x + row * (long long)d);
+    V* yr = reinterpret_cast<V*>(y + row * (long long)d);
+    const int nv = d / VEC;
+    T v[E][VEC];
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+        const int j = lane + 32 * i;
+        if (j < nv) {
+            const V t = xr[j];
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) v[i][k] = LD(t.v[k]);
+        } else {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) v[i][k] = MODE == 2 ? (T)0 : NEG_INF;
+        }
+    }
+#if MODE == 2
+    T s = 0;
+#pragma unroll
+    for (int i = 0; i < E; ++i)
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) s += v[i][k];
+    const T mean = warp_sum(s) / (T)d;
+    T q = 0;
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+        if (lane + 32 * i < nv) {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) { T t = v[i][k] - mean; q += t * t; }
+        }
+    }
+    const T rstd = (T)1 / my_sqrt(warp_sum(q) / (T)d + eps);
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+        const int j = lane + 32 * i;
+        if (j < nv) {
+            const V sc = reinterpret_cast<const V*>(scale)[j];
+#if HAS_BIAS
+            const V bi = reinterpret_cast<const V*>(bias)[j];
+#endif
+            V o;
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+                T t = (v[i][k] - mean) * rstd * LD(sc.v[k]);
+#if HAS_BIAS
+                t += LD(bi.v[k]);
+#endif
+                o.v[k] = ST(t);
+            }
+            yr[j] = o;
+        }
+    }
+#if STATS
+    if (lane == 0) { mean_out[row] = ST(mean); rstd_out[row] = ST(rstd); }
+#endif
+#else
+    T m = v[0][0];
+#pragma unroll
+    for (int i = 0; i < E; ++i)
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) m = v[i][k] > m ? v[i][k] : m;
+    m = warp_max(m);
+    T s = 0;
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+        if (lane + 32 * i < nv) {
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) { v[i][k] -= m; s += my_exp(v[i][k]); }
+        }
+    }
+    s = warp_sum(s);
+#if MODE == 1
+    const T ls = my_log(s);
+#endif
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+        const int j = lane + 32 * i;
+        if (j < nv) {
+            V o;
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+#if MODE == 1
+                o.v[k] = ST(v[i][k] - ls);
+#else
+                o.v[k] = ST(my_exp(v[i][k]) / s);
+#endif
+            }
+            yr[j] = o;
+        }
+    }
+#endif
+}
+"""
+# Elements a vector load reads, per dtype (16 bytes); float64 keeps the element-wise warp kernel.
+VEC = {np.dtype(np.float16): 8, np.dtype(np.float32): 4}
+
 
 def supported(dtype) -> bool:
     return np.dtype(dtype) in _CTYPE
@@ -214,13 +326,16 @@ def elements_per_lane(d: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(1, math.ceil(d / 32)))))
 
 
-def source(dtype, mode: int, d: int, *, has_bias: bool = False, stats: bool = False) -> str:
-    """CUDA source of the row kernel for this dtype/op/row length (warp or block variant)."""
+def source(dtype, mode: int, d: int, *, has_bias: bool = False, stats: bool = False, vec: int = 0) -> str:
+    """CUDA source of the row kernel for this dtype/op/row length (warp or block variant; ``vec``: the
+    warp variant with vector loads of that many elements)."""
     dt = np.dtype(dtype)
     storage, load, store = _STORAGE.get(dt, (_CTYPE[dt], "(v)", "(v)"))
     head = (f"#define T {_CTYPE[dt]}\n#define S {storage}\n#define MODE {mode}\n#define HAS_BIAS {int(has_bias)}\n"
             f"#define STATS {int(stats)}\n" + (_HALF_CONV if dt in _STORAGE else "")
             + f"#define LD(v) {load}\n#define ST(v) {store}\n")
+    if d <= WARP_MAX_D and vec:
+        return head + f"#define VEC {vec}\n#define E {elements_per_lane(-(-d // vec))}\n" + _COMMON + _WARP_VEC
     if d <= WARP_MAX_D:
         return head + f"#define E {elements_per_lane(d)}\n" + _COMMON + _WARP
     return head + _COMMON + _BLOCK
@@ -252,7 +367,10 @@ def launch(mode: int, x, rows: int, d: int, *, scale=None, bias=None, eps: float
             mean.fill(np.nan)
             rstd.fill(np.nan)
         return (y, mean, rstd) if stats else y
-    kern = compile_kernel(source(x.dtype, mode, d, has_bias=bias is not None, stats=stats), name="kiln_rows")
+    vec = VEC.get(np.dtype(x.dtype), 0)
+    if vec and not (d % vec == 0 and d <= WARP_MAX_D and all(a is None or a.data.ptr % 16 == 0 for a in (x, y, scale, bias))):
+        vec = 0
+    kern = compile_kernel(source(x.dtype, mode, d, has_bias=bias is not None, stats=stats, vec=vec), name="kiln_rows")
     # Unused pointer parameters get x: the kernel never dereferences them (compile-time flags).
     args = (x, y, x if scale is None else scale, x if bias is None else bias,
             x if mean is None else mean, x if rstd is None else rstd,
@@ -261,6 +379,7 @@ def launch(mode: int, x, rows: int, d: int, *, scale=None, bias=None, eps: float
         warps = 4 if rows >= 4 * _sm_count() else 1
         kern(((rows + warps - 1) // warps,), (32 * warps,), args)
         LAUNCHES["warp"] += 1
+        LAUNCHES["vector"] += bool(vec)
     else:
         threads = 1024 if d >= 8192 else 512 if d >= 2048 else 256
         kern((rows,), (threads,), args)

@@ -16,6 +16,11 @@ query dim, the mask is expanded to [., ., Lq, Lk] on each call (the build record
 is written [B, Lq, H, Dv] and handed on as its [B, H, Lq, Dv] view (attention.empty_output: the
 head merge after it is then a view).
 
+Fully masked rows: the graph says what a query row whose every key is masked out gives (NaN from a
+plain softmax, zeros from torch's safe softmax, attention_parts' "safe"). What cuDNN gives there is
+probed once (``empty_row_answer``); where a mask may mask out a whole row and cuDNN's answer differs
+from the graph's, kiln's kernel runs instead (it does either exactly).
+
 Where it does not apply (float32 or float64; cuDNN absent, its self-test failed, or no engine for
 this shape: head dims not a multiple of 8, a last dim that is not contiguous), ``sdpa`` returns None
 and the caller takes kiln's kernel. The attention path is the program's ``CudaOptions.attention``:
@@ -101,11 +106,15 @@ def available() -> bool:
     return _cudnn.capture_ok() or not _cudnn.capturing()
 
 
-def sdpa(q, kt, v, mask, scale: float):
+def sdpa(q, kt, v, mask, scale: float, *, safe: bool = False, may_empty: bool = True):
     """softmax(q @ kt * scale + mask) @ v through cuDNN for float16 [B, H, L, D] inputs (or ranks the
-    caller's shape checks allowed, as [1, B*H, ...] views), or None where cuDNN does not take it."""
+    caller's shape checks allowed, as [1, B*H, ...] views), or None where cuDNN does not take it.
+    Where the mask may mask out a whole row (``may_empty``), cuDNN is used only if its answer for such
+    a row is the graph's: zeros for a safe softmax (``safe``), NaN otherwise (``empty_row_answer``)."""
     from kiln.runtime.kernels.cuda.attention import _as4, empty_output
     if q.dtype != np.float16 or not available():
+        return None
+    if may_empty and empty_row_answer() != ("zero" if safe else "nan"):
         return None
     batch, lq, lk, dv = q.shape[:-2], q.shape[-2], kt.shape[-1], v.shape[-1]
     q4, qs = _as4(q)
@@ -140,6 +149,37 @@ def sdpa(q, kt, v, mask, scale: float):
     return out
 
 
+_EMPTY_ROW: dict = {}
+
+
+def empty_row_answer() -> str:
+    """What cuDNN's attention gives for a query row whose every key is masked out (-inf bias): "zero",
+    "nan" or "other" (or "error: ..."), probed once on a small problem."""
+    if "answer" not in _EMPTY_ROW:
+        if _cudnn.capturing():
+            return "unknown"  # probed on the next eager call
+        try:
+            rng = np.random.default_rng(0)
+            q = cp.asarray(rng.standard_normal((1, 2, 16, 64)).astype(np.float16))
+            # k as the graph hands it over: a transposed view (cuDNN wants the head dim contiguous)
+            kt = cp.asarray(rng.standard_normal((1, 2, 32, 64)).astype(np.float16)).transpose(0, 1, 3, 2)
+            v = cp.asarray(rng.standard_normal((1, 2, 32, 64)).astype(np.float16))
+            bias = np.zeros((1, 1, 16, 32), np.float16)
+            bias[..., 3, :] = -np.inf
+            out = sdpa(q, kt, v, cp.asarray(bias), 0.125, may_empty=False)
+            if out is None:
+                answer = "error: no engine for the probe"
+            else:
+                row = cp.asnumpy(out)[:, :, 3].astype(np.float32)
+                others = np.delete(cp.asnumpy(out), 3, axis=2).astype(np.float32)
+                answer = ("other" if not np.isfinite(others).all() else "zero" if (row == 0).all()
+                          else "nan" if np.isnan(row).all() else "other")
+        except Exception as e:  # noqa: BLE001
+            answer = f"error: {type(e).__name__}: {e}"
+        _EMPTY_ROW["answer"] = answer
+    return _EMPTY_ROW["answer"]
+
+
 def _unit_stride(dims, i) -> int:
     """A harmless stride for unit dim ``i`` of a row-major ``dims`` (the product of the dims after it)."""
     return int(np.prod(dims[i + 1:]))
@@ -154,4 +194,4 @@ def _build(cudnn, qd, kd, vd, mask_key, od, scale) -> SdpaPlan:
         return SdpaPlan(cudnn, qd, kd, vd, mask_key, od, scale, expand_mask=True)
 
 
-__all__ = ["sdpa", "available", "why_not", "SdpaPlan"]
+__all__ = ["sdpa", "available", "why_not", "empty_row_answer", "SdpaPlan"]
