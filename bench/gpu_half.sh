@@ -2,7 +2,7 @@
 # Issue 18 on the GPU machine: the float16 tests, then bench/gpu_half_bench.py. Carry .whl (kiln's wheels for
 # the machine's Python, nvidia-cudnn-frontend among them). Everything it writes goes to $OUT.
 #   TESTS=1       tests/runtime/test_cuda_half.py (+ the CUDA test modules in TEST_MORE)
-#   MODELS=...    the bench's models (resnet50,bert,gpt2); COMPILE=1 adds torch.compile reduce-overhead;
+#   MODELS=...    the bench's models (resnet50,bert,gpt2); PREC=fp16|bf16; COMPILE=1 adds torch.compile reduce-overhead;
 #                 ATTN=auto,kernel,ops also times kiln fp16 with those attention paths
 #   PROFILE="bert:32 gpt2:16"  bench/gpu_kernel_profile.py per model:batch (CUPTI kernels, kiln vs torch.compile)
 set -uo pipefail
@@ -17,7 +17,7 @@ if [ "${TESTS:-0}" = 1 ]; then
     ${TEST_MORE:-} 2>&1 | tee "$OUT/half_tests.log" | tail -40 || status=1
 fi
 if [ -n "${MODELS:-}" ]; then
-  timeout ${BENCH_S:-400} python3 bench/gpu_half_bench.py --models "$MODELS" ${COMPILE:+--compile} ${TOP1:+--top1 $TOP1} \
+  timeout ${BENCH_S:-400} python3 bench/gpu_half_bench.py --models "$MODELS" --precision ${PREC:-fp16} ${COMPILE:+--compile} ${TOP1:+--top1 $TOP1} \
     ${ATTN:+--attention $ATTN} --deadline ${DEADLINE:-300} --json "$OUT/half_${TAG:-run}.json" 2>&1 | tee "$OUT/half_${TAG:-run}.log" | tail -30 || status=1
 fi
 for mb in ${PROFILE:-}; do

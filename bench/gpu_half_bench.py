@@ -4,9 +4,10 @@ Models built from configs with random weights (as bench/gpu_serve_bench.py build
 (tests/zoo.py, width 64, 3x224x224), transformers BERT-base (seq 128, pooled output) and GPT-2 small
 (seq 128, last hidden state). Per model and batch:
 
-- kiln fp32 and kiln fp16: ``kiln.load(file, device="cuda", precision=...)``, CUDA graphs, device inputs;
-- torch fp16 eager (``model.half()``) and, with ``--compile``, ``torch.compile(mode="reduce-overhead")`` of
-  the half model (each compile only while the ``--deadline`` allows);
+- kiln fp32 and kiln fp16 (or bf16: ``--precision``): ``kiln.load(file, device="cuda", precision=...)``, CUDA
+  graphs, device inputs;
+- torch fp16 eager (``model.half()``; bf16: ``.to(torch.bfloat16)``) and, with ``--compile``,
+  ``torch.compile(mode="reduce-overhead")`` of that model (each compile only while the ``--deadline`` allows);
 - accuracy: max error of kiln fp16 and of torch fp16 against torch fp32 (on the CPU, float64 reference not
   needed: the fp32 model), relative to the output's largest magnitude; kiln's host fallbacks (must be 0).
 
@@ -91,6 +92,8 @@ def main() -> int:
                          "(the issue's ResNet-50 accuracy bound: >= 99%% over 1,000)")
     ap.add_argument("--attention", default="", metavar="MODES",
                     help="also time kiln fp16 with these attention paths (comma list of auto,cudnn,kernel,ops), in the same process")
+    ap.add_argument("--precision", default="fp16", choices=("fp16", "bf16"),
+                    help="kiln's conversion and torch's dtype (model.half() / .to(torch.bfloat16))")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     start = time.monotonic()
@@ -98,6 +101,8 @@ def main() -> int:
     import torch
 
     import kiln
+    P = args.precision
+    TORCH = {"fp16": torch.float16, "bf16": torch.bfloat16}
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     sync = torch.cuda.synchronize
@@ -115,48 +120,48 @@ def main() -> int:
         pool = cp.get_default_memory_pool()
         pool.free_all_blocks()
         base = pool.total_bytes()
-        k16 = kiln.load(path, device="cuda", precision="fp16")
+        k16 = kiln.load(path, device="cuda", precision=P)
         big = BATCHES[name][-1]
         k16.run({in_name: cp.asarray(make(big))})
         cp.cuda.runtime.deviceSynchronize()
         kiln_peak = (pool.total_bytes() - base) / 2**20
         k32 = kiln.load(path, device="cuda")
         modes = [m for m in args.attention.split(",") if m]
-        k16_modes = {m: kiln.load(path, device="cuda", precision="fp16", attention=m) for m in modes}
+        k16_modes = {m: kiln.load(path, device="cuda", precision=P, attention=m) for m in modes}
         refs = {}
         for b in BATCHES[name]:
             x = make(b)
             with torch.inference_mode():
                 refs[b] = model(torch.from_numpy(x)).float().numpy()
-        half = model.half().cuda()
+        half = model.to(TORCH[P]).cuda()
         for b in BATCHES[name]:
             x = make(b)
             xd = cp.asarray(x)
             xt = torch.from_numpy(x).cuda()
             if xt.is_floating_point():
-                xt = xt.half()
+                xt = xt.to(TORCH[P])
             feed = {in_name: xd}
             row = {"model": name, "batch": b}
             got16 = cp.asnumpy(next(iter(k16.run(feed).values())))
-            row["kiln_fp16_err"] = rel(got16, refs[b])
-            row["kiln_fp16_fallbacks"] = dict(k16.fallback_ops)
+            row[f"kiln_{P}_err"] = rel(got16, refs[b])
+            row[f"kiln_{P}_fallbacks"] = dict(k16.fallback_ops)
             with torch.inference_mode():
                 th = half(xt).float().cpu().numpy()
-            row["torch_fp16_err"] = rel(th, refs[b])
+            row[f"torch_{P}_err"] = rel(th, refs[b])
             row["kiln_fp32_ms"] = timed(lambda: k32.run(feed), cp.cuda.runtime.deviceSynchronize)
-            row["kiln_fp16_ms"] = timed(lambda: k16.run(feed), cp.cuda.runtime.deviceSynchronize)
-            row["kiln_fp16_attention_paths"] = k16.attention_paths
+            row[f"kiln_{P}_ms"] = timed(lambda: k16.run(feed), cp.cuda.runtime.deviceSynchronize)
+            row[f"kiln_{P}_attention_paths"] = k16.attention_paths
             for m, km in k16_modes.items():
-                row[f"kiln_fp16_ms_attention_{m}"] = timed(lambda: km.run(feed), cp.cuda.runtime.deviceSynchronize)
+                row[f"kiln_{P}_ms_attention_{m}"] = timed(lambda: km.run(feed), cp.cuda.runtime.deviceSynchronize)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             with torch.inference_mode():
                 half(xt)
                 torch.cuda.synchronize()
-                row["torch_fp16_eager_ms"] = timed(lambda: half(xt), sync)
+                row[f"torch_{P}_eager_ms"] = timed(lambda: half(xt), sync)
             if b == big:  # torch's weights and activations at this batch (max allocated), against kiln's pool
-                row["torch_fp16_eager_peak_MiB"] = torch.cuda.max_memory_allocated() / 2**20
-                row["kiln_fp16_peak_MiB"] = kiln_peak
+                row[f"torch_{P}_eager_peak_MiB"] = torch.cuda.max_memory_allocated() / 2**20
+                row[f"kiln_{P}_peak_MiB"] = kiln_peak
             if args.compile and time.monotonic() - start < args.deadline:
                 try:
                     cf = torch.compile(half, mode="reduce-overhead", dynamic=False)
@@ -165,10 +170,10 @@ def main() -> int:
                         cf(xt)
                         sync()
                         row["torch_compile_s"] = time.perf_counter() - t
-                        row["torch_fp16_compile_ms"] = timed(lambda: cf(xt), sync)
+                        row[f"torch_{P}_compile_ms"] = timed(lambda: cf(xt), sync)
                     torch._dynamo.reset()
                 except Exception as e:  # noqa: BLE001 - a compile failure is a result
-                    row["torch_fp16_compile_ms"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    row[f"torch_{P}_compile_ms"] = f"{type(e).__name__}: {str(e)[:200]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
         if args.top1:
@@ -189,24 +194,25 @@ def main() -> int:
         torch.cuda.empty_cache()
         cp.get_default_memory_pool().free_all_blocks()
     print()
-    print("| model | batch | kiln fp32 ms | kiln fp16 ms | torch fp16 eager ms | torch.compile fp16 ms | "
-          "kiln fp16 / compile | kiln fp16 err | torch fp16 err |")
+    print(f"| model | batch | kiln fp32 ms | kiln {P} ms | torch {P} eager ms | torch.compile {P} ms | "
+          f"kiln {P} / compile | kiln {P} err | torch {P} err |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "top1" in r:
             continue
-        c = r.get("torch_fp16_compile_ms")
-        ratio = f"{r['kiln_fp16_ms'] / c:.2f}" if isinstance(c, float) else "-"
+        c = r.get(f"torch_{P}_compile_ms")
+        ratio = f"{r[f'kiln_{P}_ms'] / c:.2f}" if isinstance(c, float) else "-"
         cs = f"{c:.3f}" if isinstance(c, float) else (c or "-")
-        print(f"| {r['model']} | {r['batch']} | {r['kiln_fp32_ms']:.3f} | {r['kiln_fp16_ms']:.3f} | "
-              f"{r['torch_fp16_eager_ms']:.3f} | {cs} | {ratio} | {r['kiln_fp16_err']:.1e} | {r['torch_fp16_err']:.1e} |")
-    mem = [r for r in rows if "kiln_fp16_peak_MiB" in r]
+        print(f"| {r['model']} | {r['batch']} | {r['kiln_fp32_ms']:.3f} | {r[f'kiln_{P}_ms']:.3f} | "
+              f"{r[f'torch_{P}_eager_ms']:.3f} | {cs} | {ratio} | {r[f'kiln_{P}_err']:.1e} | {r[f'torch_{P}_err']:.1e} |")
+    mem = [r for r in rows if f"kiln_{P}_peak_MiB" in r]
     if mem:
-        print("\n| model | batch | kiln fp16 peak MiB | torch fp16 eager peak MiB |\n|---|---:|---:|---:|")
+        print(f"\n| model | batch | kiln {P} peak MiB | torch {P} eager peak MiB |\n|---|---:|---:|---:|")
         for r in mem:
-            print(f"| {r['model']} | {r['batch']} | {r['kiln_fp16_peak_MiB']:.0f} | {r['torch_fp16_eager_peak_MiB']:.0f} |")
+            print(f"| {r['model']} | {r['batch']} | {r[f'kiln_{P}_peak_MiB']:.0f} | {r[f'torch_{P}_eager_peak_MiB']:.0f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                               "precision": P,
                                                "rows": rows}, indent=1))
     return 0
 

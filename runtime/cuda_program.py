@@ -68,15 +68,24 @@ import cupy as cp
 import numpy as np
 
 from kiln.errors import KilnError
+from kiln.ir.dtypes import DType
 from kiln.ir.graph import Graph, Node, Value
 from kiln.runtime.kernels import cpu, cuda
 from kiln.runtime.cuda_options import CudaOptions, set_process_tf32
+from kiln.runtime.kernels.cuda.codegen import EXPRESSIONS
 from kiln.runtime.kernels.cuda.elementwise import host_fallback
 from kiln.runtime.plan import Plan, PlanBuilder, execute
 from kiln.runtime.program import TensorSpec, _execution_error, check_inputs
 
 # Values of at most this many elements may live on the host (shape arithmetic, small constants).
 SMALL = 64
+# Ops that run bfloat16 (uint16 words on the device) correctly: generated elementwise kernels (every op
+# codegen has an expression for, Cast included), the GEMMs and their epilogues, the row kernels, attention,
+# and ops that only move 16-bit words (no value is read as a number). Checked at load: _check_bfloat16.
+BF16_OPS = frozenset({"MatMul", "Gemm", "FusedElementwise", "FusedEpilogue", "FusedAttention", "LayerNormalization",
+                      "Softmax", "LogSoftmax", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity",
+                      "Split", "Concat", "Slice", "Gather", "Expand", "Tile", "Shape", "Size"}) \
+    | frozenset(EXPRESSIONS)
 MAX_GRAPHS = 8
 GRAPH_MIN_INSTRUCTIONS = 4  # cuda_graphs="auto" captures plans of at least this many instructions
 OUTPUTS = ("cupy", "numpy")
@@ -130,11 +139,15 @@ class CudaProgram:
         self.fused_groups = 0
         self.fused_epilogues = 0
         self.fused_attention = 0
+        self._has_bf16 = any(v.type is not None and v.type.dtype is DType.BFLOAT16
+                             for g in graph.all_graphs() for v in g.values())
         if fuse:
             from kiln.ir.passes.fuse import fuse_attention, fuse_elementwise, fuse_epilogues
             self.fused_attention = fuse_attention(graph)
             self.fused_groups = fuse_elementwise(graph)
-            self.fused_epilogues = fuse_epilogues(graph)
+            # bfloat16: only GEMM epilogues have bfloat16 kernels (a convolution runs through float32)
+            self.fused_epilogues = fuse_epilogues(graph, anchors=("MatMul", "Gemm")) if self._has_bf16 \
+                else fuse_epilogues(graph)
         self.graph = graph
         self._host: set = set()          # values placed on the host
         self._host_nodes: list = []      # nodes run on the host by design (shape arithmetic)
@@ -144,6 +157,7 @@ class CudaProgram:
         self._guard_slot = len(builder.template)
         builder.template.append(None)
         self.plan: Plan = builder.build(graph, inplace=False)
+        self._check_bfloat16()
         self._template = self._upload_constants(builder)
         self.inputs = [TensorSpec(v.name, v.type) for v in graph.inputs]
         self.outputs = [TensorSpec(v.name, v.type) for v in graph.outputs]
@@ -180,6 +194,8 @@ class CudaProgram:
             self._kernels.append((node, k))
             return k
         k = cuda.choose(node, attrs, self.options)
+        if self._has_bf16 and _touches_bf16(node) and (k is None or node.op not in BF16_OPS):
+            k = _via_float32(node, attrs, self.options) or k
         if k is None:
             k = host_fallback(cpu.choose(node, attrs))
         elif node.op in ("Shape", "Size") and node.domain == "":
@@ -188,6 +204,39 @@ class CudaProgram:
         k = self._adapt(node, k)
         self._kernels.append((node, k))
         return k
+
+    def _check_bfloat16(self) -> None:
+        """bfloat16 lives on the device as uint16 words (CuPy has no bfloat16): only kernels written for it
+        may touch it, or a CuPy op would compute on the words and answer wrong without a sound. Every node
+        reading or writing bfloat16 must be one of ``BF16_OPS`` with a native kernel (a FusedEpilogue only
+        around a MatMul/Gemm); anything else refuses the load, naming the ops (issue 18)."""
+        def bf16(v) -> bool:
+            return v is not None and v.type is not None and v.type.dtype is DType.BFLOAT16
+        if not any(bf16(v) for g in self.graph.all_graphs() for v in g.values()):
+            return
+        bad: dict = {}
+        io = [v.name for v in list(self.graph.inputs) + list(self.graph.outputs) if bf16(v)]
+        if io:
+            raise KilnError(f"bfloat16 at the model's interface ({', '.join(io)}) is not taken on the GPU yet: convert "
+                            "without half_io (float32 inputs and outputs, bfloat16 inside)")
+        host = set(map(id, self._host_nodes))
+        for node, k in self._kernels:
+            if not (any(bf16(v) for v in node.inputs) or any(bf16(v) for v in node.outputs)):
+                continue
+            op = node.qualified_op
+            why = None
+            if id(node) in host or _is_fallback(k):
+                why = "runs on the host"
+            elif node.op not in BF16_OPS and op not in BF16_OPS and not _find_attr(k, "via_float32"):
+                why = "has no bfloat16 kernel"
+            elif op == "kiln.FusedEpilogue" and node.attrs["body"].nodes[0].op not in ("MatMul", "Gemm"):
+                why = f"has a {node.attrs['body'].nodes[0].op} anchor (only MatMul/Gemm epilogues take bfloat16)"
+            if why:
+                bad.setdefault(f"{op} ({why})", []).append(node.name)
+        if bad:
+            listed = "; ".join(f"{k}: {', '.join(v[:3])}{' ...' if len(v) > 3 else ''}" for k, v in sorted(bad.items()))
+            raise KilnError(f"this bfloat16 model uses ops the GPU backend does not run in bfloat16 yet: {listed}. "
+                            "Convert it with precision='fp16' for the GPU, or run it on the CPU")
 
     def _on_host(self, node: Node) -> bool:
         """Shape arithmetic: every input a host value or a small constant, every output small."""
@@ -209,7 +258,7 @@ class CudaProgram:
             if v is None or i in host_pos:
                 continue
             if v.const is not None and v.const.size <= SMALL:
-                fixed[i] = cp.asarray(v.const)
+                fixed[i] = cuda.device_array(v.const)
             elif v in self._host or (v.producer is None and v.graph is not self.graph) or \
                     (v.producer is not None and v.producer.domain == "" and v.producer.op in ("If", "Loop")):
                 dynamic.append(i)
@@ -239,7 +288,7 @@ class CudaProgram:
                                        if s in skip and v.const.size > SMALL]
         for i, c in enumerate(template):
             if isinstance(c, np.ndarray) and c.size > SMALL and i not in skip:
-                template[i] = cp.asarray(c)
+                template[i] = cuda.device_array(c)
         return template
 
     def _constants_read(self) -> set:
@@ -300,6 +349,16 @@ class CudaProgram:
             paths = _find_attr(k, "attention_paths")
             for p, n in (paths or {}).items():
                 counts[p] += n
+        return counts
+
+    @property
+    def bf16_via_float32(self) -> dict:
+        """``{op: nodes}`` of bfloat16 nodes run by their float32 kernel between conversions (no bfloat16
+        kernel of their own yet): correct, slower than native."""
+        counts: dict = {}
+        for node, k in self._kernels:
+            if _find_attr(k, "via_float32"):
+                counts[node.qualified_op] = counts.get(node.qualified_op, 0) + 1
         return counts
 
     @property
@@ -513,6 +572,84 @@ def _strategy(k) -> str:
             return s
         k = getattr(k, "inner", None)
     return "?"
+
+
+def _touches_bf16(node: Node) -> bool:
+    return any(v is not None and v.type is not None and v.type.dtype is DType.BFLOAT16
+               for v in list(node.inputs) + list(node.outputs))
+
+
+_BF16_KERNELS: dict = {}
+
+
+def _bf16_converters():
+    """CuPy kernels between bfloat16 words (uint16) and float32: a shift up; round to nearest even down."""
+    if not _BF16_KERNELS:
+        _BF16_KERNELS["up"] = cp.ElementwiseKernel("uint16 h", "float32 f", "f = __uint_as_float(((unsigned int)h) << 16)",
+                                                   "kiln_bf16_to_f32")
+        _BF16_KERNELS["down"] = cp.ElementwiseKernel(
+            "float32 f", "uint16 h",
+            "unsigned int u = __float_as_uint(f); "
+            "h = ((u & 0x7fffffffu) > 0x7f800000u) ? (unsigned short)((u >> 16) | 0x40u) "
+            ": (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)", "kiln_f32_to_bf16")
+    return _BF16_KERNELS["up"], _BF16_KERNELS["down"]
+
+
+def _via_float32(node: Node, attrs: dict, options) -> Optional[Any]:
+    """A node that touches bfloat16 but has no bfloat16 kernel (a ReduceMax, a convolution, a pool): its
+    float32 CUDA kernel, on inputs widened from bfloat16 and outputs rounded back to it (each exactly what a
+    Cast gives). Correct, at the cost of two conversions; None when float32 has no CUDA kernel either. Chosen
+    on a detached copy of the node whose bfloat16 values are float32 (constants converted, as attributes)."""
+    f32 = DType.FLOAT32
+
+    def widen(v):
+        if v is None:
+            return None
+        t = v.type
+        w = Value(v.name, t.with_dtype(f32) if t is not None and t.dtype is DType.BFLOAT16 else t, v.graph)
+        if v.const is not None:
+            w.const = v.const.astype(np.float32) if cuda.is_bf16(v.const.dtype) else v.const
+        return w
+
+    shadow = Node(node.graph, node.op, node.domain, node.name, node.attrs)
+    shadow.meta = node.meta
+    shadow._inputs = tuple(widen(v) for v in node.inputs)
+    shadow.outputs = [widen(v) for v in node.outputs]
+    attrs32 = {k: (a.astype(np.float32) if isinstance(a, np.ndarray) and cuda.is_bf16(a.dtype) else a)
+               for k, a in attrs.items()}
+    k = cuda.choose(shadow, attrs32, options)
+    if k is None:
+        return None
+    host_pos = set(cuda.host_inputs(node))
+    ins = [i for i, v in enumerate(node.inputs) if v is not None and i not in host_pos and v.type is not None
+           and v.type.dtype is DType.BFLOAT16]
+    outs = [i for i, v in enumerate(node.outputs) if v.type is not None and v.type.dtype is DType.BFLOAT16]
+    up, down = _bf16_converters()
+    single = len(node.outputs) == 1
+    ignored = set(getattr(k, "ignores", ()) or ())
+    ins = [i for i in ins if i not in ignored]  # the float32 kernel keeps its own copy of those constants
+    # bfloat16 constants read from their slot: widened once, here (a capture may not copy from the host)
+    fixed = {i: cp.asarray(node.inputs[i].const.astype(np.float32)) for i in ins if node.inputs[i].const is not None}
+
+    def run(*args):
+        args = list(args)
+        for i in ins:
+            a = args[i]
+            if i in fixed:
+                args[i] = fixed[i]
+            elif isinstance(a, np.ndarray):  # a host value (not a constant): widened and uploaded
+                args[i] = cp.asarray(a.astype(np.float32))
+            elif a is not None:
+                args[i] = up(a)
+        res = k(*args)
+        res = [res] if single else list(res)
+        for i in outs:
+            res[i] = down(res[i])
+        return res[0] if single else tuple(res)
+    run.via_float32 = True
+    run.inner = k
+    run.ignores = tuple(sorted(ignored | set(fixed)))
+    return run
 
 
 def _is_fallback(k) -> bool:

@@ -13,7 +13,6 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from kiln.errors import ExecutionError, InputError, KilnError, ResourceError, VerifyError
-from kiln.ir.dtypes import DType
 from kiln.ir.graph import Graph, Node
 from kiln.ir.types import TensorType
 from kiln.runtime.allocator import tune_allocator
@@ -376,9 +375,6 @@ def _load(model, device: str, *, optimize: bool, backend: str, threads: Optional
     if not cuda:
         from kiln.ir.passes.precision import upcast_to_float32
         upcast_to_float32(graph)  # a half model computes in float32 on the CPU (see load's docstring)
-    elif any(v.dtype is DType.BFLOAT16 for g in graph.all_graphs() for v in g.values()):
-        raise KilnError("this model has bfloat16 tensors, which kiln's GPU backend does not run yet (CuPy has no "
-                        "bfloat16 arrays): convert it with precision='fp16' for the GPU, or run it on the CPU")
     if optimize:
         from kiln.ir.passes import optimize as run_optimize
         run_optimize(graph)

@@ -303,8 +303,6 @@ def deploy_kserve(path, output, *, name: Optional[str] = None, storage_uri: Opti
         name = _service_name(entries[0].name if src.is_file() else src.resolve().name)
     if namespace is not None and not _DNS.match(namespace):
         raise KilnError(f"--namespace {namespace!r} is not a valid Kubernetes namespace")
-    if precision == "bf16" and gpu:
-        raise KilnError("--precision bf16 runs on the CPU only for now; use fp16 with --gpu")
     existing = [f for f in FILES if (out / f).exists()]
     if existing and not force:
         raise KilnError(f"{out} already has {', '.join(existing)}; give --force to overwrite")

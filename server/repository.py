@@ -224,9 +224,6 @@ class ModelConfig:
         if self.precision not in (None, "fp32") and self.backend != "kiln":
             raise KilnError(f"{source}: precision {self.precision!r} is kiln's own conversion; backend "
                             f"{self.backend!r} runs the file as it is (convert it first: kiln convert --precision)")
-        if self.precision == "bf16" and self.device != "cpu":
-            raise KilnError(f"{source}: precision 'bf16' runs on the CPU only for now (kiln's GPU backend has no "
-                            "bfloat16 yet); use 'fp16' on a GPU")
 
     @property
     def uses_buckets(self) -> bool:

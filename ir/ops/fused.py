@@ -312,7 +312,8 @@ def _safe_tail(tail: list, softmax, broken) -> set:
     def const(v, want) -> bool:
         g = v.graph if v is not None else None
         return (v is not None and g is not None and g.initializers.get(v.name) is v and v.const is not None
-                and v.const.size == 1 and np.issubdtype(v.const.dtype, np.floating) and bool(want(v.const).all()))
+                and v.const.size == 1 and (np.issubdtype(v.const.dtype, np.floating) or v.const.dtype.name == "bfloat16")
+                and bool(want(v.const.astype(np.float32)).all()))
 
     used = set()
     if not reducemax.inputs or reducemax.inputs[0] is not s:

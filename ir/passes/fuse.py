@@ -554,7 +554,12 @@ def _link(value: Optional[Value], reader: Node, graph: Graph, outputs: set, ops:
 def _neg_inf(value: Optional[Value]) -> bool:
     """Whether ``value`` is a one-element float constant holding -inf."""
     return (value is not None and value.const is not None and value.const.size == 1
-            and np.issubdtype(value.const.dtype, np.floating) and bool(np.isneginf(value.const).all()))
+            and _float_array(value.const) and bool(np.isneginf(value.const.astype(np.float32)).all()))
+
+
+def _float_array(a: np.ndarray) -> bool:
+    """numpy floats, and bfloat16 (ml_dtypes' is no np.floating subtype)."""
+    return np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16"
 
 
 # --------------------------------------------------------------------------- analysis helpers

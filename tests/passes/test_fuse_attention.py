@@ -184,6 +184,22 @@ def test_safe_softmax_fuses_and_keeps_zeros_for_fully_masked_rows(check_pass):
     np.testing.assert_allclose(kiln.load(g).run(feeds, as_list=True)[0], want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_safe_softmax_fuses_after_a_half_conversion(precision):
+    """The -inf and 0 of the mask and the safe softmax are half constants after kiln's conversion (bfloat16's
+    from ml_dtypes, no np.floating subtype): the chain is still recognized."""
+    pytest.importorskip("ml_dtypes")
+    from kiln.ir.passes.precision import convert_precision
+    g = Graph("sdpa_half")
+    q, kt, v = qkv(g, seq=5)
+    cond = g.add_input("cond", "bool", ("batch", 1, 5, 5))
+    g.outputs = [g.op("Relu", _safe_softmax_chain(g, q, kt, v, cond))]
+    convert_precision(g, precision)
+    assert fuse_attention(g) == 1
+    (node,) = attention_nodes(g)
+    assert attention_parts(node.attrs["body"])["safe"]
+
+
 def test_safe_softmax_variants_left_alone(check_pass):
     """A tail that is not exactly the safe softmax (ReduceMax over another axis, Where's fill not 0)."""
     for axis, fill in ((2, 0.0), (-1, 1.0)):

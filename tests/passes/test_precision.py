@@ -198,16 +198,6 @@ def test_zoo_models_convert_save_load_and_answer_close_to_torch(zoo, name, preci
         assert err <= tol, (name, precision, err)
 
 
-def test_bfloat16_on_the_gpu_is_refused_with_the_way_out(tmp_path):
-    g = mlp_graph()
-    convert_precision(g, "bf16")
-    path = kiln.save(g, tmp_path / "bf16.kiln")
-    with pytest.raises(KilnError, match="bfloat16 tensors, which kiln's GPU backend does not run yet"):
-        kiln.load(path, device="cuda")
-    with pytest.raises(KilnError, match="precision='fp16' for the GPU"):
-        kiln.load(MLP, device="cuda", precision="bf16")
-
-
 def test_a_converted_model_is_not_converted_again():
     g = mlp_graph()
     convert_precision(g, "fp16")

@@ -365,3 +365,118 @@ def test_row_kernels_read_16_byte_vectors_in_half(kind, d, vector):
         want = e / e.sum(-1, keepdims=True)
     assert rowwise.LAUNCHES["vector"] == before["vector"] + int(vector)
     np.testing.assert_allclose(cp.asnumpy(got).astype(np.float64), want, rtol=1e-2, atol=1e-2 if kind == "LayerNorm" else 1e-3)
+
+
+# ----------------------------------------------------------------------------------------------- bfloat16
+
+def _bf16():
+    return pytest.importorskip("ml_dtypes").bfloat16
+
+
+@pytest.mark.parametrize("name", ["transformer_encoder", "gpt", "hf_bert", "hf_gpt2"])
+def test_zoo_transformers_in_bf16_on_the_gpu_close_to_torch(zoo, name, tmp_path):
+    """bfloat16 end to end on the GPU (uint16 words on the device): no host fallback, no op refused, and within
+    2x torch's own bfloat16 error against float32."""
+    import torch
+    _bf16()
+    entry = zoo.by_name(name)
+    if entry.needs:
+        pytest.importorskip(entry.needs)
+    model, inputs, spec = entry.factory()
+    path = kiln.save(kiln.trace(model, inputs, dynamic=spec), tmp_path / "m.kiln")
+    names, tensors = zoo.input_list(model, inputs)
+    feeds = dict(zip(names, [t.numpy() for t in tensors]))
+    p = kiln.load(path, device="cuda", output="numpy", precision="bf16")
+    got = list(p.run(feeds).values())
+    assert p.fallback_ops == {}, f"{name} fell back to the host: {p.fallback_ops}"
+    with torch.inference_mode():
+        want = model(*tensors)
+        low = model.to(torch.bfloat16).cuda()(*[t.cuda() if t.is_floating_point() is False else
+                                                t.to(torch.bfloat16).cuda() for t in tensors])
+    want, low = _flat(want), _flat(low)
+    for w, o, h in zip(want, got, low):
+        w = w.float().numpy()
+        scale = max(float(np.abs(w).max()), 1e-3)
+        err = float(np.abs(o.astype(np.float64) - w).max()) / scale
+        torch_err = float(np.abs(h.float().cpu().numpy() - w).max()) / scale
+        assert err <= max(2 * torch_err, 2e-2), (name, err, torch_err)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_bf16_ops_without_a_bf16_kernel_run_through_float32(graphs):
+    """A convolution, a pool and a reduction have no bfloat16 kernels yet: they run their float32 kernels between
+    exact conversions (reported by ``bf16_via_float32``), natively on the device, never on bfloat16's words."""
+    _bf16()
+    g = Graph("conv")
+    x = g.add_input("x", "float32", ("n", 4, 8, 8))
+    w = g.add_initializer("w", (_rng(90).standard_normal((4, 4, 3, 3)) / 6).astype(np.float32))
+    y = g.op("MaxPool", g.op("Relu", g.op("Conv", x, w, pads=[1, 1, 1, 1])), kernel_shape=[2, 2], strides=[2, 2])
+    g.outputs = [g.op("ReduceMax", y, g.add_initializer("axes", np.array([-1], np.int64)), keepdims=1, name="y")]
+    feeds = {"x": _rng(91).standard_normal((2, 4, 8, 8)).astype(np.float32)}
+    want = kiln.load(g.copy()).run(feeds)["y"]
+    h = g.copy()
+    convert_precision(h, "bf16")
+    p = kiln.load(h, device="cuda", output="numpy", cuda_graphs=graphs)
+    for _ in range(2):
+        got = p.run(feeds)["y"]
+        np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2)
+    assert p.fallback_ops == {} and {"Conv", "MaxPool", "ReduceMax"} <= set(p.bf16_via_float32), p.bf16_via_float32
+    if graphs:
+        assert p.graph_failures == {}
+
+
+def test_bf16_interface_is_refused_on_the_gpu():
+    from kiln.errors import KilnError
+    _bf16()
+    g = Graph("io")
+    x = g.add_input("x", "float32", ("n", 8))
+    g.outputs = [g.op("Relu", x, name="y")]
+    convert_precision(g, "bf16", io="half")
+    with pytest.raises(KilnError, match="bfloat16 at the model's interface"):
+        kiln.load(g, device="cuda")
+
+
+def test_bf16_kernels_against_float64():
+    """The bfloat16 kernels one by one (uint16 words on the device): a GEMM on tensor cores, a cublasLt bias +
+    residual, the row kernels, an elementwise chain on the 8-wide path, cuDNN attention; each within bfloat16's
+    rounding of a float64 reference."""
+    from kiln.runtime.kernels.cuda import codegen, linalg, rowwise
+    from kiln.runtime.kernels.cuda.attention import attention_path
+    bf = _bf16()
+    rng = _rng(91)
+
+    def dev(a):
+        return cp.asarray(np.asarray(a, np.float32).astype(bf).view(np.uint16))
+
+    def back(d):
+        return cp.asnumpy(d).view(bf).astype(np.float64)
+
+    def rounded(a):
+        return np.asarray(a, np.float32).astype(bf).astype(np.float64)
+
+    a, b, r, bias = (rng.standard_normal(s).astype(np.float32) for s in ((64, 96), (96, 48), (64, 48), (48,)))
+    want = rounded(a) @ rounded(b)
+    np.testing.assert_allclose(back(linalg.cublas_matmul(dev(a), dev(b))), want, rtol=2e-2, atol=5e-2)
+    got = linalg.LtBias(dev(bias))(dev(a), dev(b), dev(r))
+    np.testing.assert_allclose(back(got), want + rounded(bias) + rounded(r), rtol=2e-2, atol=6e-2)
+    x = (rng.standard_normal((37, 768)) * 3).astype(np.float32)
+    s, t = rng.standard_normal(768).astype(np.float32), rng.standard_normal(768).astype(np.float32)
+    xr = rounded(x)
+    ln = (xr - xr.mean(-1, keepdims=True)) / np.sqrt(xr.var(-1, keepdims=True) + 1e-5) * rounded(s) + rounded(t)
+    np.testing.assert_allclose(back(rowwise.layer_norm(dev(x), dev(s), dev(t), 1, 1e-5)), ln, rtol=2e-2, atol=3e-2)
+    e = np.exp(xr - xr.max(-1, keepdims=True))
+    np.testing.assert_allclose(back(rowwise.softmax_last(dev(x))), e / e.sum(-1, keepdims=True), rtol=2e-2, atol=2e-3)
+    g = Graph("ew")
+    u = g.add_input("u", "bfloat16", (4096,))
+    g.outputs = [g.op("Tanh", g.op("Mul", u, g.add_initializer("k", np.array(0.5, bf))))]
+    k = codegen.ElementwiseKernel(codegen.body_from_graph(g))
+    uu = rng.standard_normal(4096).astype(np.float32)
+    (out,) = k(dev(uu))
+    assert out.dtype == cp.uint16 and k.vector_launches == 1
+    np.testing.assert_allclose(back(out), np.tanh(rounded(uu) * 0.5), rtol=1e-2, atol=1e-2)
+    q, kk, v = (rng.standard_normal((2, 4, 64, 64)).astype(np.float32) for _ in range(3))
+    kt = dev(kk).transpose(0, 1, 3, 2)
+    o, path = attention_path(dev(q), kt, dev(v), None, 0.125, "cudnn", may_empty=False)
+    assert path in ("cudnn", "kernel") and o.dtype == cp.uint16
+    want = _attention_ref(rounded(q), rounded(kk).transpose(0, 1, 3, 2), rounded(v), None, 0.125)
+    np.testing.assert_allclose(back(o), want, rtol=3e-2, atol=2e-2)

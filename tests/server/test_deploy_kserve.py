@@ -64,8 +64,7 @@ def test_refusals(tmp_path, capsys):
         deploy_kserve(MLP, out, name="m")
     deploy_kserve(MLP, out, name="m", force=True)
     for kwargs, message in [({"name": "bad name!"}, "not a valid InferenceService name"),
-                            ({"name": "m", "namespace": "Bad_NS"}, "not a valid Kubernetes namespace"),
-                            ({"name": "m", "gpu": True, "precision": "bf16"}, "bf16 runs on the CPU only")]:
+                            ({"name": "m", "namespace": "Bad_NS"}, "not a valid Kubernetes namespace")]:
         with pytest.raises(Exception, match=message):
             deploy_kserve(MLP, tmp_path / "x", **kwargs)
     assert main(["deploy", "kserve", str(tmp_path / "missing.kiln"), "-o", str(tmp_path / "y")]) == 1

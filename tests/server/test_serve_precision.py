@@ -20,7 +20,6 @@ MLP = Path(__file__).resolve().parents[1] / "fixtures" / "mlp_runtime.kiln"
 @pytest.mark.parametrize("data, message", [
     ({"precision": "fp8"}, "must be \"fp32\", \"fp16\" or \"bf16\""),
     ({"precision": "fp16", "backend": "onnxruntime"}, "kiln's own conversion"),
-    ({"precision": "bf16", "device": "cuda"}, "runs on the CPU only for now"),
 ])
 def test_precision_config_errors(data, message):
     with pytest.raises(KilnError, match=message):

@@ -131,6 +131,32 @@ def in_dtype(node: Node, i: int = 0) -> Optional[np.dtype]:
 
 
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+U16 = np.dtype(np.uint16)
+
+
+def is_bf16(dt) -> bool:
+    """Whether ``dt`` is bfloat16 (ml_dtypes'), which lives on the device as uint16 words (issue 18)."""
+    return dt is not None and np.dtype(dt).name == "bfloat16"
+
+
+def device_array(a):
+    """A host array (a constant, a feed) on the device: bfloat16, which CuPy lacks, as its uint16 words.
+    Kernels that take bfloat16 know it from the graph's types; float-only kernels read uint16 arrays as
+    bfloat16 (their factories admit a node only for float types, and no float op has uint16 operands)."""
+    import cupy as cp
+    a = np.asarray(a)
+    if is_bf16(a.dtype):
+        a = a.view(U16)
+    return cp.asarray(a)
+
+
+def host_array(a, dt=None):
+    """A device array back on the host, as the graph's ``dt`` (uint16 words of a bfloat16 value become
+    ml_dtypes bfloat16)."""
+    h = a.get() if hasattr(a, "get") else np.asarray(a)
+    if dt is not None and is_bf16(dt) and h.dtype == U16:
+        h = h.view(np.dtype(dt))
+    return h
 
 
 def ignored_inputs(k) -> tuple:

@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional
 import cupy as cp
 import numpy as np
 
+from kiln.errors import KilnError
 from kiln.runtime.cuda_options import ATTENTION_DEFAULT
 from kiln.runtime.kernels.cuda import kernel, options
 
@@ -216,6 +217,19 @@ __device__ __forceinline__ unsigned short ST(float f) { unsigned short h; asm("{
 """}
 
 
+# bfloat16 (uint16 words on the device: a float-only kernel reads uint16 as bfloat16): loaded by a shift,
+# stored rounded to nearest even.
+_IO[np.dtype(np.uint16)] = r"""#define IN unsigned short
+__device__ __forceinline__ float LD(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
+__device__ __forceinline__ unsigned short ST(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+"""
+
+
 def _kernel(dtype=np.float32):
     dtype = np.dtype(dtype)
     k = _KERNEL.get(("k", dtype))
@@ -260,7 +274,7 @@ def attention_path(q, kt, v, mask, scale: float, mode: Optional[str] = None, *, 
     batch = q.shape[:-2]
     if kt.shape[:-2] != batch or v.shape[:-2] != batch or kt.shape[-2] != d or v.shape[-2] != lk:
         return None, None
-    if mode in ("auto", "cudnn") and q.dtype == np.float16 and d > 0 and lk > 0 and math.prod(batch) * lq * dv > 0:
+    if mode in ("auto", "cudnn") and q.dtype in (np.float16, np.uint16) and d > 0 and lk > 0 and math.prod(batch) * lq * dv > 0:
         from kiln.runtime.kernels.cuda.sdpa import sdpa
         out = sdpa(q, kt, v, mask, scale, safe=safe, may_empty=may_empty and mask is not None)
         if out is not None:
@@ -323,8 +337,16 @@ def fused_attention(node, attrs) -> Optional[Callable[..., Any]]:
     paths = {"cudnn": 0, "kernel": 0, "ops": 0}
 
     def run(q, kt, v, mask=None):
-        out, path = (None, None) if mode == "ops" else attention_path(q, kt, v, mask if has_mask else None, scale, mode,
-                                                                     safe=safe, may_empty=may_empty)
+        bf16 = q.dtype == np.uint16  # bfloat16 words: the body's ops node by node would compute on the words
+        m = mask if has_mask else None
+        out, path = (None, None) if mode == "ops" and not bf16 else attention_path(
+            q, kt, v, m, scale, "cudnn" if bf16 and mode in ("auto", "ops") else mode, safe=safe, may_empty=may_empty)
+        if out is None and bf16:  # kiln's kernel whatever the grid size
+            out, path = attention_path(q, kt, v, m, scale, "kernel", safe=safe, may_empty=may_empty)
+        if out is None and bf16:
+            raise KilnError(f"bfloat16 attention of q {q.shape}, kt {kt.shape}, v {v.shape}: neither cuDNN nor kiln's kernel "
+                            "takes it (head dim over 64 without cuDNN?), and the op-by-op path does not read "
+                            "bfloat16: convert the model with precision='fp16'")
         if out is None:
             paths["ops"] += 1
             return by_nodes(*((q, kt, v, mask) if has_mask else (q, kt, v)))

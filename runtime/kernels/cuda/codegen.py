@@ -59,6 +59,36 @@ HALF = {np.dtype(np.float16): ("kiln_h2f", "kiln_f2h")}
 CTYPES[np.dtype(np.float16)] = "unsigned short"
 
 
+def _bfloat16() -> Optional[np.dtype]:
+    try:
+        import ml_dtypes  # noqa: PLC0415 - optional: bfloat16 arrays on the host
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+# bfloat16 (issue 18): the same scheme. CuPy has no bfloat16 arrays, so on the device a bfloat16 tensor is
+# its 16-bit words in a uint16 array (runtime/kernels/cuda/__init__.py, ``storage_dtype``); the body's
+# dtypes (the graph's) say how to read them. Loaded by a shift into the high half of a float, stored with
+# PTX's round-to-nearest-even cvt.rn.bf16.f32 (sm_80+).
+BF16 = _bfloat16()
+if BF16 is not None:
+    HALF[BF16] = ("kiln_bf2f", "kiln_f2bf")
+    CTYPES[BF16] = "unsigned short"
+
+
+def kind(dt: Any) -> str:
+    """numpy's dtype kind, with bfloat16 (ml_dtypes' kind 'V') a float."""
+    dt = np.dtype(dt)
+    return "f" if BF16 is not None and dt == BF16 else dt.kind
+
+
+def storage_dtype(dt: Any) -> np.dtype:
+    """The dtype of the device array holding a value of ``dt`` (bfloat16: uint16 words)."""
+    dt = np.dtype(dt)
+    return np.dtype(np.uint16) if BF16 is not None and dt == BF16 else dt
+
+
 def supported_dtype(dt: Any) -> bool:
     return np.dtype(dt) in CTYPES
 
@@ -94,16 +124,16 @@ def literal(value: Any, dt: Any) -> str:
     """An exact C literal of ``value`` in dtype ``dt``."""
     dt = np.dtype(dt)
     t = compute_ctype(dt)
-    if dt.kind == "b":
+    if kind(dt) == "b":
         return "true" if bool(value) else "false"
-    if dt.kind == "f":
+    if kind(dt) == "f":
         v = float(value)
         if math.isnan(v):
             return f"(({t})__longlong_as_double(0x7ff8000000000000LL))"
         if math.isinf(v):
             return f"(({t})__longlong_as_double({'0xfff0000000000000LL' if v < 0 else '0x7ff0000000000000LL'}))"
         return f"(({t}){float(v)!r})"  # repr of the float64 value is exact; the cast rounds it once
-    if dt.kind == "u":
+    if kind(dt) == "u":
         return f"(({t}){int(value)}ULL)"
     v = int(value)
     if v == -(1 << 63):
@@ -251,7 +281,7 @@ def _add_step(body: Body, op: str, domain: str, attrs: dict, args: list, dts: li
             raise Unsupported(f"{op} on {dt}")
     name = f"t{len(body.steps)}"
     attrs = dict(attrs)
-    if op == "Pow" and len(args) == 2 and args[1] in body.exponents and np.dtype(dts[0]).kind == "f":
+    if op == "Pow" and len(args) == 2 and args[1] in body.exponents and kind(dts[0]) == "f":
         attrs["_exponent"] = body.exponents[args[1]]  # a small integer power: multiplications (_pow)
     body.steps.append(Step(op, attrs, list(args), list(dts), name, out_dt))
     names[outputs[0]] = name
@@ -262,14 +292,14 @@ def _add_step(body: Body, op: str, domain: str, attrs: dict, args: list, dts: li
 
 def _float_op(fn: str) -> Callable:
     def expr(attrs, t, dts, a):
-        if np.dtype(dts[0]).kind == "f":
+        if kind(dts[0]) == "f":
             return f"k_{fn}(({t}){a})"
         return f"({t})k_{fn}((double){a})"  # integer inputs: in double, truncated (Erf allows ints)
     return expr
 
 
 def _div(attrs, t, dts, a, b):
-    if np.dtype(dts[0]).kind == "f":
+    if kind(dts[0]) == "f":
         return f"({a} / {b})"
     return f"k_idiv<{t}>({a}, {b})"
 
@@ -277,13 +307,13 @@ def _div(attrs, t, dts, a, b):
 def _pow(attrs, t, dts, a, b):
     base, exp = np.dtype(dts[0]), np.dtype(dts[1])
     e = attrs.get("_exponent")
-    if base.kind == "f" and e is not None:
+    if kind(base) == "f" and e is not None:
         x = f"(({t}){a})"
         return {-1.0: f"(({t})1 / {x})", 1.0: x, 2.0: f"({x} * {x})", 3.0: f"({x} * {x} * {x})",
                 4.0: f"(({x} * {x}) * ({x} * {x}))"}[e]
-    if base.kind == "f":
+    if kind(base) == "f":
         return f"k_pow(({t}){a}, ({t}){b})"
-    if exp.kind in "iu":
+    if kind(exp) in "iu":
         return f"k_ipow<{t}>({a}, (long long){b})"
     return f"({t})trunc(pow((double){a}, (double){b}))"
 
@@ -345,8 +375,8 @@ EXPRESSIONS: dict[str, Callable] = {
     "Neg": lambda at, t, d, a: f"({t})(-{a})",
     "Abs": lambda at, t, d, a: f"k_abs({a})",
     "Sign": lambda at, t, d, a: f"({a} != {a} ? {a} : ({t})(({a} > 0) - ({a} < 0)))",
-    "Floor": lambda at, t, d, a: f"k_floor({a})" if np.dtype(d[0]).kind == "f" else a,
-    "Ceil": lambda at, t, d, a: f"k_ceil({a})" if np.dtype(d[0]).kind == "f" else a,
+    "Floor": lambda at, t, d, a: f"k_floor({a})" if kind(d[0]) == "f" else a,
+    "Ceil": lambda at, t, d, a: f"k_ceil({a})" if kind(d[0]) == "f" else a,
     "Exp": _float_op("exp"), "Log": _float_op("log"), "Sqrt": _float_op("sqrt"), "Erf": _float_op("erf"),
     "Tanh": _float_op("tanh"), "Sin": _float_op("sin"), "Cos": _float_op("cos"), "Sigmoid": _float_op("sigmoid"),
     "Softplus": _float_op("softplus"), "Mish": _float_op("mish"),
@@ -422,6 +452,15 @@ template <typename T> KF T k_ipow(T base, long long e) {
 template <typename T, int W> struct alignas(sizeof(T) * W) VW { T v[W]; };
 KF float kiln_h2f(unsigned short h) { float f; asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h)); return f; }
 KF unsigned short kiln_f2h(float f) { unsigned short h; asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f)); return h; }
+// bfloat16: the high half of a float32. Rounded to nearest even in plain C (as ml_dtypes and torch do), so
+// the prelude compiles on every architecture; a NaN stays a quiet NaN.
+KF float kiln_bf2f(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
+KF unsigned short kiln_f2bf(float f) {
+  unsigned int u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (unsigned short)(u >> 16);
+}
 """
 
 
@@ -620,7 +659,7 @@ class ElementwiseKernel:
         import cupy
         self.cp = cupy
         self.body = body
-        self.consts = [cupy.asarray(c) for c in body.consts]
+        self.consts = [cupy.asarray(np.asarray(c).view(storage_dtype(c.dtype))) for c in body.consts]
         self.read = operands_read(body)
         self.dtypes = [np.dtype(d) for d in body.operand_dtypes]
         self._plans: dict = {}
@@ -638,8 +677,11 @@ class ElementwiseKernel:
         for k, a in enumerate(list(inputs) + self.consts):
             if not isinstance(a, cp.ndarray):
                 a = cp.asarray(a)
-            if a.dtype != self.dtypes[k]:
-                a = a.astype(self.dtypes[k])  # a scalar given with another dtype (rare)
+            want = storage_dtype(self.dtypes[k])
+            if a.dtype != want:
+                if want != self.dtypes[k]:  # bfloat16 words: no conversion on the device would be right
+                    raise ValueError(f"operand {k} is {a.dtype}, the kernel reads {self.dtypes[k]} as {want} words")
+                a = a.astype(want)  # a scalar given with another dtype (rare)
             ops.append(a)
         alias = out is not None and any(a.data.ptr == out.data.ptr for a in ops)
         key = tuple((a.shape, a.strides, a.data.ptr % 16 == 0) for a in ops) + (alias,)
@@ -651,12 +693,12 @@ class ElementwiseKernel:
         kern, shape, blocks, block, extra, vec = plan
         if out is not None:
             if len(self.body.output_dtypes) != 1 or out.shape != tuple(shape) or \
-                    out.dtype != self.body.output_dtypes[0] or not out.flags.c_contiguous or \
+                    out.dtype != storage_dtype(self.body.output_dtypes[0]) or not out.flags.c_contiguous or \
                     (vec and out.data.ptr % 16):
                 raise ValueError("out= must be one C-contiguous, 16-byte aligned array of the output's shape and dtype")
             outs = [out]
         else:
-            outs = [cp.empty(shape, dt) for dt in self.body.output_dtypes]
+            outs = [cp.empty(shape, storage_dtype(dt)) for dt in self.body.output_dtypes]
         n = math.prod(shape)
         if n == 0:
             return outs

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 import cupy as cp
 import numpy as np
 
-from kiln.runtime.kernels.cuda import codegen, const_input, kernel
+from kiln.runtime.kernels.cuda import codegen, const_input, device_array, kernel
 from kiln.runtime.kernels.cuda.codegen import EXPRESSIONS, ElementwiseKernel, Unsupported
 
 
@@ -89,9 +89,14 @@ def _interpret(node, body_graph) -> Callable[..., Any]:
     # capture (issue 18: the safe softmax's ReduceMax axes in an attention body run node by node).
     host_only = {v for v in body_graph.initializers.values()
                  if v.uses and all(i in cuda.host_inputs(u) for u, i in v.uses)}
-    env_consts = {v: v.const if v in host_only else cp.asarray(v.const) for v in body_graph.initializers.values()}
+    env_consts = {v: v.const if v in host_only else device_array(v.const) for v in body_graph.initializers.values()}
     for n in body_graph.nodes:
         k = cuda.choose(n, n.schema.fill_attrs(n.attrs))
+        if k is None and any(v is not None and v.type is not None and v.type.dtype.name == "BFLOAT16"
+                             for v in list(n.inputs) + list(n.outputs)):
+            from kiln.errors import KilnError
+            raise KilnError(f"{node.describe()}: body node {n.describe()} has no bfloat16 GPU kernel (a host run would "
+                            "read bfloat16's device words as integers): convert the model with precision='fp16'")
         if k is None:
             from kiln.runtime.kernels import cpu
             k = host_fallback(cpu.choose(n, n.schema.fill_attrs(n.attrs)))

@@ -31,10 +31,13 @@ from typing import Any, Callable, Optional
 import cupy as cp
 import numpy as np
 
+from kiln.errors import KilnError
 from kiln.ir.graph import Node
-from kiln.runtime.kernels.cuda import FLOATS as _FLOATS32, codegen, ignored_inputs, in_dtype, kernel, options
+from kiln.runtime.kernels.cuda import FLOATS as _FLOATS32, codegen, device_array, ignored_inputs, in_dtype, kernel, options
 
 FLOATS = _FLOATS32 + (np.dtype(np.float16),)  # float16 too (issue 18): cublasLt's bias epilogue takes it
+if codegen.BF16 is not None:  # and bfloat16 (held as uint16 words on the device)
+    FLOATS = FLOATS + (codegen.BF16,)
 from kiln.runtime.kernels.cuda.codegen import ElementwiseKernel, Unsupported
 
 
@@ -108,7 +111,7 @@ def fused_epilogue(node, attrs) -> Optional[Callable[..., Any]]:
                 steps.pop(0)
         if bias is not None or residual_at is not None:
             from kiln.runtime.kernels.cuda.linalg import LtBias
-            lt = LtBias(None if bias is None else cp.asarray(np.ascontiguousarray(bias.reshape(-1))), relu=relu,
+            lt = LtBias(None if bias is None else device_array(np.ascontiguousarray(bias.reshape(-1))), relu=relu,
                         tf32=tf32)
     # ---- MatMul then a multiply by a one-element constant (attention's 1/sqrt(d)) -> the GEMM's alpha.
     alpha = None
@@ -174,13 +177,16 @@ def fused_epilogue(node, attrs) -> Optional[Callable[..., Any]]:
     if lt is not None:
         from kiln.runtime.kernels.cuda.linalg import cublas_matmul
         ta, tb, b_const = operands
-        b_dev = None if b_const is None else cp.asarray(np.ascontiguousarray(b_const))
+        b_dev = None if b_const is None else device_array(np.ascontiguousarray(b_const))
 
         def first(args):
             a = args[0].T if ta else args[0]
             bm = b_dev if b_dev is not None else (args[1].T if tb else args[1])
             r = None if residual_at is None else args[residual_at]
             out = lt(a, bm, r)
+            if out is None and a.dtype == np.uint16:  # CuPy's adds below would be integer adds of bfloat16 words
+                raise KilnError(f"cublasLt took no layout for this bfloat16 product ({a.shape} x {bm.shape}); no other "
+                                "GPU path adds its bias yet: convert the model with precision='fp16'")
             if out is None:  # a layout cublasLt cannot take: cuBLAS, then the bias (and ReLU), the residual
                 out = cublas_matmul(a, bm, tf32=tf32) if a.ndim == 2 or bm.ndim != 2 else \
                     cublas_matmul(a.reshape(-1, a.shape[-1]), bm, tf32=tf32).reshape(a.shape[:-1] + (bm.shape[1],))

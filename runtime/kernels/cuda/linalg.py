@@ -34,7 +34,8 @@ from typing import Any, Callable, Optional
 import cupy as cp
 import numpy as np
 
-from kiln.runtime.kernels.cuda import FLOATS, const_input, in_dtype, kernel, options
+from kiln.errors import KilnError
+from kiln.runtime.kernels.cuda import FLOATS, const_input, device_array, in_dtype, is_bf16, kernel, options
 
 
 # handles: (device, stream ptr) -> {"ws": workspace, False: default-math handle, True: TF32 handle}
@@ -139,9 +140,19 @@ _ONE = {np.dtype(np.float32): np.ones(1, np.float32), np.dtype(np.float64): np.o
         HALF: np.ones(1, np.float32)}
 _ZERO = {np.dtype(np.float32): np.zeros(1, np.float32), np.dtype(np.float64): np.zeros(1, np.float64),
          HALF: np.zeros(1, np.float32)}
-_R_16F, _COMPUTE_32F, _GEMM_DEFAULT = 2, 68, -1
-#: What MatMul and Gemm run natively: float32, float64 and float16.
+# bfloat16 (issue 18) is held on the device as uint16 words (cuda/__init__.py: device_array); MatMul and
+# Gemm take no uint16 operands in ONNX, so a uint16 array here is bfloat16: CUDA_R_16BF, float32 accumulation.
+U16 = np.dtype(np.uint16)
+_ONE[U16], _ZERO[U16] = np.ones(1, np.float32), np.zeros(1, np.float32)
+_R_16F, _R_16BF, _COMPUTE_32F, _GEMM_DEFAULT = 2, 14, 68, -1
+_R_16 = {HALF: _R_16F, U16: _R_16BF}
+#: What MatMul and Gemm run natively: float32, float64 and float16 (and bfloat16: ``gemm_dtype``).
 GEMM_FLOATS = FLOATS + (HALF,)
+
+
+def gemm_dtype(dt) -> bool:
+    """Whether a MatMul/Gemm of graph dtype ``dt`` runs natively here (bfloat16 included)."""
+    return dt in GEMM_FLOATS or is_bf16(dt)
 
 
 def _operand(x):
@@ -167,6 +178,10 @@ def cublas_matmul(a, b, alpha: float = 1.0, tf32: Optional[bool] = None):
     through cuBLAS on kiln's handle (alpha is the GEMM's own scale: free). Falls back to
     ``cupy.matmul`` for layouts it cannot describe. ``tf32``: allow TF32 for float32 (None:
     the bound program's setting)."""
+    if a.dtype == U16 or b.dtype == U16:
+        if a.ndim < 2 or b.ndim < 2 or a.dtype != b.dtype:  # no CuPy fallback reads bfloat16 words right
+            raise KilnError(f"bfloat16 matmul of shapes {a.shape} and {b.shape} (with {a.dtype}/{b.dtype}) has no "
+                            "GPU path yet: convert the model with precision='fp16', or run it on the CPU")
     if a.ndim < 2 or b.ndim < 2 or a.dtype != b.dtype or a.dtype not in _ONE:
         y = cp.matmul(a, b)
         if alpha != 1.0:
@@ -191,6 +206,8 @@ def cublas_matmul(a, b, alpha: float = 1.0, tf32: Optional[bool] = None):
         if desc is None:
             x = cp.ascontiguousarray(x)
             desc = _operand(x)
+        if desc is None and a.dtype == U16:
+            raise KilnError(f"a bfloat16 operand of shape {x.shape} with strides {x.strides} has no cuBLAS layout")
         if desc is None:
             y = cp.matmul(a, b)
             if alpha != 1.0:
@@ -208,10 +225,11 @@ def cublas_matmul(a, b, alpha: float = 1.0, tf32: Optional[bool] = None):
     h = _handle(cp.cuda.get_current_stream(), bool(tf32) and a.dtype == np.float32)
     scale = _ONE[a.dtype].dtype
     one, zero = (_ONE[a.dtype] if alpha == 1.0 else np.full(1, alpha, scale)), _ZERO[a.dtype]
-    if a.dtype == HALF:
+    if a.dtype in _R_16:
+        r = _R_16[a.dtype]
         _check(lib.cublasGemmStridedBatchedEx(
-            h, _OP_T if tb else _OP_N, _OP_T if ta else _OP_N, n, m, k, one.ctypes.data, b3.data.ptr, _R_16F, ldb, sb,
-            a3.data.ptr, _R_16F, lda, sa, zero.ctypes.data, out.data.ptr, _R_16F, n, m * n, nb, _COMPUTE_32F,
+            h, _OP_T if tb else _OP_N, _OP_T if ta else _OP_N, n, m, k, one.ctypes.data, b3.data.ptr, r, ldb, sb,
+            a3.data.ptr, r, lda, sa, zero.ctypes.data, out.data.ptr, r, n, m * n, nb, _COMPUTE_32F,
             _GEMM_DEFAULT), "cublasGemmStridedBatchedEx")
         return out
     fn = lib.cublasSgemmStridedBatched if a.dtype == np.float32 else lib.cublasDgemmStridedBatched
@@ -230,8 +248,9 @@ _LT_EPILOGUE_DEFAULT, _LT_EPILOGUE_RELU, _LT_EPILOGUE_BIAS, _LT_EPILOGUE_RELU_BI
 _LT_PREF_MAX_WORKSPACE_BYTES = 1
 _COMPUTE = {(np.dtype(np.float32), False): 68, (np.dtype(np.float32), True): 77,  # 32F, 32F_FAST_TF32
             (np.dtype(np.float64), False): 70, (np.dtype(np.float64), True): 70,
-            (HALF, False): 68, (HALF, True): 68}  # half: accumulated in float32
-_CUDA_TYPE = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, HALF: 2}  # CUDA_R_32F, CUDA_R_64F, CUDA_R_16F
+            (HALF, False): 68, (HALF, True): 68,  # half: accumulated in float32
+            (U16, False): 68, (U16, True): 68}    # bfloat16 words: the same
+_CUDA_TYPE = {np.dtype(np.float32): 0, np.dtype(np.float64): 1, HALF: 2, U16: 14}  # 32F, 64F, 16F, 16BF
 
 
 class _Heuristic(ctypes.Structure):
@@ -328,7 +347,7 @@ class LtBias:
             return False
         vp = ctypes.c_void_p
         desc = vp()
-        scale_type = _CUDA_TYPE[np.dtype(np.float32)] if dtype == HALF else _CUDA_TYPE[dtype]
+        scale_type = _CUDA_TYPE[np.dtype(np.float32)] if dtype in (HALF, U16) else _CUDA_TYPE[dtype]
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE[(dtype, tf32)], scale_type),
                "cublasLtMatmulDescCreate")
 
@@ -389,12 +408,12 @@ def matmul2(a, b, alpha: float = 1.0, tf32: Optional[bool] = None):
 
 @kernel("MatMul")
 def matmul(node, attrs) -> Optional[Callable[..., Any]]:
-    if in_dtype(node) not in GEMM_FLOATS:
+    if not gemm_dtype(in_dtype(node)):
         return None
     tf32 = options().tf32  # the program's, bound at load
     w = const_input(node, 1)
     if w is not None and w.ndim == 2:
-        wd = cp.asarray(w)
+        wd = device_array(w)
 
         def run(a, unused):
             return matmul2(a, wd, tf32=tf32)
@@ -408,15 +427,32 @@ def matmul(node, attrs) -> Optional[Callable[..., Any]]:
 
 @kernel("Gemm")
 def gemm(node, attrs) -> Optional[Callable[..., Any]]:
-    if in_dtype(node) not in GEMM_FLOATS:
+    if not gemm_dtype(in_dtype(node)):
         return None
     alpha, beta = attrs["alpha"], attrs["beta"]
     ta, tb = attrs["transA"], attrs["transB"]
     tf32 = options().tf32
     b_const = const_input(node, 1)
-    b_fixed = None if b_const is None else cp.ascontiguousarray(cp.asarray(b_const.T if tb else b_const))
+    b_fixed = None if b_const is None else cp.ascontiguousarray(device_array(b_const.T if tb else b_const))
     c_const = const_input(node, 2)
-    c_fixed = None if c_const is None else cp.asarray(c_const * beta if beta != 1.0 else c_const)
+    c_fixed = None if c_const is None else device_array(c_const * c_const.dtype.type(beta) if beta != 1.0 else c_const)
+    if is_bf16(in_dtype(node)):
+        # The scale and C below are CuPy arithmetic, wrong on bfloat16 words: in bfloat16 a Gemm is cublasLt's
+        # product with C (beta * C, a vector of N) as its bias epilogue, or it is refused at load.
+        has_c = len(node.inputs) > 2 and node.inputs[2] is not None
+        n = None if node.outputs[0].type is None or node.outputs[0].type.shape is None else node.outputs[0].type.shape[-1]
+        if alpha != 1.0 or (has_c and (c_const is None or not isinstance(n, int) or c_const.size != n)):
+            return None
+        lt = LtBias(None if not has_c else device_array(np.ascontiguousarray(
+            (c_const * c_const.dtype.type(beta) if beta != 1.0 else c_const).reshape(-1))), tf32=tf32)
+
+        def run_bf16(a, b, c=None):
+            y = lt(a.T if ta else a, b_fixed if b_fixed is not None else (b.T if tb else b))
+            if y is None:
+                raise KilnError(f"cublasLt took no layout for this bfloat16 Gemm ({a.shape} x {b.shape})")
+            return y
+        run_bf16.ignores = tuple(i for i, f in ((1, b_fixed), (2, c_fixed)) if f is not None)
+        return run_bf16
 
     def run(a, b, c=None):
         y = cublas_matmul(a.T if ta else a, b_fixed if b_fixed is not None else (b.T if tb else b), tf32=tf32)

@@ -42,14 +42,25 @@ import cupy as cp
 import numpy as np
 from cupy.lib.stride_tricks import as_strided
 
+from kiln.errors import KilnError
 from kiln.ir.dtypes import DType
 from kiln.ir.ops.nn import make_window, static_pads, window_out_shape
 from kiln.ir.types import normalize_axis
-from kiln.runtime.kernels.cuda import FLOATS, const_input, in_dtype, kernel, options
+from kiln.runtime.kernels.cuda import FLOATS, codegen, const_input, in_dtype, kernel, options
 
 HALF = np.dtype(np.float16)
 FLOATS16 = FLOATS + (HALF,)  # what the kernels below also take in float16 (issue 18)
 CUDNN_FLOATS = (np.dtype(np.float32), HALF)  # what goes to cuDNN (float64 stays on im2col)
+# The row kernels (LayerNorm, Softmax, LogSoftmax) also take bfloat16 (uint16 words on the device): only
+# through rowwise.py; their CuPy fallbacks would compute on the words, so a bfloat16 row that rowwise does
+# not take raises instead.
+ROW_FLOATS = FLOATS16 + ((codegen.BF16,) if codegen.BF16 is not None else ())
+
+
+def _bf16_words(x) -> None:
+    if x.dtype == np.uint16:
+        raise KilnError("this bfloat16 row reduction (not over the last axis, or mixed dtypes) has no GPU path "
+                        "yet: convert the model with precision='fp16', or run it on the CPU")
 from kiln.runtime.kernels.cuda import cudnn, rowwise
 from kiln.runtime.kernels.cuda.linalg import cublas_matmul
 
@@ -488,7 +499,7 @@ def batch_norm(node, attrs):
 
 @kernel("LayerNormalization")
 def layer_norm(node, attrs):
-    if in_dtype(node) not in FLOATS16:
+    if in_dtype(node) not in ROW_FLOATS:
         return None
     eps = attrs["epsilon"]
     stash = DType(attrs["stash_type"]).numpy
@@ -497,11 +508,14 @@ def layer_norm(node, attrs):
     def run(x, scale, b=None):
         if rowwise.supported(x.dtype) and scale.dtype == x.dtype and (b is None or b.dtype == x.dtype):
             axis = normalize_axis(attrs["axis"], x.ndim)
+            if n_out > 1:
+                _bf16_words(x)  # the statistics' cast to the stash type would read words as integers
             out = rowwise.layer_norm(x, scale, b, axis, eps, stats=n_out > 1)
             if n_out > 1:
                 y, mean, inv_std = out
                 return (y, mean.astype(stash, copy=False), inv_std.astype(stash, copy=False))[:n_out]
             return out
+        _bf16_words(x)
         axes = tuple(range(normalize_axis(attrs["axis"], x.ndim), x.ndim))
         mean = x.mean(axis=axes, keepdims=True)
         d = x - mean
@@ -537,13 +551,14 @@ def instance_norm(node, attrs):
 
 @kernel("Softmax")
 def softmax(node, attrs):
-    if in_dtype(node) not in FLOATS16:
+    if in_dtype(node) not in ROW_FLOATS:
         return None
     axis = attrs["axis"]
 
     def run(x):
         if x.ndim and normalize_axis(axis, x.ndim) == x.ndim - 1 and rowwise.supported(x.dtype):
             return rowwise.softmax_last(x)
+        _bf16_words(x)
         y = x - x.max(axis=axis, keepdims=True)
         cp.exp(y, out=y)
         y /= y.sum(axis=axis, keepdims=True)
@@ -553,13 +568,14 @@ def softmax(node, attrs):
 
 @kernel("LogSoftmax")
 def log_softmax(node, attrs):
-    if in_dtype(node) not in FLOATS16:
+    if in_dtype(node) not in ROW_FLOATS:
         return None
     axis = attrs["axis"]
 
     def run(x):
         if x.ndim and normalize_axis(axis, x.ndim) == x.ndim - 1 and rowwise.supported(x.dtype):
             return rowwise.softmax_last(x, log=True)
+        _bf16_words(x)
         s = x - x.max(axis=axis, keepdims=True)
         s -= cp.log(cp.exp(s).sum(axis=axis, keepdims=True))
         return s

@@ -45,10 +45,21 @@ SOFTMAX, LOG_SOFTMAX, LAYER_NORM = 0, 1, 2
 _CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double", np.dtype(np.float16): "float"}
 # Storage type and its load/store: float16 (issue 18) is read into float, computed in float (the max, the
 # sums, the statistics) and rounded once when written.
-_STORAGE = {np.dtype(np.float16): ("unsigned short", "kiln_h2f(v)", "kiln_f2h(v)")}
+_STORAGE = {np.dtype(np.float16): ("unsigned short", "kiln_h2f(v)", "kiln_f2h(v)"),
+            # bfloat16 lives on the device as uint16 words (cuda/__init__.py: device_array); these kernels
+            # take only float types, so a uint16 array here is bfloat16.
+            np.dtype(np.uint16): ("unsigned short", "kiln_bf2f(v)", "kiln_f2bf(v)")}
+_CTYPE[np.dtype(np.uint16)] = "float"
 _HALF_CONV = r"""
 __device__ __forceinline__ float kiln_h2f(unsigned short h) { float f; asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h)); return f; }
 __device__ __forceinline__ unsigned short kiln_f2h(float f) { unsigned short h; asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f)); return h; }
+__device__ __forceinline__ float kiln_bf2f(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
+__device__ __forceinline__ unsigned short kiln_f2bf(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
 """
 LAUNCHES = {"warp": 0, "block": 0, "vector": 0}  # launches per variant (tests check which path ran)
 
@@ -313,7 +324,7 @@ extern "C" __global__ void kiln_rows(const S* __restrict__ x, S* __restrict__ y,
 }
 """
 # Elements a vector load reads, per dtype (16 bytes); float64 keeps the element-wise warp kernel.
-VEC = {np.dtype(np.float16): 8, np.dtype(np.float32): 4}
+VEC = {np.dtype(np.float16): 8, np.dtype(np.uint16): 8, np.dtype(np.float32): 4}
 
 
 def supported(dtype) -> bool:
@@ -417,7 +428,9 @@ def layer_norm(x, scale, bias, axis: int, eps: float, stats: bool = False):
 def _affine(a, tail: tuple, dtype) -> Optional[object]:
     """Scale/B as a contiguous vector over the normalized dims (a no-op for the usual exact shape)."""
     import cupy as cp
-    a = cp.asarray(a)
+
+    from kiln.runtime.kernels.cuda import device_array
+    a = device_array(a) if isinstance(a, np.ndarray) else cp.asarray(a)
     if a.dtype != dtype:
         a = a.astype(dtype)
     if a.shape != tail:

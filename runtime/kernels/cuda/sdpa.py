@@ -44,8 +44,10 @@ _LOCK = threading.Lock()
 class SdpaPlan:
     """A built cuDNN SDPA graph for one key; executes on any buffers of that layout."""
 
-    def __init__(self, cudnn, q, k, v, mask, o, scale: float, expand_mask: bool):
-        half, f32 = cudnn.data_type.HALF, cudnn.data_type.FLOAT
+    def __init__(self, cudnn, q, k, v, mask, o, scale: float, expand_mask: bool, dtype=np.float16):
+        # float16, or bfloat16 held as uint16 words (a uint16 attention input is bfloat16: cuda/__init__.py)
+        half = cudnn.data_type.BFLOAT16 if np.dtype(dtype) == np.uint16 else cudnn.data_type.HALF
+        f32 = cudnn.data_type.FLOAT
         g = cudnn.pygraph(io_data_type=half, intermediate_data_type=f32, compute_data_type=f32)
         Q = g.tensor(name="Q", dim=list(q[0]), stride=list(q[1]), data_type=half)
         K = g.tensor(name="K", dim=list(k[0]), stride=list(k[1]), data_type=half)
@@ -112,9 +114,9 @@ def sdpa(q, kt, v, mask, scale: float, *, safe: bool = False, may_empty: bool = 
     Where the mask may mask out a whole row (``may_empty``), cuDNN is used only if its answer for such
     a row is the graph's: zeros for a safe softmax (``safe``), NaN otherwise (``empty_row_answer``)."""
     from kiln.runtime.kernels.cuda.attention import _as4, empty_output
-    if q.dtype != np.float16 or not available():
+    if q.dtype not in (np.float16, np.uint16) or not available():
         return None
-    if may_empty and empty_row_answer() != ("zero" if safe else "nan"):
+    if may_empty and empty_row_answer(q.dtype) != ("zero" if safe else "nan"):
         return None
     batch, lq, lk, dv = q.shape[:-2], q.shape[-2], kt.shape[-1], v.shape[-1]
     q4, qs = _as4(q)
@@ -136,8 +138,8 @@ def sdpa(q, kt, v, mask, scale: float, *, safe: bool = False, may_empty: bool = 
     vd = ((nb, nh, lk, dv), vs)
     od = ((nb, nh, lq, dv), os_ + (1,))
     cudnn = _cudnn._module()
-    key = (qd, kd, vd, mask_key, od, float(scale))
-    p = _plan(key, lambda: _build(cudnn, qd, kd, vd, mask_key, od, scale))
+    key = (qd, kd, vd, mask_key, od, float(scale), str(q.dtype))
+    p = _plan(key, lambda: _build(cudnn, qd, kd, vd, mask_key, od, scale, q.dtype))
     if p is None:
         return None
     bias = None
@@ -152,32 +154,49 @@ def sdpa(q, kt, v, mask, scale: float, *, safe: bool = False, may_empty: bool = 
 _EMPTY_ROW: dict = {}
 
 
-def empty_row_answer() -> str:
+def _on_device(a: np.ndarray, dtype):
+    """float32 host data as a device array of ``dtype`` (float16, or bfloat16 as uint16 words)."""
+    if np.dtype(dtype) == np.uint16:
+        import ml_dtypes  # noqa: PLC0415 - present wherever bfloat16 models are loaded
+        return cp.asarray(a.astype(ml_dtypes.bfloat16).view(np.uint16))
+    return cp.asarray(a.astype(dtype))
+
+
+def _to_float(a, dtype) -> np.ndarray:
+    h = cp.asnumpy(a)
+    if np.dtype(dtype) == np.uint16:
+        import ml_dtypes  # noqa: PLC0415
+        return h.view(ml_dtypes.bfloat16).astype(np.float32)
+    return h.astype(np.float32)
+
+
+def empty_row_answer(dtype=np.float16) -> str:
     """What cuDNN's attention gives for a query row whose every key is masked out (-inf bias): "zero",
-    "nan" or "other" (or "error: ..."), probed once on a small problem."""
-    if "answer" not in _EMPTY_ROW:
+    "nan" or "other" (or "error: ..."), probed once per dtype (float16; uint16 = bfloat16) on a small problem."""
+    key = np.dtype(dtype).name
+    if key not in _EMPTY_ROW:
         if _cudnn.capturing():
             return "unknown"  # probed on the next eager call
         try:
             rng = np.random.default_rng(0)
-            q = cp.asarray(rng.standard_normal((1, 2, 16, 64)).astype(np.float16))
+            q = _on_device(rng.standard_normal((1, 2, 16, 64)).astype(np.float32), dtype)
             # k as the graph hands it over: a transposed view (cuDNN wants the head dim contiguous)
-            kt = cp.asarray(rng.standard_normal((1, 2, 32, 64)).astype(np.float16)).transpose(0, 1, 3, 2)
-            v = cp.asarray(rng.standard_normal((1, 2, 32, 64)).astype(np.float16))
-            bias = np.zeros((1, 1, 16, 32), np.float16)
+            kt = _on_device(rng.standard_normal((1, 2, 32, 64)).astype(np.float32), dtype).transpose(0, 1, 3, 2)
+            v = _on_device(rng.standard_normal((1, 2, 32, 64)).astype(np.float32), dtype)
+            bias = np.zeros((1, 1, 16, 32), np.float32)
             bias[..., 3, :] = -np.inf
-            out = sdpa(q, kt, v, cp.asarray(bias), 0.125, may_empty=False)
+            out = sdpa(q, kt, v, _on_device(bias, dtype), 0.125, may_empty=False)
             if out is None:
                 answer = "error: no engine for the probe"
             else:
-                row = cp.asnumpy(out)[:, :, 3].astype(np.float32)
-                others = np.delete(cp.asnumpy(out), 3, axis=2).astype(np.float32)
+                o = _to_float(out, dtype)
+                row, others = o[:, :, 3], np.delete(o, 3, axis=2)
                 answer = ("other" if not np.isfinite(others).all() else "zero" if (row == 0).all()
                           else "nan" if np.isnan(row).all() else "other")
         except Exception as e:  # noqa: BLE001
             answer = f"error: {type(e).__name__}: {e}"
-        _EMPTY_ROW["answer"] = answer
-    return _EMPTY_ROW["answer"]
+        _EMPTY_ROW[key] = answer
+    return _EMPTY_ROW[key]
 
 
 def _unit_stride(dims, i) -> int:
@@ -185,13 +204,13 @@ def _unit_stride(dims, i) -> int:
     return int(np.prod(dims[i + 1:]))
 
 
-def _build(cudnn, qd, kd, vd, mask_key, od, scale) -> SdpaPlan:
+def _build(cudnn, qd, kd, vd, mask_key, od, scale, dtype) -> SdpaPlan:
     try:
-        return SdpaPlan(cudnn, qd, kd, vd, mask_key, od, scale, expand_mask=False)
+        return SdpaPlan(cudnn, qd, kd, vd, mask_key, od, scale, expand_mask=False, dtype=dtype)
     except Exception:  # noqa: BLE001 - e.g. a stride-0 query dim in the bias: retry with it expanded
         if mask_key is None or 0 not in mask_key[1]:
             raise
-        return SdpaPlan(cudnn, qd, kd, vd, mask_key, od, scale, expand_mask=True)
+        return SdpaPlan(cudnn, qd, kd, vd, mask_key, od, scale, expand_mask=True, dtype=dtype)
 
 
 __all__ = ["sdpa", "available", "why_not", "empty_row_answer", "SdpaPlan"]
