@@ -82,7 +82,7 @@ SMALL = 64
 # Ops that run bfloat16 (uint16 words on the device) correctly: generated elementwise kernels (every op
 # codegen has an expression for, Cast included), the GEMMs and their epilogues, the row kernels, attention,
 # and ops that only move 16-bit words (no value is read as a number). Checked at load: _check_bfloat16.
-BF16_OPS = frozenset({"MatMul", "Gemm", "FusedElementwise", "FusedEpilogue", "FusedAttention", "LayerNormalization",
+BF16_OPS = frozenset({"MatMul", "Gemm", "Conv", "FusedElementwise", "FusedEpilogue", "FusedAttention", "LayerNormalization",
                       "Softmax", "LogSoftmax", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity",
                       "Split", "Concat", "Slice", "Gather", "Expand", "Tile", "Shape", "Size"}) \
     | frozenset(EXPRESSIONS)
@@ -145,9 +145,7 @@ class CudaProgram:
             from kiln.ir.passes.fuse import fuse_attention, fuse_elementwise, fuse_epilogues
             self.fused_attention = fuse_attention(graph)
             self.fused_groups = fuse_elementwise(graph)
-            # bfloat16: only GEMM epilogues have bfloat16 kernels (a convolution runs through float32)
-            self.fused_epilogues = fuse_epilogues(graph, anchors=("MatMul", "Gemm")) if self._has_bf16 \
-                else fuse_epilogues(graph)
+            self.fused_epilogues = fuse_epilogues(graph)
         self.graph = graph
         self._host: set = set()          # values placed on the host
         self._host_nodes: list = []      # nodes run on the host by design (shape arithmetic)
@@ -229,8 +227,8 @@ class CudaProgram:
                 why = "runs on the host"
             elif node.op not in BF16_OPS and op not in BF16_OPS and not _find_attr(k, "via_float32"):
                 why = "has no bfloat16 kernel"
-            elif op == "kiln.FusedEpilogue" and node.attrs["body"].nodes[0].op not in ("MatMul", "Gemm"):
-                why = f"has a {node.attrs['body'].nodes[0].op} anchor (only MatMul/Gemm epilogues take bfloat16)"
+            elif op == "kiln.FusedEpilogue" and node.attrs["body"].nodes[0].op not in ("MatMul", "Gemm", "Conv"):
+                why = f"has a {node.attrs['body'].nodes[0].op} anchor (only MatMul/Gemm/Conv epilogues take bfloat16)"
             if why:
                 bad.setdefault(f"{op} ({why})", []).append(node.name)
         if bad:

@@ -373,8 +373,8 @@ def _bf16():
     return pytest.importorskip("ml_dtypes").bfloat16
 
 
-@pytest.mark.parametrize("name", ["transformer_encoder", "gpt", "hf_bert", "hf_gpt2"])
-def test_zoo_transformers_in_bf16_on_the_gpu_close_to_torch(zoo, name, tmp_path):
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3", "transformer_encoder", "gpt", "hf_bert", "hf_gpt2"])
+def test_zoo_models_in_bf16_on_the_gpu_close_to_torch(zoo, name, tmp_path):
     """bfloat16 end to end on the GPU (uint16 words on the device): no host fallback, no op refused, and within
     2x torch's own bfloat16 error against float32."""
     import torch
@@ -404,8 +404,9 @@ def test_zoo_transformers_in_bf16_on_the_gpu_close_to_torch(zoo, name, tmp_path)
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_bf16_ops_without_a_bf16_kernel_run_through_float32(graphs):
-    """A convolution, a pool and a reduction have no bfloat16 kernels yet: they run their float32 kernels between
-    exact conversions (reported by ``bf16_via_float32``), natively on the device, never on bfloat16's words."""
+    """A pool and a reduction have no bfloat16 kernels yet: they run their float32 kernels between exact
+    conversions (reported by ``bf16_via_float32``), natively on the device, never on bfloat16's words; the
+    convolution (and its ReLU epilogue) runs in bfloat16 through cuDNN."""
     _bf16()
     g = Graph("conv")
     x = g.add_input("x", "float32", ("n", 4, 8, 8))
@@ -420,7 +421,8 @@ def test_bf16_ops_without_a_bf16_kernel_run_through_float32(graphs):
     for _ in range(2):
         got = p.run(feeds)["y"]
         np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2)
-    assert p.fallback_ops == {} and {"Conv", "MaxPool", "ReduceMax"} <= set(p.bf16_via_float32), p.bf16_via_float32
+    assert p.fallback_ops == {} and {"MaxPool", "ReduceMax"} <= set(p.bf16_via_float32), p.bf16_via_float32
+    assert "Conv" not in p.bf16_via_float32 and "kiln.FusedEpilogue" not in p.bf16_via_float32  # cuDNN in bfloat16
     if graphs:
         assert p.graph_failures == {}
 

@@ -141,7 +141,8 @@ class Plan:
     def __init__(self, cudnn, x_shape, w_shape, pre, post, strides, dilations, epilogue: tuple, tf32: bool,
                  workspace_cap: Optional[int] = _DEFAULT_CAP, dtype: str = "float32", layout: str = "nchw"):
         f32 = cudnn.data_type.FLOAT
-        io = cudnn.data_type.HALF if dtype == "float16" else f32
+        # float16; bfloat16 is held as uint16 words (cuda/__init__.py: a convolution's uint16 array is bfloat16)
+        io = {"float16": cudnn.data_type.HALF, "uint16": cudnn.data_type.BFLOAT16}.get(str(dtype), f32)
         self.layout = layout
         last = None
         attempts = [(n, cap) for n in range(len(epilogue), -1, -1)
@@ -322,7 +323,7 @@ class Executor:
         # cuDNN; torch's channels_last): the weights are kept KRSC, inputs made NHWC (a view when the
         # previous convolution already wrote NHWC), outputs written NHWC (logical NCHW views, so every
         # other kernel reads them through their strides).
-        self.layout = "nhwc" if w.dtype == np.float16 and w.ndim == 4 else "nchw"
+        self.layout = "nhwc" if w.dtype in (np.float16, np.uint16) and w.ndim == 4 else "nchw"
         if self.layout == "nhwc":
             self.w = channels_last(w)
         self.strides, self.dilations = tuple(strides), tuple(dilations)

@@ -46,7 +46,7 @@ from kiln.errors import KilnError
 from kiln.ir.dtypes import DType
 from kiln.ir.ops.nn import make_window, static_pads, window_out_shape
 from kiln.ir.types import normalize_axis
-from kiln.runtime.kernels.cuda import FLOATS, codegen, const_input, in_dtype, kernel, options
+from kiln.runtime.kernels.cuda import FLOATS, U16, codegen, const_input, device_array, in_dtype, kernel, options
 
 HALF = np.dtype(np.float16)
 FLOATS16 = FLOATS + (HALF,)  # what the kernels below also take in float16 (issue 18)
@@ -119,7 +119,8 @@ def _im2col_epilogue(y, b, r, relu: bool) -> None:
     cuDNN did not fuse."""
     if b is None and r is None and not relu:
         return
-    k = _epilogue_kernel(y.dtype, b is not None, r is not None, relu)
+    # bfloat16 words (uint16: a convolution's output is a float) get the bfloat16 kernel
+    k = _epilogue_kernel(codegen.BF16 if y.dtype == U16 else y.dtype, b is not None, r is not None, relu)
     k(y, *[a for a in (b, r) if a is not None], out=y)
 
 
@@ -132,10 +133,11 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
     w = const_input(node, 1)
     has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
     bias = const_input(node, 2)
-    if in_dtype(node) not in FLOATS16:
+    if in_dtype(node) not in ROW_FLOATS:
         return None
+    bf16 = codegen.BF16 is not None and in_dtype(node) == codegen.BF16
     if w is None or (has_bias and bias is None):
-        return _conv_dynamic(attrs)
+        return None if bf16 else _conv_dynamic(attrs)  # bfloat16: through float32 (cuda_program._via_float32)
     if w.ndim not in (3, 4, 5):
         return None
     nsp = w.ndim - 2
@@ -145,8 +147,8 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
     m, cg = w.shape[:2]
     ks = tuple(w.shape[2:])
     # One device copy of the weights; every path reads a view of it.
-    wd = cp.asarray(np.ascontiguousarray(w))
-    bias_d = None if bias is None else cp.asarray(np.ascontiguousarray(bias).reshape((1, m) + (1,) * nsp))
+    wd = device_array(np.ascontiguousarray(w))
+    bias_d = None if bias is None else device_array(np.ascontiguousarray(bias).reshape((1, m) + (1,) * nsp))
     pointwise = all(k == 1 for k in ks) and group == 1 and not any(window.pads) and window.auto_pad == "NOTSET" \
         and all(s == 1 for s in window.strides)
     depthwise = group == m and cg == 1 and group > 1
@@ -161,7 +163,7 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
     settings = (conv_mode, tf32, opts.workspace_cap_bytes, opts.cudnn_epilogue)
     taken: dict = {}  # (input shape, epilogue) -> the path this kernel took
     exe = None
-    if in_dtype(node) in CUDNN_FLOATS and conv_mode != "im2col" and cudnn.available():
+    if (in_dtype(node) in CUDNN_FLOATS or bf16) and conv_mode != "im2col" and cudnn.available():
         # 1-D runs as 2-D with a unit height (cuDNN's own convolutions are 2-D and 3-D).
         w_dnn = wd.reshape((m, cg, 1) + ks) if nsp == 1 else wd
         b_dnn = None if bias_d is None else (bias_d.reshape(1, m, 1, 1) if nsp == 1 else bias_d)
@@ -177,6 +179,9 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
         else:
             view, out = _windows(x, window, 0)
             if depthwise:
+                if x.dtype == U16:  # CuPy's product would multiply bfloat16 words as integers
+                    raise KilnError("a bfloat16 depthwise convolution that cuDNN did not take has no GPU path yet: "
+                                    "convert the model with precision='fp16'")
                 y = (view * wdw).sum(axis=tuple(range(2, 2 + nsp)), dtype=np.float32 if x.dtype == HALF else None)
                 y = y.astype(x.dtype, copy=False)
             else:
@@ -190,7 +195,7 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
         entry = {"path": "im2col"}
         try:
             entry["fused"] = exe.plan_for(x.shape, pre, post, ep).fused
-            if conv_mode == "cudnn" or x.shape[0] >= CUDNN_MIN_BATCH or x.dtype == HALF:
+            if conv_mode == "cudnn" or x.shape[0] >= CUDNN_MIN_BATCH or x.dtype in (HALF, U16):
                 # (float16: cuDNN channels-last beats the half im2col at every batch, issue 18)
                 entry["path"] = "cudnn"
             else:
@@ -201,7 +206,7 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
         return entry["path"]
 
     def with_epilogue(x, residual=None, relu=False):
-        if exe is not None and x.dtype in CUDNN_FLOATS and x.ndim == nsp + 2:
+        if exe is not None and (x.dtype in CUDNN_FLOATS or x.dtype == U16) and x.ndim == nsp + 2:
             begin, end, _ = static_pads(window, x.shape[2:])
             out = window_out_shape(window, x.shape[2:])
             x4 = x
