@@ -17,7 +17,7 @@ if [ "${TESTS:-0}" = 1 ]; then
     ${TEST_MORE:-} 2>&1 | tee "$OUT/half_tests.log" | tail -40 || status=1
 fi
 if [ -n "${MODELS:-}" ]; then
-  timeout ${BENCH_S:-400} python3 bench/gpu_half_bench.py --models "$MODELS" --precision ${PREC:-fp16} ${COMPILE:+--compile} ${TOP1:+--top1 $TOP1} \
+  timeout ${BENCH_S:-400} python3 bench/gpu_half_bench.py --models "$MODELS" --precision ${PREC:-fp16} ${WEIGHTS:+--weights $WEIGHTS} ${COMPILE:+--compile} ${TOP1:+--top1 $TOP1} \
     ${ATTN:+--attention $ATTN} --deadline ${DEADLINE:-300} --json "$OUT/half_${TAG:-run}.json" 2>&1 | tee "$OUT/half_${TAG:-run}.log" | tail -30 || status=1
 fi
 for mb in ${PROFILE:-}; do

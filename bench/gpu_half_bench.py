@@ -94,6 +94,8 @@ def main() -> int:
                     help="also time kiln fp16 with these attention paths (comma list of auto,cudnn,kernel,ops), in the same process")
     ap.add_argument("--precision", default="fp16", choices=("fp16", "bf16"),
                     help="kiln's conversion and torch's dtype (model.half() / .to(torch.bfloat16))")
+    ap.add_argument("--weights", choices=("int8",), default=None,
+                    help="also kiln with weight-only int8 (weights='int8') at the same precision: time, error, peak memory")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     start = time.monotonic()
@@ -118,12 +120,21 @@ def main() -> int:
         # activations, CUDA-graph buffers, cuDNN/cuBLAS workspaces) comes from CuPy's pool, which keeps
         # what it has held: its total after the first run (capture included) is the high-water mark.
         pool = cp.get_default_memory_pool()
+        big = BATCHES[name][-1]
+        k8 = None
+        if args.weights:  # measured first, from an empty pool, like kiln fp16 in the runs without --weights
+            pool.free_all_blocks()
+            base8 = pool.total_bytes()
+            k8 = kiln.load(path, device="cuda", precision=P, weights=args.weights)
+            k8.run({in_name: cp.asarray(make(big))})
+            cp.cuda.runtime.deviceSynchronize()
+            int8_peak = (pool.total_bytes() - base8) / 2**20
         pool.free_all_blocks()
         base = pool.total_bytes()
         k16 = kiln.load(path, device="cuda", precision=P)
-        big = BATCHES[name][-1]
         k16.run({in_name: cp.asarray(make(big))})
         cp.cuda.runtime.deviceSynchronize()
+        # (after an int8 program: the workspaces both share are not counted again, so this reads low)
         kiln_peak = (pool.total_bytes() - base) / 2**20
         k32 = kiln.load(path, device="cuda")
         modes = [m for m in args.attention.split(",") if m]
@@ -151,6 +162,11 @@ def main() -> int:
             row["kiln_fp32_ms"] = timed(lambda: k32.run(feed), cp.cuda.runtime.deviceSynchronize)
             row[f"kiln_{P}_ms"] = timed(lambda: k16.run(feed), cp.cuda.runtime.deviceSynchronize)
             row[f"kiln_{P}_attention_paths"] = k16.attention_paths
+            if k8 is not None:
+                row[f"kiln_{P}_int8w_ms"] = timed(lambda: k8.run(feed), cp.cuda.runtime.deviceSynchronize)
+                row[f"kiln_{P}_int8w_err"] = rel(cp.asnumpy(next(iter(k8.run(feed).values()))), refs[b])
+                if b == big:
+                    row[f"kiln_{P}_int8w_peak_MiB"] = int8_peak
             for m, km in k16_modes.items():
                 row[f"kiln_{P}_ms_attention_{m}"] = timed(lambda: km.run(feed), cp.cuda.runtime.deviceSynchronize)
             torch.cuda.synchronize()
@@ -190,7 +206,7 @@ def main() -> int:
             top["agreement"] = top["agree"] / top["inputs"]
             rows.append({"top1": top})
             print(json.dumps({"top1": top}), flush=True)
-        k32 = k16 = half = k16_modes = None
+        k32 = k16 = half = k16_modes = k8 = None
         torch.cuda.empty_cache()
         cp.get_default_memory_pool().free_all_blocks()
     print()

@@ -68,10 +68,22 @@ def dequantize(q: np.ndarray, scale: np.ndarray, axis: int) -> np.ndarray:
     return q.astype(np.float32) * scale.reshape(shape)
 
 
-def weight_axis(node: Node, index: int) -> Optional[int]:
+def weight_axis(node: Node, index: int, ops=WEIGHT_OPS, transposed: bool = False) -> Optional[int]:
     """The output-channel axis of the weight that ``node`` reads at input ``index``, or None when
-    that input is not a weight this pass quantizes."""
-    if node.domain != "" or index != 1 or node.op not in WEIGHT_OPS:
+    that input is not a weight this pass quantizes. A 2-D ``Transpose`` whose output only a MatMul
+    reads as its weight (a traced ``nn.Linear``: ``x @ W.T``) counts as that MatMul's weight reader,
+    its output channels being the weight's axis 0 (with ``transposed``; the mobile stub fuses only a
+    DequantizeLinear that its weight ops read directly)."""
+    if transposed and node.domain == "" and node.op == "Transpose" and index == 0 and "MatMul" in ops:
+        t = node.outputs[0]
+        perm = tuple(node.attrs.get("perm") or ())
+        readers = t.uses
+        if perm in ((1, 0), ()) and len(readers) >= 1 and all(
+                u.op == "MatMul" and u.domain == "" and i == 1 for u, i in readers) and \
+                node.inputs[0].type is not None and node.inputs[0].type.rank == 2:
+            return 0
+        return None
+    if node.domain != "" or index != 1 or node.op not in ops:
         return None
     w = node.inputs[1]
     if w is None or w.type is None or w.type.shape is None:
@@ -84,13 +96,18 @@ def weight_axis(node: Node, index: int) -> Optional[int]:
     return rank - 1 if rank >= 2 else None  # MatMul: B [..., K, N]
 
 
-def _candidates(graph: Graph) -> dict[Value, int]:
-    """Float32 weight initializers whose every reader wants them quantized along one axis."""
+# The weight dtypes quantized: float32 (the mobile pack), and the half types of a converted model (the GPU's
+# weight-only int8, issue 18: the scales keep the weight's dtype, so DequantizeLinear gives it back).
+FLOAT_WEIGHTS = ("float32", "float16", "bfloat16")
+
+
+def _candidates(graph: Graph, ops=WEIGHT_OPS, dtypes=("float32",), transposed: bool = False) -> dict[Value, int]:
+    """Float weight initializers (of ``dtypes``) whose every reader wants them quantized along one axis."""
     axes: dict[Value, set] = {}
     for node in graph.nodes:
         for i, v in enumerate(node.inputs):
-            if v is not None and v.is_initializer and v.const.dtype == np.float32 and v.const.ndim >= 2:
-                axes.setdefault(v, set()).add(weight_axis(node, i))
+            if v is not None and v.is_initializer and v.const.dtype.name in dtypes and v.const.ndim >= 2:
+                axes.setdefault(v, set()).add(weight_axis(node, i, ops, transposed))
     outputs = set(graph.outputs)
     result = {}
     for v, found in axes.items():
@@ -104,13 +121,19 @@ def _only_top_level_uses(v: Value) -> bool:
     return all(node.graph is v.graph for node in v.users)
 
 
-def quantize_weights(graph: Graph) -> list[QuantizedWeight]:
-    """Replace the Conv/Gemm/MatMul constant weights of ``graph`` (in place) by int8 + per-channel
-    scales behind a DequantizeLinear placed just before the weight's first reader."""
+def quantize_weights(graph: Graph, ops=WEIGHT_OPS, dtypes=("float32",), min_elements: int = 0,
+                     transposed: bool = False) -> list[QuantizedWeight]:
+    """Replace the constant weights of ``ops`` (Conv/Gemm/MatMul by default) in ``graph`` (in place) by
+    int8 + per-channel scales behind a DequantizeLinear placed just before the weight's first reader.
+    ``dtypes``: the weight dtypes taken (the scales keep the weight's dtype); ``min_elements``: smaller
+    weights stay as they are; ``transposed``: also a weight behind a Transpose that a MatMul reads."""
     done = []
-    for w, axis in _candidates(graph).items():
+    for w, axis in _candidates(graph, tuple(ops), tuple(dtypes), transposed).items():
         arr = w.const
+        if arr.size < min_elements:
+            continue
         q, scale = quantize_per_channel(arr, axis)
+        scale = scale.astype(arr.dtype)  # float32, or the half type of a converted model
         name = w.name
         readers = w.users
         first = next(n for n in graph.nodes if n in readers)
@@ -122,7 +145,8 @@ def quantize_weights(graph: Graph) -> list[QuantizedWeight]:
         for n in readers:
             n.replace_input(w, dq.outputs[0])
         graph.remove_initializer(w)
-        err = float(np.max(np.abs(dequantize(q, scale, axis) - arr))) if arr.size else 0.0
+        err = float(np.max(np.abs(dequantize(q, scale.astype(np.float32), axis) - arr.astype(np.float32)))) \
+            if arr.size else 0.0
         done.append(QuantizedWeight(name, tuple(arr.shape), axis, err, int(arr.nbytes),
                                     int(q.nbytes + scale.nbytes)))
     return done

@@ -82,7 +82,7 @@ SMALL = 64
 # Ops that run bfloat16 (uint16 words on the device) correctly: generated elementwise kernels (every op
 # codegen has an expression for, Cast included), the GEMMs and their epilogues, the row kernels, attention,
 # and ops that only move 16-bit words (no value is read as a number). Checked at load: _check_bfloat16.
-BF16_OPS = frozenset({"MatMul", "Gemm", "Conv", "FusedElementwise", "FusedEpilogue", "FusedAttention", "LayerNormalization",
+BF16_OPS = frozenset({"MatMul", "Gemm", "Conv", "DequantizeLinear", "FusedElementwise", "FusedEpilogue", "FusedAttention", "LayerNormalization",
                       "Softmax", "LogSoftmax", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity",
                       "Split", "Concat", "Slice", "Gather", "Expand", "Tile", "Shape", "Size"}) \
     | frozenset(EXPRESSIONS)

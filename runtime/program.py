@@ -291,7 +291,8 @@ BACKENDS = ("kiln", "onnxruntime")
 
 def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize: bool = True,
          backend: str = "kiln", threads: Optional[int] = None, limits=None,
-         memory_budget: Union[int, str, None] = None, precision: Optional[str] = None, **cuda_options):
+         memory_budget: Union[int, str, None] = None, precision: Optional[str] = None,
+         weights: Optional[str] = None, **cuda_options):
     """Load a .kiln or .onnx file (or take a Graph) and make it runnable.
 
     ``backend="kiln"`` (default): kiln's CPU runtime builds an execution plan; a .onnx file is imported
@@ -323,23 +324,29 @@ def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize
     policy's float32 ops kept in float32, the model's float32 inputs and outputs unchanged); a file already
     converted (``kiln convert --precision``, ``kiln export --precision``) needs nothing. The CPU runtime runs
     a half model in float32 (numpy has no fast half arithmetic and no bfloat16): its half weights are
-    widened at load, so it answers as the GPU's half run would up to the half rounding of activations."""
+    widened at load, so it answers as the GPU's half run would up to the half rounding of activations.
+
+    Weight-only int8: ``weights="int8"`` stores the MatMul/Gemm weights as int8 with one scale per output
+    channel (``kiln.ir.passes.precision.quantize_gemm_weights``; after ``precision``'s conversion, so the
+    scales are half in a half model): about half the GEMM weights' device memory of fp16, dequantized per
+    call (the GPU dequantizes each weight in one kernel before its GEMM)."""
     if backend != "onnxruntime":
         from kiln.serializer.reader import collector_paused
         # Reading, optimizing and planning make a few objects per node: the cyclic collector's
         # walks over them were a third of a node-heavy model's load (see serializer/reader.py).
         with collector_paused():
             return _load(model, device, optimize=optimize, backend=backend, threads=threads, limits=limits,
-                         memory_budget=memory_budget, precision=precision, **cuda_options)
-    if precision is not None:
-        raise KilnError("precision= is kiln's own conversion (backend='kiln'); for ONNX Runtime, convert the file "
+                         memory_budget=memory_budget, precision=precision, weights=weights, **cuda_options)
+    if precision is not None or weights is not None:
+        raise KilnError("precision= and weights= are kiln's own conversions (backend='kiln'); for ONNX Runtime, convert the file "
                         "first: kiln convert IN OUT --precision fp16")
     return _load(model, device, optimize=optimize, backend=backend, threads=threads, limits=limits,
                  memory_budget=memory_budget, **cuda_options)
 
 
 def _load(model, device: str, *, optimize: bool, backend: str, threads: Optional[int], limits,
-          memory_budget: Union[int, str, None], precision: Optional[str] = None, **cuda_options):
+          memory_budget: Union[int, str, None], precision: Optional[str] = None, weights: Optional[str] = None,
+          **cuda_options):
     if backend == "onnxruntime":
         from kiln.runtime.onnxruntime_backend import OrtProgram
         return OrtProgram(model, device=device, optimize=optimize, threads=threads)
@@ -372,6 +379,11 @@ def _load(model, device: str, *, optimize: bool, backend: str, threads: Optional
     if precision is not None:
         from kiln.ir.passes.precision import convert_precision
         convert_precision(graph, precision)
+    if weights is not None:
+        if weights != "int8":
+            raise KilnError(f"weights= takes 'int8' (weight-only int8 for MatMul/Gemm), not {weights!r}")
+        from kiln.ir.passes.precision import quantize_gemm_weights
+        quantize_gemm_weights(graph)
     if not cuda:
         from kiln.ir.passes.precision import upcast_to_float32
         upcast_to_float32(graph)  # a half model computes in float32 on the CPU (see load's docstring)

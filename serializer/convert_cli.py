@@ -39,6 +39,9 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
                    help="override the op policy for one op type (repeatable), e.g. Softmax=float32")
     p.add_argument("--half-io", action="store_true",
                    help="make the model's float32 inputs and outputs half too (default: they stay float32)")
+    p.add_argument("--weights", choices=("int8",), default=None,
+                   help="weight-only int8: store MatMul/Gemm weights as int8 with a scale per output channel "
+                        "(about half an fp16 file's GEMM bytes; activations keep --precision)")
 
 
 def check_precision_args(args: argparse.Namespace) -> None:
@@ -50,22 +53,29 @@ def check_precision_args(args: argparse.Namespace) -> None:
 
 
 def apply_precision(graph, args: argparse.Namespace) -> str:
-    """Convert ``graph`` as the precision arguments ask; returns a summary ('' for fp32)."""
+    """Convert ``graph`` as the precision arguments ask (then int8 weights with ``--weights int8``); returns a
+    summary ('' for fp32 with float weights)."""
+    weights = getattr(args, "weights", None)
+    summary = ""
     if args.precision == "fp32":
         if args.op_precision or args.half_io:
             raise KilnError("--op-precision and --half-io go with --precision fp16 or bf16")
-        return ""
-    from kiln.ir.passes.precision import convert_precision, parse_policy
-    report = convert_precision(graph, args.precision, policy=parse_policy(args.op_precision),
-                               io="half" if args.half_io else "float32")
-    return report.summary()
+    else:
+        from kiln.ir.passes.precision import convert_precision, parse_policy
+        report = convert_precision(graph, args.precision, policy=parse_policy(args.op_precision),
+                                   io="half" if args.half_io else "float32")
+        summary = report.summary()
+    if weights == "int8":
+        from kiln.ir.passes.precision import quantize_gemm_weights
+        summary = "; ".join(x for x in (summary, quantize_gemm_weights(graph)) if x)
+    return summary
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
     src, dst = Path(args.input), Path(args.output)
     direction = (src.suffix.lower(), dst.suffix.lower())
     check_precision_args(args)
-    half = args.precision != "fp32"
+    half = args.precision != "fp32" or getattr(args, "weights", None) is not None
     allowed = ((".kiln", ".onnx"), (".onnx", ".kiln")) + (((".kiln", ".kiln"),) if half else ())
     if direction not in allowed:
         also = "" if half else ", or (with --precision fp16|bf16) a .kiln file into a half-precision .kiln file"

@@ -21,7 +21,9 @@ from kiln.ir.registry import Attr, AttrKind, In, InferContext, Out, op
 from kiln.ir.types import TensorType, dims_compatible
 
 QUANT_T = frozenset({DType.INT8, DType.UINT8, DType.INT32})
-SCALE_T = frozenset({DType.FLOAT32})
+# float32 scales, and (opset 19's) half ones: y is the scale's type. Weight-only int8 on the GPU (issue 18)
+# keeps a half model's weights as int8 with half scales, so y feeds a half MatMul without a Cast.
+SCALE_T = frozenset({DType.FLOAT32, DType.FLOAT16, DType.BFLOAT16})
 
 
 def _is_per_tensor(shape: tuple) -> bool:
@@ -46,7 +48,7 @@ def infer_dequantize_linear(ctx: InferContext) -> TensorType:
         if not dims_compatible(s[0], x.shape[axis]):
             ctx.fail(f"per-axis x_scale has {s[0]} elements but x has {x.shape[axis]} along axis {axis} "
                      f"(shape {list(x.shape)})")
-    return TensorType(DType.FLOAT32, x.shape)
+    return TensorType(scale.dtype if scale.dtype is not None else DType.FLOAT32, x.shape)
 
 
 def _broadcastable(v: np.ndarray, rank: int, axis: int) -> np.ndarray:
@@ -64,11 +66,12 @@ def _broadcastable(v: np.ndarray, rank: int, axis: int) -> np.ndarray:
     attrs=[Attr("axis", AttrKind.INT, 1)],
     infer=infer_dequantize_linear, foldable=False)
 def dequantize_linear(x, x_scale, x_zero_point=None, *, axis):
-    """y = (x - x_zero_point) * x_scale in float32; per-tensor (scalar scale) or per-axis (1-D scale
-    along ``axis``). The subtraction is done in float32, as ONNX's reference does (exact for 8-bit x)."""
+    """y = (x - x_zero_point) * x_scale, computed in float32 and given the scale's dtype (float32, or a
+    half type: rounded once); per-tensor (scalar scale) or per-axis (1-D scale along ``axis``). The
+    subtraction is done in float32, as ONNX's reference does (exact for 8-bit x)."""
     axis = axis + x.ndim if axis < 0 else axis
     y = x.astype(np.float32)
     if x_zero_point is not None:
         y = y - _broadcastable(x_zero_point, x.ndim, axis).astype(np.float32)
-    return (y * _broadcastable(x_scale.astype(np.float32, copy=False), x.ndim, axis)).astype(np.float32,
+    return (y * _broadcastable(x_scale.astype(np.float32, copy=False), x.ndim, axis)).astype(x_scale.dtype,
                                                                                           copy=False)

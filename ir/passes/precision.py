@@ -324,3 +324,25 @@ def _redirect(old: Value, new: Value, skip: Node) -> None:
 
 def _is_output(v: Value) -> bool:
     return any(v is o for o in v.graph.outputs)
+
+
+# Weight-only int8 (issue 18): weights of at least this many elements are quantized (smaller ones cost more
+# kernel launches than the bytes they would save).
+WEIGHT_INT8_MIN_ELEMENTS = 4096
+
+
+def quantize_gemm_weights(graph: Graph) -> str:
+    """Weight-only int8 for GEMM-heavy models: every constant MatMul/Gemm weight of at least
+    ``WEIGHT_INT8_MIN_ELEMENTS`` elements (float32 or a converted model's half type; also behind the
+    Transpose a traced ``nn.Linear`` reads it through) becomes int8 with one scale per output channel in the
+    weight's dtype, behind a ``DequantizeLinear`` (the mobile pack's format: mobile_stub/quantize.py).
+    Activations keep their precision; convolutions keep their weights (cuDNN reads them as they are).
+    Returns a summary."""
+    from kiln.mobile_stub.quantize import FLOAT_WEIGHTS, quantize_weights
+    done = quantize_weights(graph, ops=("MatMul", "Gemm"), dtypes=FLOAT_WEIGHTS, min_elements=WEIGHT_INT8_MIN_ELEMENTS,
+                            transposed=True)
+    before = sum(q.float_bytes for q in done)
+    after = sum(q.quant_bytes for q in done)
+    worst = max((q.max_abs_error for q in done), default=0.0)
+    return (f"int8 weights: {len(done)} GEMM weights, {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB "
+            f"(max |W - dequantized| {worst:.3g})")

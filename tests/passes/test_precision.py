@@ -11,7 +11,7 @@ import pytest
 
 import kiln
 from kiln.errors import KilnError
-from kiln.ir import Graph
+from kiln.ir import Graph, verify
 from kiln.ir.dtypes import DType
 from kiln.ir.passes.precision import FP32_OPS, convert_precision, parse_policy, upcast_to_float32
 from kiln.serializer.reader import load_graph
@@ -255,3 +255,68 @@ def test_random_graphs_convert_to_valid_half_graphs_that_answer_close():
                 np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale)
 
     check()
+
+
+# ----------------------------------------------------------------------------------------- weight-only int8
+
+def _linear_graph(transposed: bool, dtype="float32") -> Graph:
+    """x @ W (+ b) twice, W [128, 96] big enough to quantize; the first as a traced nn.Linear reads it
+    (MatMul(x, Transpose(W)) with W [out, in]) when ``transposed``."""
+    rng = np.random.default_rng(7)
+    g = Graph("lin")
+    x = g.add_input("x", "float32", ("n", 128))
+    w1 = rng.standard_normal((96, 128) if transposed else (128, 96)).astype(np.float32) / 10
+    w1v = g.add_initializer("w1", w1)
+    h = g.op("MatMul", x, g.op("Transpose", w1v, perm=[1, 0]) if transposed else w1v)
+    h = g.op("Relu", g.op("Add", h, g.add_initializer("b1", rng.standard_normal(96).astype(np.float32))))
+    g.outputs = [g.op("MatMul", h, g.add_initializer("w2", rng.standard_normal((96, 64)).astype(np.float32) / 10),
+                      name="y")]
+    return g
+
+
+@pytest.mark.parametrize("precision", [None, "fp16", "bf16"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_int8_weights_keep_the_weight_dtype_and_answer_close(precision, transposed):
+    from kiln.ir.passes.precision import quantize_gemm_weights
+    g = _linear_graph(transposed)
+    feeds = {"x": np.random.default_rng(8).standard_normal((5, 128)).astype(np.float32)}
+    want = kiln.load(g.copy()).run(feeds)["y"]
+    if precision:
+        pytest.importorskip("ml_dtypes")
+        convert_precision(g, precision)
+    summary = quantize_gemm_weights(g)
+    assert "int8 weights: 2 GEMM weights" in summary, summary
+    dq = [n for n in g.nodes if n.op == "DequantizeLinear"]
+    assert len(dq) == 2 and all(n.inputs[0].const.dtype == np.int8 for n in dq)
+    half = {None: DType.FLOAT32, "fp16": DType.FLOAT16, "bf16": DType.BFLOAT16}[precision]
+    assert all(n.inputs[1].dtype is half and n.outputs[0].dtype is half for n in dq)
+    if transposed:  # the weight behind the Linear's Transpose: its output channels are axis 0
+        t = next(n for n in g.nodes if n.op == "Transpose")
+        assert t.inputs[0].producer.op == "DequantizeLinear" and t.inputs[0].producer.attrs["axis"] == 0
+    verify(g)
+    got = kiln.load(g).run(feeds)["y"]
+    tol = {None: 2e-2, "fp16": 3e-2, "bf16": 6e-2}[precision]
+    assert np.abs(got - want).max() <= tol * np.abs(want).max()
+
+
+def test_int8_weights_leave_small_weights_alone(tmp_path):
+    from kiln.ir.passes.precision import quantize_gemm_weights
+    g = mlp_graph()  # 16 -> 32 -> ... : every weight under the size floor
+    assert quantize_gemm_weights(g).startswith("int8 weights: 0 GEMM weights")
+    assert not any(n.op == "DequantizeLinear" for n in g.nodes)
+
+
+def test_kiln_load_and_convert_take_int8_weights(tmp_path):
+    from kiln.cli import main
+    g = _linear_graph(True)
+    src = kiln.save(g, tmp_path / "m.kiln")
+    feeds = {"x": np.random.default_rng(9).standard_normal((3, 128)).astype(np.float32)}
+    want = kiln.load(src).run(feeds)["y"]
+    got = kiln.load(src, weights="int8").run(feeds)["y"]
+    assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max()
+    with pytest.raises(KilnError, match="weights= takes 'int8'"):
+        kiln.load(src, weights="int4")
+    out = tmp_path / "m8.kiln"
+    assert main(["convert", str(src), str(out), "--precision", "fp16", "--weights", "int8"]) == 0
+    assert out.stat().st_size < 0.65 * (src.stat().st_size / 2)  # well under the fp16 file
+    np.testing.assert_allclose(kiln.load(out).run(feeds)["y"], want, rtol=0, atol=4e-2 * np.abs(want).max())

@@ -482,3 +482,54 @@ def test_bf16_kernels_against_float64():
     assert path in ("cudnn", "kernel") and o.dtype == cp.uint16
     want = _attention_ref(rounded(q), rounded(kk).transpose(0, 1, 3, 2), rounded(v), None, 0.125)
     np.testing.assert_allclose(back(o), want, rtol=3e-2, atol=2e-2)
+
+
+# ------------------------------------------------------------------------------------------ int8 weights
+
+@pytest.mark.parametrize("scale_dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("axis, shape", [(0, (96, 128)), (1, (128, 96)), (-1, (2, 64, 48))])
+def test_dequantize_kernel_matches_the_reference(scale_dtype, axis, shape):
+    from kiln.ir.ops.quant import dequantize_linear
+    from kiln.runtime.kernels.cuda import device_array, host_array, quant
+    if scale_dtype == "bfloat16":
+        sd = np.dtype(_bf16())
+    else:
+        sd = np.dtype(scale_dtype)
+    rng = _rng(100)
+    q = rng.integers(-127, 128, size=shape).astype(np.int8)
+    scale = (rng.random(shape[axis]) / 50 + 1e-3).astype(np.float32).astype(sd)
+    want = dequantize_linear(q, scale, axis=axis).astype(np.float32)
+    got = quant.dequantize(cp.asarray(q), device_array(scale), axis)
+    assert got is not None
+    np.testing.assert_array_equal(host_array(got, sd).astype(np.float32), want)  # both round once
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["hf_bert", "gpt"])
+def test_int8_weights_on_the_gpu_match_the_cpu_run_of_the_same_file(zoo, name, precision, tmp_path, monkeypatch):
+    """weights="int8" on the GPU: one dequantize kernel per weight, no host fallback, CUDA graphs; answers as the
+    CPU runtime's float32 run of the same quantized model, within half rounding."""
+    from kiln.runtime.kernels.cuda import quant
+    monkeypatch.setattr("kiln.ir.passes.precision.WEIGHT_INT8_MIN_ELEMENTS", 256)  # the zoo's weights are small
+    if precision == "bf16":
+        _bf16()
+    entry = zoo.by_name(name)
+    if entry.needs:
+        pytest.importorskip(entry.needs)
+    model, inputs, spec = entry.factory()
+    path = kiln.save(kiln.trace(model, inputs, dynamic=spec), tmp_path / "m.kiln")
+    names, tensors = zoo.input_list(model, inputs)
+    feeds = dict(zip(names, [t.numpy() for t in tensors]))
+    want = kiln.load(path, precision=precision, weights="int8").run(feeds)
+    before = quant.LAUNCHES["kernel"]
+    p = kiln.load(path, device="cuda", output="numpy", precision=precision, weights="int8")
+    for _ in range(2):
+        got = p.run(feeds)
+    assert quant.LAUNCHES["kernel"] > before and p.fallback_ops == {}, p.fallback_ops
+    # (not asserted: graph capture. The zoo's GPT and HF-BERT, traced with a dynamic sequence, compute a
+    # position Range/Shape on the host and upload it per call, which a capture refuses: they run eagerly,
+    # with or without int8 weights. The bench's models, traced with a static sequence, capture.)
+    for k, w in want.items():
+        scale = max(float(np.abs(w).max()), 1e-3)
+        err = float(np.abs(got[k].astype(np.float64) - w).max()) / scale
+        assert err <= (2e-2 if precision == "fp16" else 6e-2), (k, err)

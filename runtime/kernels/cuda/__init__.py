@@ -171,3 +171,4 @@ def ignored_inputs(k) -> tuple:
 
 from kiln.runtime.kernels.cuda import attention, elementwise, epilogue, linalg, nn, shape  # noqa: E402,F401,I001  (registers kernels)
 from kiln.runtime.kernels.cuda import resize  # noqa: E402,F401  (Resize, issue 15)
+from kiln.runtime.kernels.cuda import quant  # noqa: E402,F401  (DequantizeLinear, issue 18)

@@ -24,8 +24,9 @@ _REFERENCE_OPS = {
     "Reshape": (1,), "Flatten": (), "Transpose": (), "Squeeze": (1,), "Unsqueeze": (1,), "Concat": (),
     "Split": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Pad": (1, 2, 3), "DepthToSpace": (), "SpaceToDepth": (),
     "Trilu": (1,), "GatherElements": (), "CumSum": (1,), "ReduceSum": (1,), "ReduceMean": (1,), "ReduceProd": (1,),
-    "ReduceL2": (1,), "TopK": (1,), "ScatterND": (1,), "Mod": (), "DequantizeLinear": (),
+    "ReduceL2": (1,), "TopK": (1,), "ScatterND": (1,), "Mod": (),
 }
+# DequantizeLinear: a kernel of its own (quant.py), this reference behind it for the rare forms.
 
 
 def device_reference(node, attrs) -> Callable[..., Any]:
