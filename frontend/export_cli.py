@@ -224,12 +224,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         with progress.step("optimizing"):
             optimize(graph)
             verify(graph)
-    if args.precision != "fp32":  # after the check: it compares the float32 trace with the model
+    if args.precision != "fp32" or getattr(args, "weights", None):  # after the check (float32 trace vs model)
         from kiln.ir.passes import optimize
         from kiln.ir.verifier import verify
         from kiln.serializer.convert_cli import apply_precision
 
-        with progress.step(f"converting to {args.precision}"):
+        what = " + ".join(x for x in (args.precision if args.precision != "fp32" else "",
+                                      f"{args.weights} weights" if getattr(args, "weights", None) else "") if x)
+        with progress.step(f"converting to {what}"):
             summary = apply_precision(graph, args)
             if not args.no_optimize:
                 optimize(graph)

@@ -293,3 +293,19 @@ def test_export_in_half_precision(tmp_path):
         want = model(x).numpy()
     got = next(iter(kiln.load(out).run({"x": x.numpy()}).values()))
     assert np.abs(got - want).max() <= 5e-3 * np.abs(want).max()
+
+
+def test_export_with_int8_weights(tmp_path):
+    out = tmp_path / "mlp8.kiln"
+    r = kiln_cli("export", f"{EXAMPLES}:MLP", "-o", out, "--input", "x:2x64", "--dynamic-batch", "--weights", "int8")
+    assert r.returncode == 0, r.stderr
+    assert "converting to int8 weights" in r.stderr and "int8 weights: " in r.stdout, (r.stdout, r.stderr)
+    graph = kiln.load_graph(out)
+    dq = [n for n in graph.nodes if n.op == "DequantizeLinear"]
+    assert dq and all(n.inputs[0].const.dtype == np.int8 for n in dq)
+    model = load_examples().MLP().eval()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(x).numpy()
+    got = next(iter(kiln.load(out).run({"x": x.numpy()}).values()))
+    assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
