@@ -54,15 +54,21 @@ def _deployment_class():
 
 def deployment(path: str, *, name: Optional[str] = None, overrides: Optional[Mapping[str, Any]] = None,
                replicas: int = 1, autoscale: Optional[tuple] = None, num_cpus: float = 1.0, num_gpus: float = 0.0,
-               deployment_name: str = "kiln"):
+               deployment_name: str = "kiln", autoscaling: Optional[Mapping[str, Any]] = None,
+               resources: Optional[Mapping[str, float]] = None):
     """The bound Ray Serve application: ``replicas`` replicas (or autoscaling between ``autoscale`` = (min,
-    max) on ongoing requests), each with ``num_cpus``/``num_gpus``."""
+    max) on ongoing requests, ``autoscaling`` overriding Serve's other autoscaling fields, e.g. its delays),
+    each with ``num_cpus``/``num_gpus`` (and custom Ray ``resources``, to place replicas on chosen nodes)."""
     from ray import serve
-    options: dict = {"name": deployment_name, "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": num_gpus},
+    actor: dict = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+    if resources:
+        actor["resources"] = dict(resources)
+    options: dict = {"name": deployment_name, "ray_actor_options": actor,
                      "health_check_period_s": 2, "graceful_shutdown_timeout_s": 20}
     if autoscale is not None:
         lo, hi = autoscale
-        options["autoscaling_config"] = {"min_replicas": lo, "max_replicas": hi, "target_ongoing_requests": 8}
+        options["autoscaling_config"] = {"min_replicas": lo, "max_replicas": hi, "target_ongoing_requests": 8,
+                                         **dict(autoscaling or {})}
     else:
         options["num_replicas"] = replicas
     return serve.deployment(_deployment_class()).options(**options).bind(str(path), name, dict(overrides or {}))
