@@ -52,6 +52,41 @@ def load_clients(url: str, model: str, x: np.ndarray, clients: int, seconds: flo
             "p50_ms": float(np.percentile(a, 50) * 1e3) if len(a) else None}
 
 
+def serve_batch_deployment(path: str, replicas: int, max_batch: int, wait_s: float):
+    """The alternative the issue asks to measure: no kiln server inside the replica, Ray Serve's own
+    ``@serve.batch`` collecting requests into a batch for ``Program.run``, answering the same V2 JSON route."""
+    from ray import serve
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+
+    @serve.deployment(num_replicas=replicas, ray_actor_options={"num_cpus": 0.5})
+    class ServeBatch:
+        def __init__(self, model_path: str):
+            import kiln
+            self.program = kiln.load(model_path)
+            self.output = self.program.outputs[0].name
+
+        @serve.batch(max_batch_size=max_batch, batch_wait_timeout_s=wait_s)
+        async def infer(self, xs: list) -> list:
+            batch = np.concatenate(xs, axis=0)
+            y = self.program.run({"x": batch})[self.output]
+            out, k = [], 0
+            for x in xs:
+                out.append(y[k:k + x.shape[0]])
+                k += x.shape[0]
+            return out
+
+        async def __call__(self, request: Request):
+            body = await request.json()
+            t = body["inputs"][0]
+            x = np.asarray(t["data"], np.float32).reshape(t["shape"])
+            y = await self.infer(x)
+            return JSONResponse({"model_name": "m", "outputs": [
+                {"name": self.output, "shape": list(y.shape), "datatype": "FP32", "data": y.ravel().tolist()}]})
+
+    return ServeBatch.bind(path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a small .kiln file for the throughput rows (input 'x')")
@@ -59,6 +94,8 @@ def main() -> int:
     ap.add_argument("--replicas", default="1,2")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--serve-batch", action="store_true",
+                    help="also Ray Serve's @serve.batch around Program.run (no kiln server in the replica), same replicas")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -81,10 +118,22 @@ def main() -> int:
                   name="bench", route_prefix="/")
         ready = time.perf_counter() - t
         load_clients(url, "m", x, args.clients, 2.0)  # warm
-        row = {"replicas": n, "deploy_s": ready, **load_clients(url, "m", x, args.clients, args.seconds)}
+        row = {"replicas": n, "batching": "kiln", "deploy_s": ready,
+               **load_clients(url, "m", x, args.clients, args.seconds)}
         rows.append(row)
         print(json.dumps(row), flush=True)
         serve.delete("bench")
+        if args.serve_batch:  # the same replicas, Ray Serve's batching instead of kiln's server and batcher
+            t = time.perf_counter()
+            serve.run(serve_batch_deployment(args.model, n, 32, 0.002), name="bench",
+                      route_prefix="/v2/models/m/infer")
+            ready = time.perf_counter() - t
+            load_clients(url, "m", x, args.clients, 2.0)
+            row = {"replicas": n, "batching": "@serve.batch", "deploy_s": ready,
+                   **load_clients(url, "m", x, args.clients, args.seconds)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            serve.delete("bench")
     cold = None
     if args.resnet:
         t = time.perf_counter()
@@ -105,10 +154,11 @@ def main() -> int:
         print(json.dumps({"cold_start": cold}), flush=True)
         serve.delete("cold")
     print(f"\nRay Serve on {os.cpu_count()} cores, {args.clients} clients, CPU runtime (workers 0, 0.5 CPU a replica)")
-    print("| replicas | requests/s | p50 ms | errors | deploy s |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| replicas | batching | requests/s | p50 ms | errors | deploy s |")
+    print("|---:|---|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['replicas']} | {r['req_per_s']:.0f} | {r['p50_ms']:.2f} | {r['errors']} | {r['deploy_s']:.1f} |")
+        print(f"| {r['replicas']} | {r['batching']} | {r['req_per_s']:.0f} | {r['p50_ms']:.2f} | {r['errors']} | "
+              f"{r['deploy_s']:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "cold_start": cold, "cpus": os.cpu_count()}, indent=1))
     serve.shutdown()

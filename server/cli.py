@@ -110,6 +110,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     ray.add_argument("--autoscale", metavar="MIN:MAX", help="autoscale between MIN and MAX replicas on ongoing requests")
     ray.add_argument("--replica-cpus", type=float, default=1.0, metavar="C", help="CPUs Ray reserves per replica")
     ray.add_argument("--replica-gpus", type=float, default=0.0, metavar="G", help="GPUs per replica (with --device cuda)")
+    ray.add_argument("--ray-ship", action="store_true",
+                     help="send the model file to the replicas through Ray's object store (for nodes that do not "
+                          "see PATH; default: each replica maps PATH itself)")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"),
                    help="server log level (default warning)")
     p.add_argument("--access-log", action="store_true", help="log every request (off by default: it costs time)")
@@ -144,7 +147,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
     from kiln.server.ray_serve import serve_on_ray
     serve_on_ray(str(args.path), host=args.host, port=args.port, address=args.ray_address, name=args.name,
                  overrides=overrides, replicas=args.replicas, autoscale=autoscale, num_cpus=args.replica_cpus,
-                 num_gpus=args.replica_gpus)
+                 num_gpus=args.replica_gpus, ship=args.ray_ship)
     return 0
 
 
@@ -197,8 +200,9 @@ def _url(sock: socket.socket, host: str) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     if getattr(args, "ray", False):
         return _serve_on_ray(args)
-    if getattr(args, "ray_address", None) or getattr(args, "autoscale", None) or getattr(args, "replicas", 1) != 1:
-        raise KilnError("--ray-address, --replicas and --autoscale go with --ray")
+    if getattr(args, "ray_address", None) or getattr(args, "autoscale", None) or getattr(args, "replicas", 1) != 1 \
+            or getattr(args, "ray_ship", False):
+        raise KilnError("--ray-address, --replicas, --autoscale and --ray-ship go with --ray")
     try:
         import uvicorn
         from kiln.server.app import create_app

@@ -13,9 +13,10 @@ already stacks, buckets and runs batches off the event loop).
   warmed up), so Ray never routes to a replica still loading, and a model that cannot load fails the
   replica with its reason.
 - *The file is mapped, not shipped.* Replicas get the model's path, not its bytes: a .kiln file on storage
-  every node sees is memory-mapped by each replica (kiln's load is mmap; weights are used in place). A
-  path only the driver's node has is not copied here; that is the object-store path the issue asks for,
-  not built yet.
+  every node sees is memory-mapped by each replica (kiln's load is mmap; weights are used in place). For a
+  path only the driver's node has, ``ship=True`` (``kiln serve --ray --ray-ship``) puts the file's bytes
+  in Ray's object store once; each replica fetches them (one copy per node in Ray's shared memory), writes
+  a local file and maps that.
 - GPUs: ``num_gpus`` per replica goes to Ray's actor options (Ray sets ``CUDA_VISIBLE_DEVICES`` for the
   actor) and the model config's ``device`` should then be ``cuda``.
 
@@ -34,8 +35,20 @@ def _deployment_class():
     class KilnReplica:
         """One replica: kiln's V2 app over the model (module docstring)."""
 
-        def __init__(self, path: str, name: Optional[str] = None, overrides: Optional[Mapping[str, Any]] = None):
+        def __init__(self, path: str, name: Optional[str] = None, overrides: Optional[Mapping[str, Any]] = None,
+                     shipped: Optional[list] = None):
             self._path, self._name, self._overrides = path, name, dict(overrides or {})
+            if shipped:  # the file's bytes from the object store: written once here, then mapped like any file
+                import os
+                import tempfile
+
+                import ray
+                data = ray.get(shipped[0])
+                folder = tempfile.mkdtemp(prefix="kiln_replica_")
+                local = os.path.join(folder, os.path.basename(path))
+                with open(local, "wb") as f:
+                    f.write(data)
+                self._path = local
 
         def __serve_build_asgi_app__(self):
             from kiln.server.app import create_app
@@ -55,10 +68,12 @@ def _deployment_class():
 def deployment(path: str, *, name: Optional[str] = None, overrides: Optional[Mapping[str, Any]] = None,
                replicas: int = 1, autoscale: Optional[tuple] = None, num_cpus: float = 1.0, num_gpus: float = 0.0,
                deployment_name: str = "kiln", autoscaling: Optional[Mapping[str, Any]] = None,
-               resources: Optional[Mapping[str, float]] = None):
+               resources: Optional[Mapping[str, float]] = None, ship: bool = False):
     """The bound Ray Serve application: ``replicas`` replicas (or autoscaling between ``autoscale`` = (min,
     max) on ongoing requests, ``autoscaling`` overriding Serve's other autoscaling fields, e.g. its delays),
-    each with ``num_cpus``/``num_gpus`` (and custom Ray ``resources``, to place replicas on chosen nodes)."""
+    each with ``num_cpus``/``num_gpus`` (and custom Ray ``resources``, to place replicas on chosen nodes).
+    ``ship``: put the model file's bytes in Ray's object store once, for nodes that do not see ``path``
+    (each replica fetches them, writes a local copy and maps it); default: replicas map ``path`` itself."""
     from ray import serve
     actor: dict = {"num_cpus": num_cpus, "num_gpus": num_gpus}
     if resources:
@@ -71,7 +86,19 @@ def deployment(path: str, *, name: Optional[str] = None, overrides: Optional[Map
                                          **dict(autoscaling or {})}
     else:
         options["num_replicas"] = replicas
-    return serve.deployment(_deployment_class()).options(**options).bind(str(path), name, dict(overrides or {}))
+    shipped = None
+    if ship:
+        import os
+
+        import ray
+        if not os.path.isfile(path):
+            from kiln.errors import KilnError
+            raise KilnError(f"ship=True sends one model file through Ray's object store; {path} is not a file "
+                            "(a repository must be on storage every node sees)")
+        with open(path, "rb") as f:
+            shipped = [ray.put(f.read())]  # in a list: the replica fetches it itself (ray.get), once each
+    return serve.deployment(_deployment_class()).options(**options).bind(str(path), name, dict(overrides or {}),
+                                                                          shipped)
 
 
 def build_app(args: Mapping[str, Any]):

@@ -13,7 +13,8 @@ MLP = str(Path(__file__).resolve().parents[1] / "fixtures" / "mlp_runtime.kiln")
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--replicas", "2"], "--ray-address, --replicas and --autoscale go with --ray"),
+    (["--replicas", "2"], "--ray-address, --replicas, --autoscale and --ray-ship go with --ray"),
+    (["--ray-ship"], "--ray-address, --replicas, --autoscale and --ray-ship go with --ray"),
     (["--ray", "--autoscale", "3:1"], "--autoscale takes MIN:MAX with 1 <= MIN <= MAX"),
     (["--ray", "--autoscale", "2"], "--autoscale takes MIN:MAX"),
     (["--ray", "--replicas", "0"], "--replicas must be at least 1"),

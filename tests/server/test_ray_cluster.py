@@ -280,3 +280,33 @@ def test_a_rolling_update_to_a_new_version_fails_no_request(cluster, tmp_path):
     print(f"rolling update: {len(results)} requests, 0 failed, {served.count('old')} by v1, {served.count('new')} by v2")
     assert "old" in served and served[-20:] == ["new"] * 20, served[-30:]
     serve.delete("kiln")
+
+
+def test_a_shipped_model_reaches_replicas_through_the_object_store(cluster, tmp_path):
+    """ship=True: the file's bytes go through Ray's object store once; a replica started after the file is gone
+    from the path (a node that never saw it) still loads and answers."""
+    import shutil as sh
+    path = tmp_path / "only_here.kiln"
+    sh.copy(MLP, path)
+    serve.run(deployment(str(path), name="mlp", replicas=1, num_cpus=0.25, overrides={"workers": 0}, ship=True),
+              name="kiln", route_prefix="/")
+    _wait(lambda: _replicas().get("RUNNING") == 1, 90, "1 running replica")
+    path.unlink()  # from now on no node sees the path
+    (victim,) = _replica_actors()
+    ray.kill(victim, no_restart=True)  # Serve starts a new replica: it can only get the model from the store
+    time.sleep(2)
+    _wait(lambda: _replicas() == {"RUNNING": 1}, 90, "the replacement replica")
+    program = kiln.load(MLP)
+    xs = _requests(20, 15)
+    results = _hammer(cluster, xs, threads=4)
+    assert all(s == 200 for _, s, _ in results), {s for _, s, _ in results}
+    for i, _, got in results:
+        np.testing.assert_allclose(next(iter(got.values())), next(iter(program.run({"x": xs[i]}).values())),
+                                   rtol=1e-5, atol=1e-6)
+    serve.delete("kiln")
+
+
+def test_ship_refuses_a_repository(cluster, tmp_path):
+    from kiln.errors import KilnError
+    with pytest.raises(KilnError, match="is not a file"):
+        deployment(str(tmp_path), ship=True)
