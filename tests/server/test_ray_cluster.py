@@ -22,8 +22,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# Ray >= 2.5x authenticates a cluster's RPCs with a token: every node and this driver share one, set before
-# Ray is imported (its C++ client reads the environment then).
+# Ray >= 2.59 authenticates a cluster's RPCs with a token: every node and this driver share one, set before
+# Ray is imported (its C++ client reads the environment then). Another module that imported Ray first (and
+# started a local instance in this process) would be left with mismatched settings, so this module runs in a
+# pytest process of its own (.ci/run does so).
+if "ray" in sys.modules and os.environ.get("RAY_AUTH_MODE") != "token":
+    pytest.skip("the cluster tests need a pytest process of their own: Ray was imported before their auth "
+                "settings (run tests/server/test_ray_cluster.py alone)", allow_module_level=True)
 _TOKEN = os.environ.setdefault("RAY_AUTH_TOKEN", os.urandom(16).hex())
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
@@ -45,7 +50,8 @@ def _free_port() -> int:
 
 
 def _ray(*args, timeout=120):
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    # Stated, not inherited: a local ray.init earlier in this process (another module's) may have changed them.
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=_TOKEN)
     r = subprocess.run([RAY, *args], capture_output=True, text=True, timeout=timeout, env=env)
     assert r.returncode == 0, f"ray {' '.join(args)}:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
     return r
@@ -65,6 +71,7 @@ def cluster(tmp_path_factory):
     try:
         for name in ("node_a", "node_b"):
             _ray("start", "--address", address, "--num-cpus", "1", "--resources", f'{{"{name}": 1}}', *common)
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=_TOKEN)
         ray.init(address=address, log_to_driver=False)
         deadline = time.monotonic() + 60
         while len([n for n in ray.nodes() if n["Alive"]]) < 3:
