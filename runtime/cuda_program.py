@@ -139,8 +139,7 @@ class CudaProgram:
         self.fused_groups = 0
         self.fused_epilogues = 0
         self.fused_attention = 0
-        self._has_bf16 = any(v.type is not None and v.type.dtype is DType.BFLOAT16
-                             for g in graph.all_graphs() for v in g.values())
+        self._has_bf16 = any(_is_bf16(v) for g in graph.all_graphs() for v in g.values())
         if fuse:
             from kiln.ir.passes.fuse import fuse_attention, fuse_elementwise, fuse_epilogues
             self.fused_attention = fuse_attention(graph)
@@ -208,18 +207,16 @@ class CudaProgram:
         may touch it, or a CuPy op would compute on the words and answer wrong without a sound. Every node
         reading or writing bfloat16 must be one of ``BF16_OPS`` with a native kernel (a FusedEpilogue only
         around a MatMul/Gemm); anything else refuses the load, naming the ops (issue 18)."""
-        def bf16(v) -> bool:
-            return v is not None and v.type is not None and v.type.dtype is DType.BFLOAT16
-        if not any(bf16(v) for g in self.graph.all_graphs() for v in g.values()):
+        if not self._has_bf16:
             return
         bad: dict = {}
-        io = [v.name for v in list(self.graph.inputs) + list(self.graph.outputs) if bf16(v)]
+        io = [v.name for v in list(self.graph.inputs) + list(self.graph.outputs) if _is_bf16(v)]
         if io:
             raise KilnError(f"bfloat16 at the model's interface ({', '.join(io)}) is not taken on the GPU yet: convert "
                             "without half_io (float32 inputs and outputs, bfloat16 inside)")
         host = set(map(id, self._host_nodes))
         for node, k in self._kernels:
-            if not (any(bf16(v) for v in node.inputs) or any(bf16(v) for v in node.outputs)):
+            if not _touches_bf16(node):
                 continue
             op = node.qualified_op
             why = None
@@ -572,9 +569,12 @@ def _strategy(k) -> str:
     return "?"
 
 
+def _is_bf16(v: Optional[Value]) -> bool:
+    return v is not None and v.type is not None and v.type.dtype is DType.BFLOAT16
+
+
 def _touches_bf16(node: Node) -> bool:
-    return any(v is not None and v.type is not None and v.type.dtype is DType.BFLOAT16
-               for v in list(node.inputs) + list(node.outputs))
+    return any(_is_bf16(v) for v in list(node.inputs) + list(node.outputs))
 
 
 _BF16_KERNELS: dict = {}
@@ -583,13 +583,11 @@ _BF16_KERNELS: dict = {}
 def _bf16_converters():
     """CuPy kernels between bfloat16 words (uint16) and float32: a shift up; round to nearest even down."""
     if not _BF16_KERNELS:
-        _BF16_KERNELS["up"] = cp.ElementwiseKernel("uint16 h", "float32 f", "f = __uint_as_float(((unsigned int)h) << 16)",
-                                                   "kiln_bf16_to_f32")
-        _BF16_KERNELS["down"] = cp.ElementwiseKernel(
-            "float32 f", "uint16 h",
-            "unsigned int u = __float_as_uint(f); "
-            "h = ((u & 0x7fffffffu) > 0x7f800000u) ? (unsigned short)((u >> 16) | 0x40u) "
-            ": (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)", "kiln_f32_to_bf16")
+        from kiln.runtime.kernels.cuda.codegen import HALF_CONVERSIONS
+        _BF16_KERNELS["up"] = cp.ElementwiseKernel("uint16 h", "float32 f", "f = kiln_bf2f(h)", "kiln_bf16_to_f32",
+                                                   preamble=HALF_CONVERSIONS)
+        _BF16_KERNELS["down"] = cp.ElementwiseKernel("float32 f", "uint16 h", "h = kiln_f2bf(f)", "kiln_f32_to_bf16",
+                                                     preamble=HALF_CONVERSIONS)
     return _BF16_KERNELS["up"], _BF16_KERNELS["down"]
 
 

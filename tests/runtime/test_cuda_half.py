@@ -106,31 +106,43 @@ def zoo():
     return z
 
 
-@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3", "transformer_encoder", "gpt", "hf_bert"])
-def test_zoo_models_in_fp16_on_the_gpu_close_to_torch(zoo, name, tmp_path):
-    import torch
+def _zoo_file(zoo, name: str, tmp_path):
+    """(torch model, input tensors, its traced .kiln file, numpy feeds) for a zoo model."""
     entry = zoo.by_name(name)
     if entry.needs:
         pytest.importorskip(entry.needs)
     model, inputs, spec = entry.factory()
     path = kiln.save(kiln.trace(model, inputs, dynamic=spec), tmp_path / "m.kiln")
     names, tensors = zoo.input_list(model, inputs)
-    feeds = dict(zip(names, [t.numpy() for t in tensors]))
-    p = kiln.load(path, device="cuda", output="numpy", precision="fp16")
+    return model, tensors, path, dict(zip(names, [t.numpy() for t in tensors]))
+
+
+def _check_zoo_against_torch(zoo, name: str, tmp_path, precision: str, floor: float):
+    """kiln at ``precision`` on the GPU: no host fallback, and each output's error against torch's float32 at
+    most 2x torch's own error at that precision (or ``floor``), both relative to the output's largest value."""
+    import torch
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    model, tensors, path, feeds = _zoo_file(zoo, name, tmp_path)
+    p = kiln.load(path, device="cuda", output="numpy", precision=precision)
     got = list(p.run(feeds).values())
     assert p.fallback_ops == {}, f"{name} fell back to the host: {p.fallback_ops}"
     with torch.inference_mode():
         want = model(*tensors)
-        half = model.half().cuda()(*[t.cuda() if t.is_floating_point() is False else t.half().cuda()
-                                     for t in tensors])
-    want, half = _flat(want), _flat(half)
-    for w, o, h in zip(want, got, half):
+        low = model.to(dtype).cuda()(*[t.cuda() if t.is_floating_point() is False else t.to(dtype).cuda()
+                                       for t in tensors])
+    want, low = _flat(want), _flat(low)
+    for w, o, h in zip(want, got, low):
         w = w.float().numpy()
         scale = max(float(np.abs(w).max()), 1e-3)
         err = float(np.abs(o.astype(np.float64) - w).max()) / scale
         torch_err = float(np.abs(h.float().cpu().numpy() - w).max()) / scale
-        # kiln in fp16 is no worse than torch's own fp16 (a small margin for rounding luck), and close.
-        assert err <= max(2 * torch_err, 1e-2), (name, err, torch_err)
+        # kiln at half precision is no worse than torch's own (a small margin for rounding luck), and close.
+        assert err <= max(2 * torch_err, floor), (name, err, torch_err)
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3", "transformer_encoder", "gpt", "hf_bert"])
+def test_zoo_models_in_fp16_on_the_gpu_close_to_torch(zoo, name, tmp_path):
+    _check_zoo_against_torch(zoo, name, tmp_path, "fp16", 1e-2)
 
 
 @pytest.mark.parametrize("lq, lk, d, masked", [(128, 128, 64, True), (77, 50, 32, False), (1, 200, 64, True)])
@@ -377,29 +389,8 @@ def _bf16():
 def test_zoo_models_in_bf16_on_the_gpu_close_to_torch(zoo, name, tmp_path):
     """bfloat16 end to end on the GPU (uint16 words on the device): no host fallback, no op refused, and within
     2x torch's own bfloat16 error against float32."""
-    import torch
     _bf16()
-    entry = zoo.by_name(name)
-    if entry.needs:
-        pytest.importorskip(entry.needs)
-    model, inputs, spec = entry.factory()
-    path = kiln.save(kiln.trace(model, inputs, dynamic=spec), tmp_path / "m.kiln")
-    names, tensors = zoo.input_list(model, inputs)
-    feeds = dict(zip(names, [t.numpy() for t in tensors]))
-    p = kiln.load(path, device="cuda", output="numpy", precision="bf16")
-    got = list(p.run(feeds).values())
-    assert p.fallback_ops == {}, f"{name} fell back to the host: {p.fallback_ops}"
-    with torch.inference_mode():
-        want = model(*tensors)
-        low = model.to(torch.bfloat16).cuda()(*[t.cuda() if t.is_floating_point() is False else
-                                                t.to(torch.bfloat16).cuda() for t in tensors])
-    want, low = _flat(want), _flat(low)
-    for w, o, h in zip(want, got, low):
-        w = w.float().numpy()
-        scale = max(float(np.abs(w).max()), 1e-3)
-        err = float(np.abs(o.astype(np.float64) - w).max()) / scale
-        torch_err = float(np.abs(h.float().cpu().numpy() - w).max()) / scale
-        assert err <= max(2 * torch_err, 2e-2), (name, err, torch_err)
+    _check_zoo_against_torch(zoo, name, tmp_path, "bf16", 2e-2)
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
@@ -513,13 +504,7 @@ def test_int8_weights_on_the_gpu_match_the_cpu_run_of_the_same_file(zoo, name, p
     monkeypatch.setattr("kiln.ir.passes.precision.WEIGHT_INT8_MIN_ELEMENTS", 256)  # the zoo's weights are small
     if precision == "bf16":
         _bf16()
-    entry = zoo.by_name(name)
-    if entry.needs:
-        pytest.importorskip(entry.needs)
-    model, inputs, spec = entry.factory()
-    path = kiln.save(kiln.trace(model, inputs, dynamic=spec), tmp_path / "m.kiln")
-    names, tensors = zoo.input_list(model, inputs)
-    feeds = dict(zip(names, [t.numpy() for t in tensors]))
+    _, _, path, feeds = _zoo_file(zoo, name, tmp_path)
     want = kiln.load(path, precision=precision, weights="int8").run(feeds)
     before = quant.LAUNCHES["kernel"]
     p = kiln.load(path, device="cuda", output="numpy", precision=precision, weights="int8")

@@ -9,6 +9,7 @@ time. The cluster is one per module (starting three nodes costs about 20 s on a 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -16,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -131,6 +131,21 @@ def _hammer(url: str, xs: list, threads: int = 12, stop: threading.Event = None)
     return results
 
 
+@contextlib.contextmanager
+def _under_load(url: str, xs: list, threads: int):
+    """Clients cycling through ``xs`` while the block runs; the list it yields holds every request's
+    (index, status, outputs) once the block has ended (the clients stop and are joined even if it raises)."""
+    stop = threading.Event()
+    results: list = []
+    load = threading.Thread(target=lambda: results.extend(_hammer(url, xs, threads=threads, stop=stop)))
+    load.start()
+    try:
+        yield results
+    finally:
+        stop.set()
+        load.join(timeout=120)
+
+
 def _replicas(app: str = "kiln") -> dict:
     st = serve.status().applications.get(app)
     if st is None:
@@ -190,20 +205,12 @@ def test_a_replica_killed_under_load_loses_no_request_and_is_replaced(cluster):
     program = kiln.load(MLP)
     xs = _requests(64, 12)
     want = [next(iter(program.run({"x": x}).values())) for x in xs]
-    stop = threading.Event()
-    out: dict = {}
-    load = threading.Thread(target=lambda: out.setdefault("r", _hammer(cluster, xs, threads=8, stop=stop)))
-    load.start()
-    try:
+    with _under_load(cluster, xs, threads=8) as results:
         time.sleep(3)
         victims = _replica_actors()
         assert len(victims) == 2, "replica actors not found"
         ray.kill(victims[0], no_restart=True)
         time.sleep(6)
-    finally:
-        stop.set()
-        load.join(timeout=120)
-    results = out["r"]
     assert len(results) > 100
     wrong = 0
     for i, status, got in results:
@@ -226,18 +233,12 @@ def test_autoscaling_goes_up_under_load_and_back_down(cluster):
                          autoscaling=fast), name="kiln", route_prefix="/")
     _wait(lambda: _replicas().get("RUNNING") == 1, 90, "1 running replica")
     xs = _requests(64, 13)
-    stop = threading.Event()
     seen = {"max": 1}
-    load = threading.Thread(target=lambda: _hammer(cluster, xs, threads=12, stop=stop))
-    load.start()
-    try:
+    with _under_load(cluster, xs, threads=12):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and seen["max"] < 2:
             seen["max"] = max(seen["max"], _replicas().get("RUNNING", 0))
             time.sleep(0.5)
-    finally:
-        stop.set()
-        load.join(timeout=120)
     print(f"autoscaling: up to {seen['max']} replicas under load")
     assert seen["max"] >= 2, f"never scaled up: {_replicas()}"
     _wait(lambda: _replicas().get("RUNNING") == 1 and len(_replicas()) == 1, 90, "scaling back down to 1")
@@ -260,11 +261,7 @@ def test_a_rolling_update_to_a_new_version_fails_no_request(cluster, tmp_path):
     def first(p, x):
         return next(iter(p.run({"x": x}).values()))
     want_old, want_new = [first(old, x) for x in xs], [first(new, x) for x in xs]
-    stop = threading.Event()
-    out: dict = {}
-    load = threading.Thread(target=lambda: out.setdefault("r", _hammer(cluster, xs, threads=8, stop=stop)))
-    load.start()
-    try:
+    with _under_load(cluster, xs, threads=8) as results:
         time.sleep(2)
         # serve.run returns once the new version's replicas run; Serve replaces the old ones one by one,
         # draining each (graceful_shutdown_timeout_s), while the load goes on
@@ -272,10 +269,6 @@ def test_a_rolling_update_to_a_new_version_fails_no_request(cluster, tmp_path):
                   name="kiln", route_prefix="/")
         _wait(lambda: _replicas() == {"RUNNING": 2}, 90, "the update to finish")
         time.sleep(3)  # requests after the update: only version 2 answers
-    finally:
-        stop.set()
-        load.join(timeout=120)
-    results = out["r"]
     assert all(s == 200 for _, s, _ in results), {s for _, s, _ in results if s != 200}  # zero failed
     served = []
     for i, _, got in results:

@@ -43,6 +43,7 @@ import numpy as np
 from kiln.errors import KilnError
 from kiln.runtime.cuda_options import ATTENTION_DEFAULT
 from kiln.runtime.kernels.cuda import kernel, options
+from kiln.runtime.kernels.cuda.codegen import HALF_CONVERSIONS
 
 _SOURCE = r"""
 #define BQ 64    // query rows a block
@@ -209,25 +210,11 @@ def _sms() -> int:
     return n
 
 
+# float16 (issue 18): q, k, v, the mask and the output in half; scores, softmax and P V in float32. bfloat16 is
+# held as uint16 words on the device (a float-only kernel reads a uint16 array as bfloat16).
 _IO = {np.dtype(np.float32): "#define IN float\n#define LD(x) (x)\n#define ST(x) (x)\n",
-       # float16 (issue 18): q, k, v, the mask and the output in half; scores, softmax and P V in float32.
-       np.dtype(np.float16): r"""#define IN unsigned short
-__device__ __forceinline__ float LD(unsigned short h) { float f; asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h)); return f; }
-__device__ __forceinline__ unsigned short ST(float f) { unsigned short h; asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f)); return h; }
-"""}
-
-
-# bfloat16 (uint16 words on the device: a float-only kernel reads uint16 as bfloat16): loaded by a shift,
-# stored rounded to nearest even.
-_IO[np.dtype(np.uint16)] = r"""#define IN unsigned short
-__device__ __forceinline__ float LD(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
-__device__ __forceinline__ unsigned short ST(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
-}
-"""
+       np.dtype(np.float16): HALF_CONVERSIONS + "#define IN unsigned short\n#define LD(x) kiln_h2f(x)\n#define ST(x) kiln_f2h(x)\n",
+       np.dtype(np.uint16): HALF_CONVERSIONS + "#define IN unsigned short\n#define LD(x) kiln_bf2f(x)\n#define ST(x) kiln_f2bf(x)\n"}
 
 
 def _kernel(dtype=np.float32):

@@ -411,6 +411,22 @@ EXPRESSIONS: dict[str, Callable] = {
 # CastLike's second input only gives the dtype: the kernel never reads it.
 UNREAD_INPUTS = {"CastLike": (1,)}
 
+# The 16-bit float conversions every kiln kernel that reads or writes half types uses (generated, row,
+# attention, dequantize kernels; the bfloat16 widening around float32 kernels): float16 through PTX cvt (no
+# header for NVRTC to find); bfloat16 is the high half of a float32, rounded to nearest even in plain C (as
+# ml_dtypes and torch do) so the source compiles on every architecture; a NaN stays a quiet NaN.
+HALF_CONVERSIONS = r"""
+__device__ __forceinline__ float kiln_h2f(unsigned short h) { float f; asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h)); return f; }
+__device__ __forceinline__ unsigned short kiln_f2h(float f) { unsigned short h; asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f)); return h; }
+__device__ __forceinline__ float kiln_bf2f(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
+__device__ __forceinline__ unsigned short kiln_f2bf(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+"""
+
 PRELUDE = r"""
 #define KF __device__ __forceinline__
 KF float k_exp(float x) { return expf(x); }      KF double k_exp(double x) { return exp(x); }
@@ -450,18 +466,7 @@ template <typename T> KF T k_ipow(T base, long long e) {
   return r;
 }
 template <typename T, int W> struct alignas(sizeof(T) * W) VW { T v[W]; };
-KF float kiln_h2f(unsigned short h) { float f; asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h)); return f; }
-KF unsigned short kiln_f2h(float f) { unsigned short h; asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f)); return h; }
-// bfloat16: the high half of a float32. Rounded to nearest even in plain C (as ml_dtypes and torch do), so
-// the prelude compiles on every architecture; a NaN stays a quiet NaN.
-KF float kiln_bf2f(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
-KF unsigned short kiln_f2bf(float f) {
-  unsigned int u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (unsigned short)(u >> 16);
-}
-"""
+""" + HALF_CONVERSIONS
 
 
 # --------------------------------------------------------------------------- source generation

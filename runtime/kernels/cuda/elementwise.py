@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 import cupy as cp
 import numpy as np
 
+from kiln.ir.dtypes import DType
 from kiln.runtime.kernels.cuda import codegen, const_input, device_array, kernel
 from kiln.runtime.kernels.cuda.codegen import EXPRESSIONS, ElementwiseKernel, Unsupported
 
@@ -92,7 +93,7 @@ def _interpret(node, body_graph) -> Callable[..., Any]:
     env_consts = {v: v.const if v in host_only else device_array(v.const) for v in body_graph.initializers.values()}
     for n in body_graph.nodes:
         k = cuda.choose(n, n.schema.fill_attrs(n.attrs))
-        if k is None and any(v is not None and v.type is not None and v.type.dtype.name == "BFLOAT16"
+        if k is None and any(v is not None and v.type is not None and v.type.dtype is DType.BFLOAT16
                              for v in list(n.inputs) + list(n.outputs)):
             from kiln.errors import KilnError
             raise KilnError(f"{node.describe()}: body node {n.describe()} has no bfloat16 GPU kernel (a host run would "

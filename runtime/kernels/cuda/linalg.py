@@ -441,7 +441,9 @@ def gemm(node, attrs) -> Optional[Callable[..., Any]]:
         # product with C (beta * C, a vector of N) as its bias epilogue, or it is refused at load.
         has_c = len(node.inputs) > 2 and node.inputs[2] is not None
         n = None if node.outputs[0].type is None or node.outputs[0].type.shape is None else node.outputs[0].type.shape[-1]
-        if alpha != 1.0 or (has_c and (c_const is None or not isinstance(n, int) or c_const.size != n)):
+        # C must be a row of N (a [N] or [1, N] bias), not an [M, 1] column that happens to have N elements
+        if alpha != 1.0 or (has_c and (c_const is None or not isinstance(n, int) or c_const.size != n
+                                       or c_const.shape[-1] != n)):
             return None
         lt = LtBias(None if not has_c else device_array(np.ascontiguousarray(
             (c_const * c_const.dtype.type(beta) if beta != 1.0 else c_const).reshape(-1))), tf32=tf32)

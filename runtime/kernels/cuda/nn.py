@@ -51,10 +51,10 @@ from kiln.runtime.kernels.cuda import FLOATS, U16, codegen, const_input, device_
 HALF = np.dtype(np.float16)
 FLOATS16 = FLOATS + (HALF,)  # what the kernels below also take in float16 (issue 18)
 CUDNN_FLOATS = (np.dtype(np.float32), HALF)  # what goes to cuDNN (float64 stays on im2col)
-# The row kernels (LayerNorm, Softmax, LogSoftmax) also take bfloat16 (uint16 words on the device): only
-# through rowwise.py; their CuPy fallbacks would compute on the words, so a bfloat16 row that rowwise does
-# not take raises instead.
-ROW_FLOATS = FLOATS16 + ((codegen.BF16,) if codegen.BF16 is not None else ())
+# What the row kernels (LayerNorm, Softmax, LogSoftmax) and Conv also take: bfloat16 (uint16 words on the
+# device), only through rowwise.py / cuDNN; their CuPy fallbacks would compute on the words, so a bfloat16
+# input that those do not take raises instead.
+FLOATS16_BF16 = FLOATS16 + ((codegen.BF16,) if codegen.BF16 is not None else ())
 
 
 def _bf16_words(x) -> None:
@@ -133,7 +133,7 @@ def conv(node, attrs) -> Optional[Callable[..., Any]]:
     w = const_input(node, 1)
     has_bias = len(node.inputs) > 2 and node.inputs[2] is not None
     bias = const_input(node, 2)
-    if in_dtype(node) not in ROW_FLOATS:
+    if in_dtype(node) not in FLOATS16_BF16:
         return None
     bf16 = codegen.BF16 is not None and in_dtype(node) == codegen.BF16
     if w is None or (has_bias and bias is None):
@@ -504,7 +504,7 @@ def batch_norm(node, attrs):
 
 @kernel("LayerNormalization")
 def layer_norm(node, attrs):
-    if in_dtype(node) not in ROW_FLOATS:
+    if in_dtype(node) not in FLOATS16_BF16:
         return None
     eps = attrs["epsilon"]
     stash = DType(attrs["stash_type"]).numpy
@@ -556,7 +556,7 @@ def instance_norm(node, attrs):
 
 @kernel("Softmax")
 def softmax(node, attrs):
-    if in_dtype(node) not in ROW_FLOATS:
+    if in_dtype(node) not in FLOATS16_BF16:
         return None
     axis = attrs["axis"]
 
@@ -573,7 +573,7 @@ def softmax(node, attrs):
 
 @kernel("LogSoftmax")
 def log_softmax(node, attrs):
-    if in_dtype(node) not in ROW_FLOATS:
+    if in_dtype(node) not in FLOATS16_BF16:
         return None
     axis = attrs["axis"]
 

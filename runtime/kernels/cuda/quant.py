@@ -20,6 +20,7 @@ import numpy as np
 
 from kiln.errors import KilnError
 from kiln.runtime.kernels.cuda import kernel, out_dtype
+from kiln.runtime.kernels.cuda.codegen import HALF_CONVERSIONS
 
 # Eight elements a thread (an 8-byte load of int8, a 16- or 32-byte store), 32-bit indices: a weight
 # dequantized per call must cost about its bytes, not its element count in divisions (the first version,
@@ -54,19 +55,8 @@ extern "C" __global__ void kiln_dequantize(const XT* __restrict__ x, const SC* _
 """
 _IO = {
     "float32": "#define SC float\n#define LD(v) (v)\n#define ST(v) (v)\n",
-    "float16": r"""#define SC unsigned short
-__device__ __forceinline__ float LD(unsigned short h) { float f; asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h)); return f; }
-__device__ __forceinline__ unsigned short ST(float f) { unsigned short h; asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f)); return h; }
-""",
-    "uint16": r"""#define SC unsigned short
-__device__ __forceinline__ float LD(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
-__device__ __forceinline__ unsigned short ST(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
-}
-""",
+    "float16": HALF_CONVERSIONS + "#define SC unsigned short\n#define LD(v) kiln_h2f(v)\n#define ST(v) kiln_f2h(v)\n",
+    "uint16": HALF_CONVERSIONS + "#define SC unsigned short\n#define LD(v) kiln_bf2f(v)\n#define ST(v) kiln_f2bf(v)\n",
 }
 _XT = {"int8": "signed char", "uint8": "unsigned char"}
 _KERNELS: dict = {}

@@ -38,7 +38,7 @@ from typing import Optional
 
 import numpy as np
 
-from kiln.runtime.kernels.cuda.codegen import compile_kernel
+from kiln.runtime.kernels.cuda.codegen import HALF_CONVERSIONS, compile_kernel
 
 WARP_MAX_D = 1024          # rows up to this long: one warp per row, values in registers
 SOFTMAX, LOG_SOFTMAX, LAYER_NORM = 0, 1, 2
@@ -50,17 +50,6 @@ _STORAGE = {np.dtype(np.float16): ("unsigned short", "kiln_h2f(v)", "kiln_f2h(v)
             # take only float types, so a uint16 array here is bfloat16.
             np.dtype(np.uint16): ("unsigned short", "kiln_bf2f(v)", "kiln_f2bf(v)")}
 _CTYPE[np.dtype(np.uint16)] = "float"
-_HALF_CONV = r"""
-__device__ __forceinline__ float kiln_h2f(unsigned short h) { float f; asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h)); return f; }
-__device__ __forceinline__ unsigned short kiln_f2h(float f) { unsigned short h; asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f)); return h; }
-__device__ __forceinline__ float kiln_bf2f(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
-__device__ __forceinline__ unsigned short kiln_f2bf(float f) {
-    unsigned int u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (unsigned short)(u >> 16);
-}
-"""
 LAUNCHES = {"warp": 0, "block": 0, "vector": 0}  # launches per variant (tests check which path ran)
 
 _COMMON = r"""
@@ -343,7 +332,7 @@ def source(dtype, mode: int, d: int, *, has_bias: bool = False, stats: bool = Fa
     dt = np.dtype(dtype)
     storage, load, store = _STORAGE.get(dt, (_CTYPE[dt], "(v)", "(v)"))
     head = (f"#define T {_CTYPE[dt]}\n#define S {storage}\n#define MODE {mode}\n#define HAS_BIAS {int(has_bias)}\n"
-            f"#define STATS {int(stats)}\n" + (_HALF_CONV if dt in _STORAGE else "")
+            f"#define STATS {int(stats)}\n" + (HALF_CONVERSIONS if dt in _STORAGE else "")
             + f"#define LD(v) {load}\n#define ST(v) {store}\n")
     if d <= WARP_MAX_D and vec:
         return head + f"#define VEC {vec}\n#define E {elements_per_lane(-(-d // vec))}\n" + _COMMON + _WARP_VEC
