@@ -71,6 +71,29 @@ def gpu_slots(config: Any) -> List[int]:
     return slots
 
 
+def visible_device(index: int, environ: Optional[Dict[str, str]] = None) -> str:
+    """What a worker for this process's CUDA device ``index`` gets as its ``CUDA_VISIBLE_DEVICES``: the
+    ``index``-th entry of this process's own ``CUDA_VISIBLE_DEVICES`` (an index, ``GPU-<uuid>`` or ``MIG-<uuid>``),
+    or ``index`` itself where that is unset. Without the mapping a worker of a process that sees a subset of the
+    cards (Ray sets ``CUDA_VISIBLE_DEVICES=3`` for a replica given GPU 3; a user's ``CUDA_VISIBLE_DEVICES=2,3``)
+    would run on another card than the one meant: physical 0 instead of 3, possibly one another replica owns."""
+    env = os.environ if environ is None else environ
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return str(index)
+    entries = [e.strip() for e in visible.split(",")]
+    # CUDA ignores the list from its first invalid entry on (e.g. "-1" hides every GPU); so does this.
+    usable = []
+    for e in entries:
+        if not e or (e.lstrip("-").isdigit() and int(e) < 0):
+            break
+        usable.append(e)
+    if not 0 <= index < len(usable):
+        raise KilnError(f"CUDA device {index} is not visible to this process (CUDA_VISIBLE_DEVICES={visible!r} "
+                        f"shows {len(usable)} GPU(s))")
+    return usable[index]
+
+
 def check_gpus(entries: list, probe=None) -> None:
     """Before a port is bound: every model served on ``cuda`` has CuPy and the GPUs it names. ``probe()``
     returns the number of GPUs (default: CuPy's device count); it raises or returns 0 where there are none.
@@ -406,7 +429,7 @@ class GpuExecutor(ProcessExecutor):
 
     def _worker_env(self, slot: int) -> Dict[str, str]:
         env = worker_env(self.n_workers)
-        env["CUDA_VISIBLE_DEVICES"] = str(self.slots[slot])
+        env["CUDA_VISIBLE_DEVICES"] = visible_device(self.slots[slot])  # this process's device N, not physical N
         return env
 
     @property

@@ -8,9 +8,11 @@ nv_gpu_memory_used_bytes       gauge  GPU used memory, in bytes (all processes o
 
 Only when the server serves at least one model on ``cuda`` and ``pynvml`` (the ``nvidia-ml-py``
 package, in the ``gpu`` extra) imports; the GPUs sampled are those the served models' workers use
-(:func:`kiln.server.gpu.gpu_slots`; an index is the CUDA index the workers get as
-``CUDA_VISIBLE_DEVICES``, looked up with ``nvmlDeviceGetHandleByIndex``: the same card where CUDA and
-NVML order devices alike, i.e. by PCI bus id, which they do on machines of identical GPUs).
+(:func:`kiln.server.gpu.gpu_slots`; an index is a CUDA index of the server process, mapped through its
+own ``CUDA_VISIBLE_DEVICES`` as the workers' is (:func:`kiln.server.gpu.visible_device`), because NVML
+ignores that variable: a UUID entry is looked up with ``nvmlDeviceGetHandleByUUID``, a number with
+``nvmlDeviceGetHandleByIndex``: the same card where CUDA and NVML order devices alike, i.e. by PCI bus id,
+which they do on machines of identical GPUs).
 
 Otherwise the three families are absent from the page (as in Triton started with
 ``--allow-gpu-metrics=false`` or without GPUs), and the reason is logged once. Sampling happens at
@@ -113,8 +115,11 @@ class GpuMetrics:
             nv.nvmlInit()
             self._initialized = True
         rows = []
+        from kiln.server.gpu import visible_device
         for index in self.gpus:
-            handle = nv.nvmlDeviceGetHandleByIndex(index)
+            device = visible_device(index)  # e.g. Ray gave this replica GPU 3: CUDA's 0 is NVML's 3
+            handle = (nv.nvmlDeviceGetHandleByIndex(int(device)) if device.isdigit()
+                      else nv.nvmlDeviceGetHandleByUUID(device))
             uuid = nv.nvmlDeviceGetUUID(handle)
             if isinstance(uuid, bytes):  # older pynvml returns bytes
                 uuid = uuid.decode("utf-8", "replace")

@@ -41,6 +41,8 @@ def fake_pynvml(fail_at: str = "", calls: list | None = None) -> types.ModuleTyp
     m.nvmlInit = lambda: call("nvmlInit")
     m.nvmlShutdown = lambda: call("nvmlShutdown")
     m.nvmlDeviceGetHandleByIndex = lambda i: (calls.append(("index", i)), call("nvmlDeviceGetHandleByIndex", i))[1]
+    m.nvmlDeviceGetHandleByUUID = lambda u: (calls.append(("uuid", u)), call(
+        "nvmlDeviceGetHandleByUUID", next(i for i, d in DEVICES.items() if d[0] == u)))[1]
     m.nvmlDeviceGetUUID = lambda h: call("nvmlDeviceGetUUID", DEVICES[h][0])
     m.nvmlDeviceGetUtilizationRates = lambda h: call(
         "nvmlDeviceGetUtilizationRates", types.SimpleNamespace(gpu=DEVICES[h][1], memory=0))
@@ -49,6 +51,12 @@ def fake_pynvml(fail_at: str = "", calls: list | None = None) -> types.ModuleTyp
                                                          free=DEVICES[h][2] - DEVICES[h][3]))
     m.calls = calls
     return m
+
+
+@pytest.fixture(autouse=True)
+def _all_gpus_visible(monkeypatch):
+    """The fake's NVML indices are the CUDA ones (a GPU machine may set CUDA_VISIBLE_DEVICES for us)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
 def gpu_entry(name="g", device="cuda", **config) -> ModelEntry:
@@ -86,6 +94,19 @@ def test_renders_three_families_with_values_and_labels():
     assert 'nv_gpu_utilization{gpu_uuid="GPU-aaaa-0000"} 0.37' in text
     assert "# TYPE nv_gpu_memory_used_bytes gauge" in text
     assert [c for c in calls if isinstance(c, tuple)] == [("index", 0), ("index", 2)]  # only the GPUs in use
+
+
+def test_gpus_are_looked_up_through_cuda_visible_devices(monkeypatch):
+    """NVML ignores CUDA_VISIBLE_DEVICES: a server that sees "2,0" (Ray's replica on two cards) samples NVML's
+    2 for its CUDA device 0; a UUID entry is looked up by UUID."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
+    calls = []
+    check_page(GpuMetrics([0], importer=lambda: fake_pynvml(calls=calls)).render(), [2])
+    assert [c for c in calls if isinstance(c, tuple)] == [("index", 2)]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bbbb-1111")
+    calls = []
+    check_page(GpuMetrics([0], importer=lambda: fake_pynvml(calls=calls)).render(), [1])
+    assert [c for c in calls if isinstance(c, tuple)] == [("uuid", "GPU-bbbb-1111")]
 
 
 def test_samples_are_cached_for_ttl():

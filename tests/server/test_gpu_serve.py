@@ -136,7 +136,8 @@ def test_gpu_instance_group_in_a_repository(tmp_path):
         check_cpu_only(discover(tmp_path / "repo"))
 
 
-def test_make_executor_for_cuda_is_gpu_workers_in_buckets():
+def test_make_executor_for_cuda_is_gpu_workers_in_buckets(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     ex = make_executor(MLP, ModelConfig.from_json({"device": "cuda", "max_batch_size": 16,
                                                    "instance_group": [{"kind": "gpu", "count": 2, "gpus": [0, 3]}]}))
     assert isinstance(ex, gpu.GpuBucketedExecutor) and ex.warm_up_rounds == 2
@@ -152,6 +153,23 @@ def test_make_executor_for_cuda_is_gpu_workers_in_buckets():
         make_executor(MLP, ModelConfig.from_json({"device": "cuda", "backend": "onnxruntime"}))
     with pytest.raises(KilnError, match="CPU only"):
         make_executor(MLP, ModelConfig.from_json({"instance_group": [{"kind": "gpu"}]}))
+
+
+def test_worker_gpu_is_this_process_device_not_the_physical_index(monkeypatch):
+    """A server that sees a subset of the cards (Ray gives a replica GPU 3 as CUDA_VISIBLE_DEVICES=3; a user's
+    CUDA_VISIBLE_DEVICES=2,3) must pin each worker to the card its own device index names: device 0 of a
+    process that sees "3" is physical 3, not physical 0 (another replica's card)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    ex = make_executor(MLP, ModelConfig.from_json({"device": "cuda", "buckets": False, "workers": 2}))
+    assert [ex._worker_env(i)["CUDA_VISIBLE_DEVICES"] for i in range(2)] == ["3", "3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa, 5")
+    ex = make_executor(MLP, ModelConfig.from_json({"device": "cuda", "buckets": False, "instance_group": [
+        {"kind": "gpu", "count": 1, "gpus": [1, 0]}]}))
+    assert [ex._worker_env(i)["CUDA_VISIBLE_DEVICES"] for i in range(2)] == ["5", "GPU-aaaa"]
+    assert gpu.visible_device(1, {}) == "1" and gpu.visible_device(0, {"CUDA_VISIBLE_DEVICES": "MIG-x"}) == "MIG-x"
+    for visible, index in (("3", 1), ("", 0), ("2,-1,4", 1)):  # CUDA stops reading at an invalid entry
+        with pytest.raises(KilnError, match="not visible"):
+            gpu.visible_device(index, {"CUDA_VISIBLE_DEVICES": visible})
 
 
 class _CupyError(RuntimeError):
