@@ -59,7 +59,8 @@ def serve_batch_deployment(path: str, replicas: int, max_batch: int, wait_s: flo
     from starlette.requests import Request
     from starlette.responses import JSONResponse
 
-    @serve.deployment(num_replicas=replicas, ray_actor_options={"num_cpus": 0.5})
+    # As kiln's deployment: 128 requests a replica at a time (Ray's default 5 starves a batcher: ray_serve.py).
+    @serve.deployment(num_replicas=replicas, ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=128)
     class ServeBatch:
         def __init__(self, model_path: str):
             import kiln

@@ -110,6 +110,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     ray.add_argument("--autoscale", metavar="MIN:MAX", help="autoscale between MIN and MAX replicas on ongoing requests")
     ray.add_argument("--replica-cpus", type=float, default=1.0, metavar="C", help="CPUs Ray reserves per replica")
     ray.add_argument("--replica-gpus", type=float, default=0.0, metavar="G", help="GPUs per replica (with --device cuda)")
+    ray.add_argument("--replica-max-ongoing", type=int, default=128, metavar="N",
+                     help="requests Ray Serve sends one replica at a time, into kiln's batcher (default 128; "
+                          "Ray's own default, 5, starves a batching replica)")
+    ray.add_argument("--ray-proxy", choices=("ray", "haproxy"), default="ray",
+                     help="Ray Serve's ingress: its Python HTTP proxy (default) or HAProxy, about 5x the requests/s "
+                          "for large tensors (Ray's RAY_SERVE_ENABLE_HA_PROXY; a joined cluster must be started "
+                          "with it)")
     ray.add_argument("--ray-ship", action="store_true",
                      help="send the model file to the replicas through Ray's object store (for nodes that do not "
                           "see PATH; default: each replica maps PATH itself)")
@@ -133,6 +140,8 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
     discover(args.path, name=args.name, overrides=overrides)  # a bad path or config fails now, not in a replica
     if args.replicas < 1:
         raise KilnError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.replica_max_ongoing < 1:
+        raise KilnError(f"--replica-max-ongoing must be at least 1, got {args.replica_max_ongoing}")
     autoscale = None
     if args.autoscale:
         lo, sep, hi = args.autoscale.partition(":")
@@ -145,9 +154,9 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise KilnError(f"--ray needs Ray Serve: pip install 'ray[serve]' ({e.name} is missing)") from None
     from kiln.server.ray_serve import serve_on_ray
-    serve_on_ray(str(args.path), host=args.host, port=args.port, address=args.ray_address, name=args.name,
-                 overrides=overrides, replicas=args.replicas, autoscale=autoscale, num_cpus=args.replica_cpus,
-                 num_gpus=args.replica_gpus, ship=args.ray_ship)
+    serve_on_ray(str(args.path), host=args.host, port=args.port, address=args.ray_address, proxy=args.ray_proxy,
+                 name=args.name, overrides=overrides, replicas=args.replicas, autoscale=autoscale,
+                 num_cpus=args.replica_cpus, num_gpus=args.replica_gpus, ship=args.ray_ship, max_ongoing_requests=args.replica_max_ongoing)
     return 0
 
 
@@ -201,8 +210,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if getattr(args, "ray", False):
         return _serve_on_ray(args)
     if getattr(args, "ray_address", None) or getattr(args, "autoscale", None) or getattr(args, "replicas", 1) != 1 \
-            or getattr(args, "ray_ship", False):
-        raise KilnError("--ray-address, --replicas, --autoscale and --ray-ship go with --ray")
+            or getattr(args, "ray_ship", False) or getattr(args, "replica_max_ongoing", 128) != 128 \
+            or getattr(args, "ray_proxy", "ray") != "ray":
+        raise KilnError("--ray-address, --replicas, --autoscale, --replica-max-ongoing, --ray-proxy and --ray-ship "
+                        "go with --ray")
     try:
         import uvicorn
         from kiln.server.app import create_app

