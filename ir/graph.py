@@ -77,7 +77,7 @@ AttrValue = Union[int, float, str, tuple, np.ndarray, "Graph"]
 class Node:
     """One op application. ``inputs`` may hold ``None`` for an omitted optional input."""
 
-    __slots__ = ("op", "domain", "name", "graph", "attrs", "meta", "outputs", "_inputs")
+    __slots__ = ("op", "domain", "name", "graph", "attrs", "meta", "outputs", "_inputs", "_prev", "_next", "_list")
 
     def __init__(self, graph: "Graph", op: str, domain: str, name: str, attrs: dict):
         self.graph = graph
@@ -88,6 +88,10 @@ class Node:
         self.meta: dict[str, str] = {}
         self.outputs: list[Value] = []
         self._inputs: tuple[Optional[Value], ...] = ()
+        # Links of the graph's NodeList (None while the node is in no list).
+        self._prev: Optional[Node] = None
+        self._next: Optional[Node] = None
+        self._list: Optional[NodeList] = None
 
     # ---- inputs, kept in step with Value.uses
     @property
@@ -159,6 +163,149 @@ class Node:
         return f"<Node {self.name}: {self.qualified_op}>"
 
 
+class NodeList:
+    """A graph's nodes in order: a doubly linked list (torch.fx's design), so that appending, removing a node
+    and inserting one before or after another are O(1) however large the graph (a Python list made each
+    removal a search: DCE of a 32k-node chain took 19 s). Iterating is in order and survives removing the
+    node just yielded. Indexing (``nodes[i]``, ``nodes[-1]``, slices) is O(n), for tests and printing; passes
+    edit through the Graph (``remove_node``, ``add_node(before=/after=)``, ``move_before``) or these methods.
+    A node is in at most one list; adding it to another first takes it out of the one it is in.
+
+    Each list also keeps the set of its nodes holding subgraphs (Graph-valued attributes, which are set when
+    a node is created): :meth:`Graph.graphs_unordered` walks those instead of every node."""
+
+    __slots__ = ("_head", "_tail", "_len", "holders")
+
+    def __init__(self, nodes: Iterable[Node] = ()):
+        self._head: Optional[Node] = None
+        self._tail: Optional[Node] = None
+        self._len = 0
+        self.holders: dict[Node, None] = {}
+        for n in nodes:
+            self.append(n)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __contains__(self, node: object) -> bool:
+        return isinstance(node, Node) and node._list is self
+
+    def __iter__(self) -> Iterator[Node]:
+        cur = self._head
+        while cur is not None:
+            nxt = cur._next
+            yield cur
+            if cur._list is self:  # still here: its successor now (a node may have been inserted after it)
+                nxt = cur._next
+            cur = nxt
+
+    def __reversed__(self) -> Iterator[Node]:
+        cur = self._tail
+        while cur is not None:
+            prv = cur._prev
+            yield cur
+            if cur._list is self:
+                prv = cur._prev
+            cur = prv
+
+    def __getitem__(self, i):
+        items = list(self)
+        return items[i]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (NodeList, list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"NodeList({list(self)!r})"
+
+    def reverse(self) -> None:
+        """Reverse the order in place (linear; tests use it to break topological order on purpose)."""
+        for n in list(self)[::-1]:
+            self.append(n)
+
+    def index(self, node: Node) -> int:
+        for i, n in enumerate(self):
+            if n is node:
+                return i
+        raise ValueError(f"{node.describe()} is not in this node list")
+
+    def _claim(self, node: Node) -> None:
+        if node._list is not None:
+            node._list.remove(node)
+        node._list = self
+        self._len += 1
+        for a in node.attrs.values():
+            if isinstance(a, Graph):
+                self.holders[node] = None
+                break
+
+    def append(self, node: Node) -> None:
+        self._claim(node)
+        node._prev, node._next = self._tail, None
+        if self._tail is None:
+            self._head = node
+        else:
+            self._tail._next = node
+        self._tail = node
+
+    def extend(self, nodes: Iterable[Node]) -> None:
+        for n in list(nodes):
+            self.append(n)
+
+    def insert_before(self, anchor: Node, node: Node) -> None:
+        if anchor._list is not self:
+            raise KilnError(f"{anchor.describe()} is not in this graph's nodes")
+        if node is anchor:
+            return
+        self._claim(node)
+        prev = anchor._prev
+        node._prev, node._next = prev, anchor
+        anchor._prev = node
+        if prev is None:
+            self._head = node
+        else:
+            prev._next = node
+
+    def insert_after(self, anchor: Node, node: Node) -> None:
+        if anchor._list is not self:
+            raise KilnError(f"{anchor.describe()} is not in this graph's nodes")
+        if node is anchor:
+            return
+        nxt = anchor._next
+        if nxt is None:
+            self.append(node)
+        else:
+            self.insert_before(nxt, node)
+
+    def remove(self, node: Node) -> None:
+        if node._list is not self:
+            raise KilnError(f"{node.describe()} is not in this graph's nodes")
+        prev, nxt = node._prev, node._next
+        if prev is None:
+            self._head = nxt
+        else:
+            prev._next = nxt
+        if nxt is None:
+            self._tail = prev
+        else:
+            nxt._prev = prev
+        node._prev = node._next = None
+        node._list = None
+        self._len -= 1
+        self.holders.pop(node, None)
+
+    def clear(self) -> None:
+        for n in list(self):
+            self.remove(n)
+
+
 @dataclass
 class Metadata:
     """Where a graph came from, plus free string key/values (kept through save/load)."""
@@ -205,13 +352,36 @@ class Graph:
         self.parent = parent
         self.inputs: list[Value] = []
         self.outputs: list[Value] = []
-        self.nodes: list[Node] = []
+        self._nodes = NodeList()
         self.initializers: dict[str, Value] = {}
         self.metadata = Metadata()
         self.ir_version = IR_VERSION
         self._opset_version = opset_version
         self._value_names = _Namer() if parent is None else parent.root._value_names
         self._node_names = _Namer() if parent is None else parent.root._node_names
+
+    @property
+    def nodes(self) -> NodeList:
+        """The nodes in topological order (a :class:`NodeList`: O(1) edits)."""
+        return self._nodes
+
+    @nodes.setter
+    def nodes(self, nodes: Iterable[Node]) -> None:
+        """Replace the order wholesale (linear): each node is taken out of the list it was in."""
+        new = NodeList()
+        for n in list(nodes):
+            new.append(n)
+            n.graph = self
+        self._nodes.clear()
+        self._nodes = new
+
+    def graphs_unordered(self) -> Iterator["Graph"]:
+        """This graph and every subgraph, without walking every node (through each list's subgraph
+        holders); the order is not the nodes' order: for membership questions, not for output."""
+        yield self
+        for n in self._nodes.holders:
+            for sg in n.subgraphs():
+                yield from sg.graphs_unordered()
 
     # ---- scope
     @property
@@ -334,7 +504,7 @@ class Graph:
         for i, v in enumerate(node._inputs):
             if v is not None:
                 v._uses[(node, i)] = None
-        self.nodes.append(node)
+        self._nodes.append(node)
         return node
 
     def op(self, op: str, *inputs: Optional[Value], domain: str = ONNX_DOMAIN, outputs: Optional[int] = None,
@@ -347,18 +517,15 @@ class Graph:
         return node.outputs[0] if len(node.outputs) == 1 else tuple(node.outputs)
 
     def _place(self, node: Node, before: Optional[Node], after: Optional[Node]) -> None:
+        for anchor in (before, after):
+            if anchor is not None and anchor._list is not self._nodes:
+                raise KilnError(f"{anchor.describe()} is not in graph '{self.name}'")
         if before is not None:
-            self.nodes.insert(self._index_of(before), node)
+            self._nodes.insert_before(before, node)
         elif after is not None:
-            self.nodes.insert(self._index_of(after) + 1, node)
+            self._nodes.insert_after(after, node)
         else:
-            self.nodes.append(node)
-
-    def _index_of(self, node: Node) -> int:
-        for i, n in enumerate(self.nodes):
-            if n is node:
-                return i
-        raise KilnError(f"{node.describe()} is not in graph '{self.name}'")
+            self._nodes.append(node)
 
     # ---- editing
     def replace_all_uses_with(self, old: Value, new: Value) -> int:
@@ -370,7 +537,7 @@ class Graph:
         for node in old.users:
             node.replace_input(old, new)
             count += 1
-        for g in self.root.all_graphs():
+        for g in self.root.graphs_unordered():
             for i, v in enumerate(g.outputs):
                 if v is old:
                     g.outputs[i] = new
@@ -383,7 +550,9 @@ class Graph:
             for v in node.outputs:
                 if v._uses or self._is_any_output(v):
                     raise KilnError(f"cannot remove {node.describe()}: output '{v.name}' is still used")
-        del self.nodes[self._index_of(node)]
+        if node._list is not self._nodes:
+            raise KilnError(f"{node.describe()} is not in graph '{self.name}'")
+        self._nodes.remove(node)
         node._detach_inputs()
         node._inputs = ()
         for sg in node.subgraphs():
@@ -397,11 +566,12 @@ class Graph:
         del self.initializers[value.name]
 
     def _is_any_output(self, v: Value) -> bool:
-        return any(v is o for g in self.root.all_graphs() for o in g.outputs)
+        return any(v is o for g in self.root.graphs_unordered() for o in g.outputs)
 
     def move_before(self, node: Node, anchor: Node) -> None:
-        del self.nodes[self._index_of(node)]
-        self.nodes.insert(self._index_of(anchor), node)
+        if node._list is not self._nodes:
+            raise KilnError(f"{node.describe()} is not in graph '{self.name}'")
+        self._nodes.insert_before(anchor, node)
 
     # ---- queries
     def values(self) -> Iterator[Value]:
@@ -466,7 +636,7 @@ class Graph:
                 nn.outputs.append(nv)
                 vmap[o] = nv
             nn.inputs = [None if v is None else vmap[v] for v in n.inputs]
-            new.nodes.append(nn)
+            new._nodes.append(nn)
         new.outputs = [vmap[v] for v in self.outputs]
 
     def __str__(self) -> str:

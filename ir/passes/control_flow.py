@@ -61,10 +61,9 @@ def _inline(node: Node, ed: Editor) -> None:
         v.graph = parent
         parent.initializers[name] = v
     taken.initializers = {}
-    at = parent.nodes.index(node)
-    for inner in taken.nodes:
+    for inner in list(taken.nodes):  # in the If's place, in order
         _move(inner, parent)
-    parent.nodes[at:at] = taken.nodes
+        parent.nodes.insert_before(node, inner)
     branch_outputs = list(taken.outputs)
     taken.nodes = []  # so removing the If below does not detach the nodes just moved
     taken.outputs = []

@@ -478,9 +478,8 @@ def _fuse_attention(graph: Graph, chain: _Attention, outputs: set) -> Node:
     node = graph.add_node(ATTENTION_OP, outer, {"body": body}, domain=KILN_DOMAIN, num_outputs=0,
                           name="attention", meta=dict(first.meta), before=final)
     for m in [n for n in (first, scaler, masker, softmax, *chain.safe, final) if n is not None]:
-        del graph.nodes[graph._index_of(m)]
+        body.nodes.append(m)  # out of graph's node list, into the body's
         m.graph = body
-        body.nodes.append(m)
         for o in m.outputs:
             o.graph = body
         if m is scaler:
@@ -765,9 +764,11 @@ def _inline(node: Node) -> None:
     for v in body.initializers.values():
         v.graph = graph
         graph.initializers[v.name] = v
-    at = graph._index_of(node)
-    graph.nodes[at:at + 1] = body.nodes
-    for m in body.nodes:
+    moved = list(body.nodes)
+    for m in moved:  # the body's nodes take the node's place
+        graph.nodes.insert_before(node, m)
+    graph.nodes.remove(node)
+    for m in moved:
         m.graph = graph
         m.inputs = [None if v is None else vmap.get(v, v) for v in m.inputs]
         for v in m.outputs:

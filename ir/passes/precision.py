@@ -189,7 +189,7 @@ class _Converter:
             for sg in node.subgraphs():
                 self._convert_graph(sg, top=False, boundary=False)
             new_nodes.extend(self._convert_node(g, node))
-        g.nodes[:] = new_nodes
+        g.nodes = new_nodes
 
     # -- one node -----------------------------------------------------------------------------------------
     def _convert_node(self, g: Graph, node: Node) -> List[Node]:
@@ -257,7 +257,7 @@ class _Converter:
         """A Cast of ``v`` to ``to``, named after ``v`` and the dtype ``hint`` (default ``to``)."""
         node = g.add_node("Cast", [v], {"to": to.value}, name=f"{v.name}_{_SHORT[hint or to]}",
                           output_types=[TensorType(to, v.type.shape if v.type is not None else None)])
-        del g.nodes[-1]  # add_node appended it: the caller places it in the new node list
+        g.nodes.remove(node)  # add_node appended it: the caller places it in the new node list
         self.report.casts += 1
         return node
 
