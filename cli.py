@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import os
 import platform
 import sys
 from typing import Callable, Optional, Sequence
 
-from kiln.errors import KilnError
+from kiln.errors import run_command
 from kiln.version import __version__
 
 # Optional packages kiln can use, and what each enables.
@@ -219,26 +218,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     return run_command(args.command, args._run, args)
-
-
-def run_command(name: str, run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """Run a sub-command the way every kiln entry point does: a KilnError becomes one
-    ``kiln NAME: error: ...`` line and exit 1, never a traceback."""
-    try:
-        code = run(args)
-        sys.stdout.flush()
-        return code
-    except BrokenPipeError:
-        # The reader went away (``kiln inspect m.kiln --graph | head``): exit quietly. Point
-        # stdout at /dev/null so the interpreter's final flush does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    except KilnError as e:
-        print(f"kiln {name}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":

@@ -54,3 +54,40 @@ class ExecutionError(KilnError):
 class ScriptError(KilnError):
     """kiln.script met Python it cannot keep as control flow; the message names file:line:col,
     shows the source line with a caret under the construct, and says what to write instead."""
+
+
+def optional_module(name: str, purpose: str):
+    """Import ``name`` (onnxruntime, onnx or a kiln module built on them); a missing onnx/onnxruntime
+    package becomes a KilnError naming ``purpose`` and the extra to install (``pip install kiln[onnx]``).
+    Here, at the bottom layer, so that any layer can use it (tests/test_layers.py)."""
+    import importlib
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        missing = (e.name or "").split(".")[0]
+        if missing in ("onnx", "onnxruntime"):
+            raise KilnError(f"{purpose} needs the '{missing}' package: pip install kiln[onnx]") from None
+        raise
+
+
+def run_command(name, run, args) -> int:
+    """Run a sub-command the way every kiln entry point does: a KilnError becomes one
+    ``kiln NAME: error: ...`` line and exit 1, never a traceback (kept here, at the bottom layer, so that
+    ``python -m kiln.runtime`` uses it without importing the CLI)."""
+    import os
+    import sys
+    try:
+        code = run(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader went away (``kiln inspect m.kiln --graph | head``): exit quietly. Point
+        # stdout at /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except KilnError as e:
+        print(f"kiln {name}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -203,7 +203,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     dynamic = _parse_dynamic(args.dynamic, ranks, args.dynamic_batch)
     _check_outputs(args)
     if args.onnx:
-        from kiln.runtime.onnxruntime_backend import optional_module
+        from kiln.errors import optional_module
         optional_module("kiln.serializer.onnx", "--onnx")  # before the slow steps: a missing onnx fails at once
     progress = _Progress()
     with progress.step(f"loading {args.model}"):

@@ -278,7 +278,7 @@ def pack(graph_or_path: Union[Graph, str, os.PathLike], *, quantize: Optional[st
     graph = prepare_graph(_load(graph_or_path), dims)
     quantized = []
     if quantize == "int8":
-        from kiln.mobile_stub.quantize import quantize_weights
+        from kiln.ir.passes.quantize import quantize_weights
         quantized = quantize_weights(graph)
         infer_shapes(graph)
     if report is not None:
@@ -344,9 +344,9 @@ def compare_outputs(reference: Graph, packed: Graph, *, trials: int = 10, seed: 
     """Run both graphs (the full runtime) on the same random inputs at the packed graph's shapes.
     Relative error is per output against its largest magnitude (elementwise relative error means
     nothing next to zero); top-1 agreement is reported when the first output is [N, classes]."""
-    import kiln
+    from kiln.runtime import load
 
-    ref_prog, packed_prog = kiln.load(reference), kiln.load(packed)
+    ref_prog, packed_prog = load(reference), load(packed)
     rng = np.random.default_rng(seed)
     max_abs = max_rel = 0.0
     agree: list[float] = []

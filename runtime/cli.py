@@ -366,5 +366,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         description="Run a .kiln model on inputs from .npy/.npz/JSON (the same as `kiln run`).")
     add_run_args(parser)
     args = parser.parse_args(argv)
-    from kiln.cli import run_command  # numpy-free and torch-free: safe for the standalone process
+    from kiln.errors import run_command
     return run_command("run", cmd_run, args)

@@ -21,7 +21,6 @@ functions, so importing it costs nothing and a missing package is a KilnError sa
 """
 from __future__ import annotations
 
-import importlib
 import os
 import tempfile
 from pathlib import Path
@@ -36,6 +35,7 @@ from kiln.ir.types import TensorType
 from kiln.runtime.program import TensorSpec, check_inputs, is_onnx_path
 
 INSTALL_HINT = "pip install kiln[onnx]"
+from kiln.errors import optional_module  # noqa: E402  (re-exported: callers of this module use it)
 # Weights above this go to ORT through a file with external data: a serialized ModelProto must stay under
 # 2 GB, and the margin leaves room for the graph itself and constants held in node attributes.
 _INLINE_LIMIT = 2 ** 31 - 2 ** 26
@@ -45,18 +45,6 @@ _ORT_TYPES = {"tensor(float)": DType.FLOAT32, "tensor(uint8)": DType.UINT8, "ten
               "tensor(int16)": DType.INT16, "tensor(int32)": DType.INT32, "tensor(int64)": DType.INT64,
               "tensor(bool)": DType.BOOL, "tensor(float16)": DType.FLOAT16, "tensor(double)": DType.FLOAT64,
               "tensor(bfloat16)": DType.BFLOAT16}
-
-
-def optional_module(name: str, purpose: str):
-    """Import ``name`` (onnxruntime, onnx or a kiln module built on them); a missing onnx/onnxruntime
-    package becomes a KilnError naming ``purpose`` and the extra to install."""
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        missing = (e.name or "").split(".")[0]
-        if missing in ("onnx", "onnxruntime"):
-            raise KilnError(f"{purpose} needs the '{missing}' package: {INSTALL_HINT}") from None
-        raise
 
 
 def choose_providers(device: str, available: Sequence[str]) -> list[str]:

@@ -371,7 +371,7 @@ def _load(model, device: str, *, optimize: bool, backend: str, threads: Optional
     elif is_onnx_path(model):
         if not os.path.isfile(model):
             raise KilnError(f"no such file: {os.fspath(model)}")
-        from kiln.runtime.onnxruntime_backend import optional_module
+        from kiln.errors import optional_module
         graph = optional_module("kiln.serializer.onnx_import", "loading .onnx files").import_onnx(model)
     else:
         from kiln.serializer.reader import load_graph

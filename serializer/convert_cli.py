@@ -121,7 +121,7 @@ def _kiln_to_kiln(src: Path, dst: Path, args: argparse.Namespace) -> str:
 
 
 def _onnx_module(name: str):
-    from kiln.runtime.onnxruntime_backend import optional_module
+    from kiln.errors import optional_module
     return optional_module(name, "kiln convert")
 
 

@@ -58,13 +58,13 @@ KILN = [sys.executable, "-m", "kiln"]
 def make_repository(root: Path) -> Path:
     """A model repository: ``mlp`` (float32[batch,16] -> logits/probs... here y), ``bf16`` (a bfloat16
     output), ``raiser`` (a Reshape that fails at run time on a shape the request gives), ``ints``."""
-    import kiln
     from kiln.ir import Graph
+    from kiln.serializer import save as save_file
 
     def save(g, name: str, config: Optional[dict] = None) -> None:
         path = root / name / "1" / "model.kiln"
         path.parent.mkdir(parents=True, exist_ok=True)
-        kiln.save(g, path)
+        save_file(g, path)
         if config is not None:
             (root / name / "config.json").write_text(json.dumps(config))
 
@@ -763,8 +763,8 @@ def kill_worker_run(model: Path, *, clients: int = 8, duration_s: float = 4.0, k
     (200 and equal to Program.run on that request alone), ``wrong`` (a 200 that is not), ``worker_died``
     (500 JSON naming the dead worker), ``unavailable`` (503 JSON while the replacement starts), ``lost``
     (no response), ``other``. Then the server must serve again."""
-    import kiln
-    program = kiln.load(model)
+    from kiln.runtime import load
+    program = load(model)
     server = ServeProcess([str(model), "--name", "mlp", "--workers", str(workers), "--max-batch-size", "32",
                            "--log-level", "critical"])
     counts = {"ok": 0, "wrong": 0, "worker_died": 0, "unavailable": 0, "lost": 0, "other": 0}

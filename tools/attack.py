@@ -22,11 +22,11 @@ from typing import Optional
 
 # name -> (module whose main(argv) runs it, what it attacks)
 ATTACKS = {
-    "kiln-fuzz": ("kiln.serializer.fuzz", "the .kiln loader, with mutated files (checksums recomputed)"),
+    "kiln-fuzz": ("kiln.tools.fuzz", "the .kiln loader, with mutated files (checksums recomputed)"),
     "kiln-files": ("kiln.serializer.attack_files", "the .kiln loader, with hand-made malicious files"),
     "onnx-files": ("kiln.serializer.onnx_attacks", "the ONNX importer, with crafted files"),
     "onnx-fuzz": ("kiln.serializer.onnx_fuzz", "the ONNX importer, with mutated models"),
-    "mobile-fuzz": ("kiln.mobile_stub.fuzz", "kiln mobile bundle and the stub runtime, with mutated packed files"),
+    "mobile-fuzz": ("kiln.tools.mobile_fuzz", "kiln mobile bundle and the stub runtime, with mutated packed files"),
     "server": ("kiln.server.attacks", "the HTTP server: bad-input matrix, slow connections, SIGTERM, worker kills"),
 }
 

@@ -335,10 +335,10 @@ def quantize_gemm_weights(graph: Graph) -> str:
     """Weight-only int8 for GEMM-heavy models: every constant MatMul/Gemm weight of at least
     ``WEIGHT_INT8_MIN_ELEMENTS`` elements (float32 or a converted model's half type; also behind the
     Transpose a traced ``nn.Linear`` reads it through) becomes int8 with one scale per output channel in the
-    weight's dtype, behind a ``DequantizeLinear`` (the mobile pack's format: mobile_stub/quantize.py).
+    weight's dtype, behind a ``DequantizeLinear`` (the mobile pack's format: ir/passes/quantize.py).
     Activations keep their precision; convolutions keep their weights (cuDNN reads them as they are).
     Returns a summary."""
-    from kiln.mobile_stub.quantize import FLOAT_WEIGHTS, quantize_weights
+    from kiln.ir.passes.quantize import FLOAT_WEIGHTS, quantize_weights
     done = quantize_weights(graph, ops=("MatMul", "Gemm"), dtypes=FLOAT_WEIGHTS, min_elements=WEIGHT_INT8_MIN_ELEMENTS,
                             transposed=True)
     before = sum(q.float_bytes for q in done)

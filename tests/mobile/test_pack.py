@@ -11,7 +11,7 @@ from kiln.ir import Graph
 from kiln.ir.passes import optimize
 from kiln.mobile_stub.pack import (ALIGNMENT, PROP_OPS, PROP_VERSION, is_weight_decoder, pack,
                                    pack_file, read_arena, top1_agreement)
-from kiln.mobile_stub.quantize import QMAX, dequantize, quantize_per_channel
+from kiln.ir.passes.quantize import QMAX, dequantize, quantize_per_channel
 
 
 def assert_arena_sound(g: Graph) -> None:

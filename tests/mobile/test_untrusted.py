@@ -1,7 +1,7 @@
 """Untrusted packed files (issue 16, item 10): the mobile metadata is checked before anything is
 allocated, by ``kiln mobile bundle`` and by the stub runtime, with one-line kiln errors; a kernel
 meeting attributes it cannot take fails with the node's name; and mutated packed files (the fuzzer of
-mobile_stub/fuzz.py, a short run here, the long one by ``python -m kiln.mobile_stub.fuzz``) give
+tools/mobile_fuzz.py, a short run here, the long one by ``python -m kiln.tools.mobile_fuzz``) give
 nothing but kiln errors, in bounded time and memory."""
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import pytest
 import kiln
 from kiln.cli import main
 from kiln.errors import ExecutionError, FormatError, KilnError
-from kiln.mobile_stub import fuzz, packed, runtime
+from kiln.mobile_stub import packed, runtime
+from kiln.tools import mobile_fuzz as fuzz
 from kiln.mobile_stub.pack import lifetimes, pack, read_arena
 
 ARENA = packed.PROP_ARENA

@@ -14,7 +14,7 @@ from kiln.ir.ops._common import infer_same
 from kiln.ir.registry import Attr, AttrKind, In, op
 from kiln.serializer import writer
 from kiln.serializer.format import HEADER_SIZE, parse_header
-from kiln.serializer.fuzz import fix_checksums
+from kiln.tools.fuzz import fix_checksums
 
 
 def small_graph(**graph_kw) -> Graph:

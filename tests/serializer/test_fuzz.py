@@ -1,6 +1,6 @@
 """Fuzzing the .kiln loader: >= 10,000 mutated files (truncated, bit-flipped, spliced, fields
 rewritten with the checksums fixed) must each load as a sound graph or raise FormatError, fast
-and without a large allocation. The long run is ``python -m kiln.serializer.fuzz`` (docs/NOTES.md)."""
+and without a large allocation. The long run is ``python -m kiln.tools.fuzz`` (docs/NOTES.md)."""
 from __future__ import annotations
 
 import struct
@@ -15,9 +15,9 @@ from hypothesis import given, strategies as st
 import kiln
 from kiln.ir.dtypes import DType
 from kiln.serializer import format as fmt
-from kiln.serializer import fuzz
+from kiln.tools import fuzz
 from kiln.serializer.fb import Attribute, Graph as FbGraph, Model, Node as FbNode
-from kiln.serializer.fuzz_seeds import SEED_GRAPHS, build_corpus
+from kiln.tools.fuzz_seeds import SEED_GRAPHS, build_corpus
 
 CI_SEED = 3
 CASES_PER_MUTATOR = 1200  # x 9 mutators = 10,800 files

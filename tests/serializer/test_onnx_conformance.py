@@ -19,7 +19,7 @@ from onnx import TensorProto, helper  # noqa: E402
 
 from kiln.errors import UnsupportedOpError  # noqa: E402
 from kiln.ir import Graph  # noqa: E402
-from kiln.serializer import onnx_conformance as oc  # noqa: E402
+from kiln.tools import onnx_conformance as oc  # noqa: E402
 
 EXPECTED = Path(__file__).resolve().parents[1] / "fixtures" / "onnx_conformance_expected_failures.txt"
 
@@ -171,7 +171,7 @@ def expected():
     if exp.onnx_version != oc.onnx_minor_version():
         pytest.skip(f"{EXPECTED.name} lists the cases of onnx {exp.onnx_version}; onnx "
                     f"{oc.onnx_minor_version()} is installed and generates other cases (regenerate the list "
-                    "with `python -m kiln.serializer.onnx_conformance --write-expected` when moving onnx)")
+                    "with `python -m kiln.tools.onnx_conformance --write-expected` when moving onnx)")
     return exp
 
 

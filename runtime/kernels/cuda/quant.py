@@ -1,7 +1,7 @@
 """``DequantizeLinear`` on the GPU: int8 weights back to float in one kernel (weight-only int8, issue 18).
 
 Why: a model loaded with ``weights="int8"`` keeps its MatMul/Gemm weights as int8 with one scale per output
-channel (mobile_stub/quantize.py's format) and dequantizes each weight right before its GEMM. The op's
+channel (ir/passes/quantize.py's format) and dequantizes each weight right before its GEMM. The op's
 numpy reference on device arrays (shape.py) is four CuPy kernels and two float32 temporaries per weight;
 this is one pass: read 1 byte, write the scale's type (float32, float16, or bfloat16 as uint16 words).
 

@@ -6,7 +6,7 @@ mutating, because a file rejected by a CRC never reaches the FlatBuffer reader o
 which is where the bugs would be. Cases are reproducible: case ``i`` of seed ``s`` is made by
 ``random.Random(f"{s}:{i}")``, so a failure found after hours is replayed with ``--first i``.
 
-    python -m kiln.serializer.fuzz --iterations 200000 --seed 1 [--seconds 600] [--out fuzz-failures]
+    python -m kiln.tools.fuzz --iterations 200000 --seed 1 [--seconds 600] [--out fuzz-failures]
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import Callable, Optional
 import kiln
 from kiln.ir.registry import all_op_names
 from kiln.serializer.format import HEADER_SIZE
-from kiln.serializer.fuzz_seeds import Seed, build_corpus
+from kiln.tools.fuzz_seeds import Seed, build_corpus
 
 # The header layout of serializer/format.py, crc excluded (test_fuzz checks the two agree).
 _HEADER = struct.Struct("<8sIIQQQQIII")
@@ -397,7 +397,7 @@ def run(iterations: int, seed: int, *, seconds: Optional[float] = None, first: i
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kiln.serializer.fuzz", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m kiln.tools.fuzz", description=__doc__.splitlines()[0])
     p.add_argument("--iterations", type=int, default=100_000, help="number of mutated files to load")
     p.add_argument("--seed", type=int, default=0, help="run seed (case i of seed s is always the same bytes)")
     p.add_argument("--seconds", type=float, default=None, help="stop after this long")

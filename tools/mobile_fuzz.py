@@ -7,7 +7,7 @@ Seeds are small models packed by ``kiln mobile pack`` (fp32 and int8 weights). A
   misaligned, past the end, overlapping another live value, numbers turned into floats, strings, bools
   or nulls, keys dropped, a slot given to a graph input or a constant, the JSON cut, deeply nested or
   replaced by garbage; the op manifest not a list, holding numbers or unknown ops; the version changed;
-- a **byte-level** mutation of the whole file with serializer/fuzz.py's mutators (truncation, bit flips,
+- a **byte-level** mutation of the whole file with tools/fuzz.py's mutators (truncation, bit flips,
   header and FlatBuffer fields rewritten, strings changed), checksums recomputed half the time.
 
 The oracle runs what ``kiln mobile bundle`` runs on a file (``read_manifest``, kernel selection) and what
@@ -15,7 +15,7 @@ the bundle's stub runs (``runtime.load``, then ``run`` on random inputs of the d
 finish or raise ``KilnError``, within ``TIME_LIMIT_S`` and (when measured) ``MEMORY_LIMIT_BYTES`` of
 allocations (the arena included). Case ``i`` of seed ``s`` is made by ``random.Random(f"{s}:{i}")``.
 
-    python -m kiln.mobile_stub.fuzz --iterations 50000 --seed 1 [--seconds 600] [--out mobile-fuzz-failures]
+    python -m kiln.tools.mobile_fuzz --iterations 50000 --seed 1 [--seconds 600] [--out mobile-fuzz-failures]
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ class PackedSeed:
 def build_seeds() -> list:
     from kiln.mobile_stub.pack import pack
     from kiln.serializer import save
-    from kiln.serializer.fuzz_seeds import Seed, _SiteMap
+    from kiln.tools.fuzz_seeds import Seed, _SiteMap
 
     seeds = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -205,7 +205,7 @@ class Case:
 
 
 def make_case(seeds: list, seed: int, index: int, folder: Path) -> Case:
-    from kiln.serializer import fuzz as kfuzz
+    from kiln.tools import fuzz as kfuzz
     from kiln.serializer import save
 
     rng = random.Random(f"{seed}:{index}")
@@ -314,7 +314,7 @@ def run(iterations: int, seed: int, *, seconds: Optional[float] = None, first: i
 
 
 def main(argv: Optional[list] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kiln.mobile_stub.fuzz", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kiln.tools.mobile_fuzz", description=__doc__.split("\n\n")[0])
     p.add_argument("--iterations", type=int, default=50000)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--first", type=int, default=0, help="first case index (replay case i with --first i --iterations 1)")

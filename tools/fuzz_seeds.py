@@ -1,4 +1,4 @@
-"""The seed corpus of the .kiln loader fuzzer (serializer/fuzz.py): small graphs that cover
+"""The seed corpus of the .kiln loader fuzzer (tools/fuzz.py): small graphs that cover
 every part of the schema, saved with kiln.save, and a map of each FlatBuffer's structure so
 that mutators can hit the integers and strings the loader actually reads."""
 from __future__ import annotations
