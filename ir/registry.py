@@ -15,6 +15,7 @@ arguments with defaults filled in. It returns one array or a tuple of arrays.
 from __future__ import annotations
 
 import enum
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -121,6 +122,8 @@ class OpSchema:
     # A run can observe the op other than through its outputs (a check that fails the run):
     # dead-code elimination keeps it, folding and CSE leave it alone.
     side_effect: bool = False
+    # What passes and backends may assume (TRAITS); the op sets they use are derived: ops_with(trait).
+    traits: frozenset = frozenset()
 
     @property
     def qualified_name(self) -> str:
@@ -172,21 +175,77 @@ def _as_param(p: "In | str") -> In:
     return In(p) if isinstance(p, str) else p
 
 
+#: The traits an op can declare (``@op(..., traits=(...))``):
+#: - ``elementwise``: output element i depends only on element i of each (broadcast) input, one output,
+#:   shape = the inputs' broadcast shape: elementwise fusion may put it in a generated kernel;
+#: - ``commutative``: two inputs that may be swapped (CSE treats ``Add(a, b)`` and ``Add(b, a)`` as one);
+#: - ``anchor``: a GPU library applies an elementwise epilogue inside its kernel (FusedEpilogue's first node).
+TRAITS = frozenset({"elementwise", "commutative", "anchor"})
+
+
 def op(name: str, *, inputs: Sequence["In | str"], outputs: Sequence["In | str"] = ("Y",),
        attrs: Sequence[Attr] = (), infer: InferFn, domain: str = ONNX_DOMAIN, since_version: int = 1,
-       foldable: bool = True, propagate: Optional[PropagateFn] = None, side_effect: bool = False) -> Callable:
+       foldable: bool = True, propagate: Optional[PropagateFn] = None, side_effect: bool = False,
+       traits: Sequence[str] = ()) -> Callable:
     """Decorator registering the decorated reference implementation as op ``name``."""
+    unknown = set(traits) - TRAITS
+    if unknown:
+        raise ValueError(f"op {name}: unknown trait(s) {sorted(unknown)}; traits: {sorted(TRAITS)}")
 
     def deco(fn: Callable) -> Callable:
         schema = OpSchema(
             name=name, domain=domain, since_version=since_version,
             inputs=tuple(_as_param(p) for p in inputs), outputs=tuple(_as_param(p) for p in outputs),
             attrs={a.name: a for a in attrs}, infer=infer, reference=fn, foldable=foldable and not side_effect,
-            propagate=propagate, doc=(fn.__doc__ or "").strip(), side_effect=side_effect)
+            propagate=propagate, doc=(fn.__doc__ or "").strip(), side_effect=side_effect,
+            traits=frozenset(traits))
         register(schema)
         return fn
 
     return deco
+
+
+class OpsWith(AbstractSet):
+    """The names of the default-domain ops registered with ``trait`` (any version), read from the registry
+    on first use, so that a module-level ``ELEMENTWISE_OPS = ops_with("elementwise")`` does not depend on
+    the order the op modules were imported in; registering an op refreshes it. A read-only set."""
+
+    _instances: "list[OpsWith]" = []
+
+    def __init__(self, trait: str):
+        if trait not in TRAITS:
+            raise ValueError(f"unknown trait {trait!r}; traits: {sorted(TRAITS)}")
+        self.trait = trait
+        self._names: Optional[frozenset] = None
+        OpsWith._instances.append(self)
+
+    def _get(self) -> frozenset:
+        if self._names is None:
+            import kiln.ir.ops  # noqa: F401 - every built-in op registered
+            self._names = frozenset(name for (domain, name), versions in _REGISTRY.items()
+                                    if domain == ONNX_DOMAIN and any(self.trait in s.traits for s in versions))
+        return self._names
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._get()
+
+    def __iter__(self):
+        return iter(sorted(self._get()))
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __repr__(self) -> str:
+        return f"ops_with({self.trait!r}): {sorted(self._get())}"
+
+    @classmethod
+    def _from_iterable(cls, it):  # set operators (a - b, a & b) give plain frozensets
+        return frozenset(it)
+
+
+def ops_with(trait: str) -> OpsWith:
+    """The set of default-domain op names declaring ``trait`` (see :data:`TRAITS`)."""
+    return OpsWith(trait)
 
 
 def register(schema: OpSchema) -> OpSchema:
@@ -195,6 +254,8 @@ def register(schema: OpSchema) -> OpSchema:
         raise ValueError(f"op {schema.qualified_name} version {schema.since_version} registered twice")
     versions.append(schema)
     versions.sort(key=lambda s: s.since_version)
+    for derived in OpsWith._instances:
+        derived._names = None
     return schema
 
 

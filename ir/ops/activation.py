@@ -23,23 +23,25 @@ PRELU_TYPES = FLOAT | {DType.INT32, DType.INT64}
 GELU_APPROXIMATIONS = ("none", "tanh")
 
 
-@op("Relu", inputs=[In("X", SIGNED_NUMERIC)], outputs=["Y"], infer=infer_same)
+@op("Relu", traits=("elementwise",), inputs=[In("X", SIGNED_NUMERIC)], outputs=["Y"], infer=infer_same)
 def relu(x):
     return np.maximum(x, x.dtype.type(0))
 
 
-@op("LeakyRelu", inputs=[In("X", FLOAT)], outputs=["Y"], attrs=[Attr("alpha", AttrKind.FLOAT, 0.01)],
+@op("LeakyRelu", traits=("elementwise",),
+    inputs=[In("X", FLOAT)], outputs=["Y"], attrs=[Attr("alpha", AttrKind.FLOAT, 0.01)],
     infer=infer_same)
 def leaky_relu(x, alpha=0.01):
     return float_map(lambda v: np.where(v >= 0, v, alpha * v), x)
 
 
-@op("Elu", inputs=[In("X", FLOAT)], outputs=["Y"], attrs=[Attr("alpha", AttrKind.FLOAT, 1.0)], infer=infer_same)
+@op("Elu", traits=("elementwise",),
+    inputs=[In("X", FLOAT)], outputs=["Y"], attrs=[Attr("alpha", AttrKind.FLOAT, 1.0)], infer=infer_same)
 def elu(x, alpha=1.0):
     return float_map(lambda v: np.where(v >= 0, v, alpha * np.expm1(v)), x)
 
 
-@op("Selu", inputs=[In("X", FLOAT)], outputs=["Y"],
+@op("Selu", traits=("elementwise",), inputs=[In("X", FLOAT)], outputs=["Y"],
     attrs=[Attr("alpha", AttrKind.FLOAT, SELU_ALPHA), Attr("gamma", AttrKind.FLOAT, SELU_GAMMA)], infer=infer_same)
 def selu(x, alpha=SELU_ALPHA, gamma=SELU_GAMMA):
     return float_map(lambda v: gamma * np.where(v > 0, v, alpha * np.expm1(v)), x)
@@ -62,7 +64,8 @@ def _gelu64(v: np.ndarray, approximate: str) -> np.ndarray:
 
 # Gelu is an ONNX opset-20 op. kiln registers it in its own opset (with opset-20 semantics)
 # because exported transformers use it, and a fused Gelu beats its five-op Erf expansion.
-@op("Gelu", inputs=[In("X", FLOAT)], outputs=["Y"], attrs=[Attr("approximate", AttrKind.STRING, "none")],
+@op("Gelu", traits=("elementwise",),
+    inputs=[In("X", FLOAT)], outputs=["Y"], attrs=[Attr("approximate", AttrKind.STRING, "none")],
     infer=_infer_gelu)
 def gelu(x, approximate="none"):
     """Gaussian error linear unit: x * Phi(x), exact (erf) or with the tanh approximation."""
@@ -73,13 +76,13 @@ def _hard_sigmoid64(v: np.ndarray, alpha: float, beta: float) -> np.ndarray:
     return np.clip(alpha * v + beta, 0.0, 1.0)
 
 
-@op("HardSigmoid", inputs=[In("X", FLOAT)], outputs=["Y"],
+@op("HardSigmoid", traits=("elementwise",), inputs=[In("X", FLOAT)], outputs=["Y"],
     attrs=[Attr("alpha", AttrKind.FLOAT, 0.2), Attr("beta", AttrKind.FLOAT, 0.5)], infer=infer_same)
 def hard_sigmoid(x, alpha=0.2, beta=0.5):
     return float_map(lambda v: _hard_sigmoid64(v, alpha, beta), x)
 
 
-@op("HardSwish", inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
+@op("HardSwish", traits=("elementwise",), inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
 def hard_swish(x):
     """x * HardSigmoid(x) with alpha = 1/6, beta = 0.5."""
     return float_map(lambda v: v * _hard_sigmoid64(v, 1.0 / 6.0, 0.5), x)
@@ -90,17 +93,17 @@ def _softplus64(v: np.ndarray) -> np.ndarray:
     return np.logaddexp(0.0, v)
 
 
-@op("Softplus", inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
+@op("Softplus", traits=("elementwise",), inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
 def softplus(x):
     return float_map(_softplus64, x)
 
 
-@op("Softsign", inputs=[In("input", FLOAT)], outputs=["output"], infer=infer_same)
+@op("Softsign", traits=("elementwise",), inputs=[In("input", FLOAT)], outputs=["output"], infer=infer_same)
 def softsign(x):
     return float_map(lambda v: v / (1.0 + np.abs(v)), x)
 
 
-@op("Mish", inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
+@op("Mish", traits=("elementwise",), inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
 def mish(x):
     return float_map(lambda v: v * np.tanh(_softplus64(v)), x)
 
@@ -123,7 +126,8 @@ def _infer_prelu(ctx: InferContext) -> TensorType:
     return TensorType(x.dtype, out)
 
 
-@op("PRelu", inputs=[In("X", PRELU_TYPES), In("slope", PRELU_TYPES)], outputs=["Y"], infer=_infer_prelu)
+@op("PRelu", traits=("elementwise",),
+    inputs=[In("X", PRELU_TYPES), In("slope", PRELU_TYPES)], outputs=["Y"], infer=_infer_prelu)
 def prelu(x, slope):
     """x where x >= 0, slope * x elsewhere; slope broadcasts to x's shape."""
     if x.dtype.kind in "iu":

@@ -46,22 +46,24 @@ def sigmoid64(v: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- binary arithmetic
 
 
-@op("Add", inputs=[In("A", NUMERIC), In("B", NUMERIC)], outputs=["C"], infer=infer_broadcast)
+@op("Add", traits=("elementwise", "commutative"),
+    inputs=[In("A", NUMERIC), In("B", NUMERIC)], outputs=["C"], infer=infer_broadcast)
 def add(a, b):
     return np.add(a, b)
 
 
-@op("Sub", inputs=[In("A", NUMERIC), In("B", NUMERIC)], outputs=["C"], infer=infer_broadcast)
+@op("Sub", traits=("elementwise",), inputs=[In("A", NUMERIC), In("B", NUMERIC)], outputs=["C"], infer=infer_broadcast)
 def sub(a, b):
     return np.subtract(a, b)
 
 
-@op("Mul", inputs=[In("A", NUMERIC), In("B", NUMERIC)], outputs=["C"], infer=infer_broadcast)
+@op("Mul", traits=("elementwise", "commutative"),
+    inputs=[In("A", NUMERIC), In("B", NUMERIC)], outputs=["C"], infer=infer_broadcast)
 def mul(a, b):
     return np.multiply(a, b)
 
 
-@op("Div", inputs=[In("A", NUMERIC), In("B", NUMERIC)], outputs=["C"], infer=infer_broadcast)
+@op("Div", traits=("elementwise",), inputs=[In("A", NUMERIC), In("B", NUMERIC)], outputs=["C"], infer=infer_broadcast)
 def div(a, b):
     """True division for floats; integer division truncates toward zero (as in C and ONNX)."""
     if as_dtype(a.dtype).is_float:
@@ -102,7 +104,7 @@ def _infer_pow(ctx: InferContext) -> TensorType:
     return TensorType(base.dtype, broadcast_shapes(base.shape, exponent.shape))
 
 
-@op("Pow", inputs=[In("X", POW_BASE), In("Y", NUMERIC)], outputs=["Z"], infer=_infer_pow)
+@op("Pow", traits=("elementwise",), inputs=[In("X", POW_BASE), In("Y", NUMERIC)], outputs=["Z"], infer=_infer_pow)
 def pow_(x, y):
     """x ** y with the dtype of the base ``x``; the exponent may have any numeric dtype."""
     if x.dtype.kind in "iu" and y.dtype.kind in "iu" and not np.any(y < 0):
@@ -119,73 +121,73 @@ def pow_(x, y):
 # --------------------------------------------------------------------------- unary
 
 
-@op("Neg", inputs=[In("X", SIGNED_NUMERIC)], outputs=["Y"], infer=infer_same)
+@op("Neg", traits=("elementwise",), inputs=[In("X", SIGNED_NUMERIC)], outputs=["Y"], infer=infer_same)
 def neg(x):
     return np.negative(x)
 
 
-@op("Abs", inputs=[In("X", NUMERIC)], outputs=["Y"], infer=infer_same)
+@op("Abs", traits=("elementwise",), inputs=[In("X", NUMERIC)], outputs=["Y"], infer=infer_same)
 def abs_(x):
     return np.abs(x)
 
 
-@op("Sign", inputs=[In("input", NUMERIC)], outputs=["output"], infer=infer_same)
+@op("Sign", traits=("elementwise",), inputs=[In("input", NUMERIC)], outputs=["output"], infer=infer_same)
 def sign(x):
     return np.sign(x)
 
 
-@op("Floor", inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
+@op("Floor", traits=("elementwise",), inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
 def floor(x):
     return np.floor(x)
 
 
-@op("Ceil", inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
+@op("Ceil", traits=("elementwise",), inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
 def ceil(x):
     return np.ceil(x)
 
 
-@op("Exp", inputs=[In("input", FLOAT)], outputs=["output"], infer=infer_same)
+@op("Exp", traits=("elementwise",), inputs=[In("input", FLOAT)], outputs=["output"], infer=infer_same)
 def exp(x):
     return float_map(np.exp, x)
 
 
-@op("Log", inputs=[In("input", FLOAT)], outputs=["output"], infer=infer_same)
+@op("Log", traits=("elementwise",), inputs=[In("input", FLOAT)], outputs=["output"], infer=infer_same)
 def log(x):
     return float_map(np.log, x)
 
 
-@op("Sqrt", inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
+@op("Sqrt", traits=("elementwise",), inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
 def sqrt(x):
     return float_map(np.sqrt, x)
 
 
-@op("Reciprocal", inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
+@op("Reciprocal", traits=("elementwise",), inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
 def reciprocal(x):
     return float_map(np.reciprocal, x)
 
 
-@op("Erf", inputs=[In("input", NUMERIC)], outputs=["output"], infer=infer_same)
+@op("Erf", traits=("elementwise",), inputs=[In("input", NUMERIC)], outputs=["output"], infer=infer_same)
 def erf(x):
     """Gauss error function. ONNX allows integer inputs: the result is truncated toward zero."""
     return float_map(erf64, x)
 
 
-@op("Tanh", inputs=[In("input", FLOAT)], outputs=["output"], infer=infer_same)
+@op("Tanh", traits=("elementwise",), inputs=[In("input", FLOAT)], outputs=["output"], infer=infer_same)
 def tanh(x):
     return float_map(np.tanh, x)
 
 
-@op("Sigmoid", inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
+@op("Sigmoid", traits=("elementwise",), inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
 def sigmoid(x):
     return float_map(sigmoid64, x)
 
 
-@op("Sin", inputs=[In("input", FLOAT)], outputs=["output"], infer=infer_same)
+@op("Sin", traits=("elementwise",), inputs=[In("input", FLOAT)], outputs=["output"], infer=infer_same)
 def sin(x):
     return float_map(np.sin, x)
 
 
-@op("Cos", inputs=[In("input", FLOAT)], outputs=["output"], infer=infer_same)
+@op("Cos", traits=("elementwise",), inputs=[In("input", FLOAT)], outputs=["output"], infer=infer_same)
 def cos(x):
     return float_map(np.cos, x)
 
@@ -201,25 +203,28 @@ def _fold(fn: Callable[[np.ndarray, np.ndarray], np.ndarray], arrays: tuple) -> 
     return out
 
 
-@op("Max", inputs=[In("data_0", NUMERIC, variadic=True)], outputs=["max"], infer=infer_broadcast)
+@op("Max", traits=("elementwise", "commutative"),
+    inputs=[In("data_0", NUMERIC, variadic=True)], outputs=["max"], infer=infer_broadcast)
 def max_(*xs):
     """Elementwise maximum of all inputs (broadcast); NaN propagates."""
     return _fold(np.maximum, xs)
 
 
-@op("Min", inputs=[In("data_0", NUMERIC, variadic=True)], outputs=["min"], infer=infer_broadcast)
+@op("Min", traits=("elementwise", "commutative"),
+    inputs=[In("data_0", NUMERIC, variadic=True)], outputs=["min"], infer=infer_broadcast)
 def min_(*xs):
     """Elementwise minimum of all inputs (broadcast); NaN propagates."""
     return _fold(np.minimum, xs)
 
 
-@op("Sum", inputs=[In("data_0", FLOAT, variadic=True)], outputs=["sum"], infer=infer_broadcast)
+@op("Sum", traits=("elementwise",), inputs=[In("data_0", FLOAT, variadic=True)], outputs=["sum"], infer=infer_broadcast)
 def sum_(*xs):
     """Elementwise sum of all inputs (broadcast), accumulated in float64 and rounded once."""
     return float_map(lambda *ws: _fold(np.add, ws), *xs)
 
 
-@op("Mean", inputs=[In("data_0", FLOAT, variadic=True)], outputs=["mean"], infer=infer_broadcast)
+@op("Mean", traits=("elementwise",),
+    inputs=[In("data_0", FLOAT, variadic=True)], outputs=["mean"], infer=infer_broadcast)
 def mean(*xs):
     """Elementwise mean of all inputs (broadcast), accumulated in float64 and rounded once."""
     return float_map(lambda *ws: _fold(np.add, ws) / len(ws), *xs)
@@ -242,7 +247,7 @@ def _infer_clip(ctx: InferContext) -> TensorType:
     return x
 
 
-@op("Clip", inputs=[In("input", NUMERIC), In("min", NUMERIC, optional=True, max_elements=1),
+@op("Clip", traits=("elementwise",), inputs=[In("input", NUMERIC), In("min", NUMERIC, optional=True, max_elements=1),
                   In("max", NUMERIC, optional=True, max_elements=1)],
     outputs=["output"], infer=_infer_clip)
 def clip(x, lo=None, hi=None):

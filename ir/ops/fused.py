@@ -76,23 +76,22 @@ from kiln.ir.dtypes import FLOAT_TYPES
 from kiln.ir.evaluator import run_subgraph
 from kiln.ir.graph import Graph
 from kiln.ir.ops._common import ALL
-from kiln.ir.registry import KILN_DOMAIN, ONNX_DOMAIN, Attr, AttrKind, In, InferContext, normalize_inferred, op
+from kiln.ir.registry import (KILN_DOMAIN, ONNX_DOMAIN, Attr, AttrKind, In, InferContext, normalize_inferred, op,
+                               ops_with)
 from kiln.ir.types import TensorType, dims_compatible
 
 FUSED_OP = "FusedElementwise"
 EPILOGUE_OP = "FusedEpilogue"
 ATTENTION_OP = "FusedAttention"
 
-# Elementwise ops of the default domain: each output element depends only on the input elements
-# at the same (broadcast) position. What fuse_elementwise groups and what an epilogue may hold.
-ELEMENTWISE_OPS = frozenset("""
-Abs Add And Cast Ceil Clip Cos Div Elu Equal Erf Exp Floor Gelu Greater GreaterOrEqual HardSigmoid
-HardSwish IsInf IsNaN LeakyRelu Less LessOrEqual Log Max Mean Min Mish Mul Neg Not Or Pow PRelu Reciprocal
-Relu Selu Sigmoid Sign Sin Softplus Softsign Sqrt Sub Sum Tanh Where Xor
-""".split())
+# Elementwise ops of the default domain (declared with the "elementwise" trait on their @op): each output
+# element depends only on the input elements at the same (broadcast) position. What fuse_elementwise groups
+# and what an epilogue may hold.
+ELEMENTWISE_OPS = ops_with("elementwise")
 
-# Ops a FusedEpilogue is built around: those whose GPU libraries apply an epilogue in the kernel.
-ANCHOR_OPS = frozenset({"Conv", "Gemm", "MatMul"})
+# Ops a FusedEpilogue is built around (the "anchor" trait): those whose GPU libraries apply an epilogue in the
+# kernel.
+ANCHOR_OPS = ops_with("anchor")
 
 
 def body_output_types(body: Graph, input_types: list, fail) -> list:

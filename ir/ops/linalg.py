@@ -51,7 +51,7 @@ def infer_matmul(ctx: InferContext) -> TensorType:
     return TensorType(dtype, out)
 
 
-@op("MatMul", inputs=[In("A", MATMUL_T), In("B", MATMUL_T)], infer=infer_matmul)
+@op("MatMul", traits=("anchor",), inputs=[In("A", MATMUL_T), In("B", MATMUL_T)], infer=infer_matmul)
 def matmul(a, b):
     """numpy.matmul; narrow floats accumulate in float32."""
     acc = compute_dtype(a.dtype)
@@ -96,7 +96,7 @@ def infer_gemm(ctx: InferContext) -> TensorType:
     return TensorType(dtype, (m, n))
 
 
-@op("Gemm", inputs=[In("A", MATMUL_T), In("B", MATMUL_T), In("C", MATMUL_T, optional=True)],
+@op("Gemm", traits=("anchor",), inputs=[In("A", MATMUL_T), In("B", MATMUL_T), In("C", MATMUL_T, optional=True)],
     attrs=[Attr("alpha", AttrKind.FLOAT, 1.0), Attr("beta", AttrKind.FLOAT, 1.0),
            Attr("transA", AttrKind.INT, 0), Attr("transB", AttrKind.INT, 0)],
     infer=infer_gemm)

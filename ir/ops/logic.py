@@ -12,27 +12,32 @@ from kiln.ir.types import TensorType, broadcast_shapes
 # --------------------------------------------------------------------------- comparisons
 
 
-@op("Equal", inputs=[In("A", ALL), In("B", ALL)], outputs=["C"], infer=infer_broadcast_bool)
+@op("Equal", traits=("elementwise", "commutative"),
+    inputs=[In("A", ALL), In("B", ALL)], outputs=["C"], infer=infer_broadcast_bool)
 def equal(a, b):
     return np.equal(a, b)
 
 
-@op("Less", inputs=[In("A", NUMERIC), In("B", NUMERIC)], outputs=["C"], infer=infer_broadcast_bool)
+@op("Less", traits=("elementwise",),
+    inputs=[In("A", NUMERIC), In("B", NUMERIC)], outputs=["C"], infer=infer_broadcast_bool)
 def less(a, b):
     return np.less(a, b)
 
 
-@op("Greater", inputs=[In("A", NUMERIC), In("B", NUMERIC)], outputs=["C"], infer=infer_broadcast_bool)
+@op("Greater", traits=("elementwise",),
+    inputs=[In("A", NUMERIC), In("B", NUMERIC)], outputs=["C"], infer=infer_broadcast_bool)
 def greater(a, b):
     return np.greater(a, b)
 
 
-@op("LessOrEqual", inputs=[In("A", NUMERIC), In("B", NUMERIC)], outputs=["C"], infer=infer_broadcast_bool)
+@op("LessOrEqual", traits=("elementwise",),
+    inputs=[In("A", NUMERIC), In("B", NUMERIC)], outputs=["C"], infer=infer_broadcast_bool)
 def less_or_equal(a, b):
     return np.less_equal(a, b)
 
 
-@op("GreaterOrEqual", inputs=[In("A", NUMERIC), In("B", NUMERIC)], outputs=["C"], infer=infer_broadcast_bool)
+@op("GreaterOrEqual", traits=("elementwise",),
+    inputs=[In("A", NUMERIC), In("B", NUMERIC)], outputs=["C"], infer=infer_broadcast_bool)
 def greater_or_equal(a, b):
     return np.greater_equal(a, b)
 
@@ -40,22 +45,25 @@ def greater_or_equal(a, b):
 # --------------------------------------------------------------------------- boolean logic
 
 
-@op("Not", inputs=[In("X", BOOL)], outputs=["Y"], infer=infer_same)
+@op("Not", traits=("elementwise",), inputs=[In("X", BOOL)], outputs=["Y"], infer=infer_same)
 def not_(x):
     return np.logical_not(x)
 
 
-@op("And", inputs=[In("A", BOOL), In("B", BOOL)], outputs=["C"], infer=infer_broadcast)
+@op("And", traits=("elementwise", "commutative"),
+    inputs=[In("A", BOOL), In("B", BOOL)], outputs=["C"], infer=infer_broadcast)
 def and_(a, b):
     return np.logical_and(a, b)
 
 
-@op("Or", inputs=[In("A", BOOL), In("B", BOOL)], outputs=["C"], infer=infer_broadcast)
+@op("Or", traits=("elementwise", "commutative"),
+    inputs=[In("A", BOOL), In("B", BOOL)], outputs=["C"], infer=infer_broadcast)
 def or_(a, b):
     return np.logical_or(a, b)
 
 
-@op("Xor", inputs=[In("A", BOOL), In("B", BOOL)], outputs=["C"], infer=infer_broadcast)
+@op("Xor", traits=("elementwise", "commutative"),
+    inputs=[In("A", BOOL), In("B", BOOL)], outputs=["C"], infer=infer_broadcast)
 def xor(a, b):
     return np.logical_xor(a, b)
 
@@ -69,7 +77,8 @@ def _infer_where(ctx: InferContext) -> TensorType:
     return TensorType(x.dtype, broadcast_shapes(cond.shape, x.shape, y.shape))
 
 
-@op("Where", inputs=[In("condition", BOOL), In("X", ALL), In("Y", ALL)], outputs=["output"], infer=_infer_where)
+@op("Where", traits=("elementwise",),
+    inputs=[In("condition", BOOL), In("X", ALL), In("Y", ALL)], outputs=["output"], infer=_infer_where)
 def where(cond, x, y):
     """X where condition holds, else Y; all three broadcast together."""
     return np.where(cond, x, y)
@@ -102,7 +111,7 @@ def _propagate_cast(ctx: InferContext):
     return ctx.symbolic(0) if _target(ctx.attrs["to"]).is_int else None
 
 
-@op("Cast", inputs=[In("input", ALL)], outputs=["output"],
+@op("Cast", traits=("elementwise",), inputs=[In("input", ALL)], outputs=["output"],
     attrs=[Attr("to", AttrKind.INT, REQUIRED), Attr("saturate", AttrKind.INT, 1)], infer=_infer_cast,
     propagate=_propagate_cast)
 def cast(x, to=REQUIRED, saturate=1):
@@ -134,12 +143,12 @@ def _infer_bool_like(ctx: InferContext) -> TensorType:
     return same_shape(ctx, DType.BOOL)
 
 
-@op("IsNaN", inputs=[In("X", FLOAT)], outputs=["Y"], infer=_infer_bool_like)
+@op("IsNaN", traits=("elementwise",), inputs=[In("X", FLOAT)], outputs=["Y"], infer=_infer_bool_like)
 def is_nan(x):
     return np.isnan(x)
 
 
-@op("IsInf", inputs=[In("X", FLOAT)], outputs=["Y"],
+@op("IsInf", traits=("elementwise",), inputs=[In("X", FLOAT)], outputs=["Y"],
     attrs=[Attr("detect_negative", AttrKind.INT, 1), Attr("detect_positive", AttrKind.INT, 1)],
     infer=_infer_bool_like)
 def is_inf(x, detect_negative=1, detect_positive=1):

@@ -216,7 +216,7 @@ def infer_conv(ctx: InferContext) -> TensorType:
     return TensorType(dtype, [xs[0], m] + window_out_shape(window, xs[2:]))
 
 
-@op("Conv", inputs=[In("X", FLOAT), In("W", FLOAT), In("B", FLOAT, optional=True)],
+@op("Conv", traits=("anchor",), inputs=[In("X", FLOAT), In("W", FLOAT), In("B", FLOAT, optional=True)],
     attrs=_CONV_ATTRS, infer=infer_conv)
 def conv(x, w, b=None, *, auto_pad, dilations, group, kernel_shape, pads, strides):
     """Cross-correlation of each group of input channels with its group of filters."""

@@ -23,7 +23,7 @@ import numpy as np
 from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.ops.fused import ATTENTION_OP, EPILOGUE_OP, FUSED_OP
 from kiln.ir.passes._rewrite import Editor
-from kiln.ir.registry import KILN_DOMAIN
+from kiln.ir.registry import KILN_DOMAIN, ops_with
 
 CLOSED_BODY_OPS = frozenset({FUSED_OP, EPILOGUE_OP, ATTENTION_OP})
 
@@ -31,8 +31,7 @@ DEFAULT_MAX_INITIALIZER_BYTES = 4096
 
 # Two-input ops whose result does not depend on the order of the inputs. (Sum/Mean of three
 # or more are left out: float addition is not associative, so order changes rounding.)
-COMMUTATIVE = frozenset({"Add", "Mul", "Max", "Min", "And", "Or", "Xor", "Equal",
-                         "BitwiseAnd", "BitwiseOr", "BitwiseXor"})
+COMMUTATIVE = ops_with("commutative")  # the trait on each op's @op
 
 
 def cse(graph: Graph, *, max_initializer_bytes: int = DEFAULT_MAX_INITIALIZER_BYTES) -> bool:
