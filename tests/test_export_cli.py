@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 import kiln  # noqa: E402
 import zoo  # noqa: E402
+from cli_helpers import run_cli  # noqa: E402
 
 ROOT = Path(kiln.__file__).resolve().parent
 EXAMPLES = ROOT / "examples" / "models.py"
@@ -22,8 +22,8 @@ TESTS = ROOT / "tests"
 
 
 def kiln_cli(*args, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kiln", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    """``kiln ARGS`` in this process (tests/cli_helpers.py: no torch import per call)."""
+    return run_cli(*args, cwd=cwd)
 
 
 def inspect_json(path: Path) -> dict:

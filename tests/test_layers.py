@@ -4,6 +4,7 @@ imports must not form a cycle. Also: what ``import kiln`` and ``import kiln.ir``
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ def layer_table() -> tuple[dict, dict]:
     return layer_of, allowed
 
 
+@functools.lru_cache(maxsize=1)
 def modules() -> dict:
     """{dotted module name: path} of every module of the package (tests and bench are not the package)."""
     out = {}
@@ -44,6 +46,11 @@ def modules() -> dict:
 
 
 def imports(path: Path, known: dict) -> list:
+    return _imports(path, tuple(known))
+
+
+@functools.lru_cache(maxsize=None)
+def _imports(path: Path, known: tuple) -> list:
     """[(imported kiln module, line, module-level?)] of ``path``: a ``from kiln.x import y`` names
     ``kiln.x.y`` where that is a module, else ``kiln.x``."""
     tree = ast.parse(path.read_text(), str(path))
