@@ -111,7 +111,3 @@ for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
     setattr(SymInt, f"__{_name}__", _compare(_name))
 # Defining __eq__ must not make SymInts unhashable (they key dicts of sizes).
 SymInt.__hash__ = int.__hash__
-
-
-def is_symbolic(x: Any) -> bool:
-    return isinstance(x, SymInt)

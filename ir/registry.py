@@ -139,10 +139,6 @@ class OpSchema:
         return None if any(p.variadic for p in self.inputs) else len(self.inputs)
 
     @property
-    def variadic_outputs(self) -> bool:
-        return any(p.variadic for p in self.outputs)
-
-    @property
     def has_subgraphs(self) -> bool:
         return any(a.kind is AttrKind.GRAPH for a in self.attrs.values())
 
@@ -152,13 +148,6 @@ class OpSchema:
             return self.inputs[i]
         if self.inputs and self.inputs[-1].variadic:
             return self.inputs[-1]
-        raise IndexError(i)
-
-    def output_param(self, i: int) -> In:
-        if i < len(self.outputs):
-            return self.outputs[i]
-        if self.outputs and self.outputs[-1].variadic:
-            return self.outputs[-1]
         raise IndexError(i)
 
     def fill_attrs(self, given: dict) -> dict:

@@ -240,8 +240,3 @@ def read_flatbuffer(buf: bytes, base: int = 0, identifier: bytes = b"KILN", *, m
     if bytes(buf[4:8]) != identifier:
         reader.fail(4, ROOT, f"file identifier is {bytes(buf[4:8])!r}, expected {identifier!r}")
     return reader.table(_U32.unpack_from(buf, 0)[0], ROOT, ROOT, 0)
-
-
-def verify_flatbuffer(buf: bytes, base: int = 0, identifier: bytes = b"KILN") -> None:
-    """Raise FormatError unless ``buf`` is a structurally sound FlatBuffer of kiln.fbs's root table."""
-    read_flatbuffer(buf, base, identifier)

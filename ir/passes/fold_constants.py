@@ -59,6 +59,8 @@ def _track_symbols(node: Node, symbols: SymbolTable) -> None:
     try:
         infer_node(node, symbols)
     except KilnError:
+        # Not lost: infer_shapes runs after every pass that changed the graph and reports it with the node;
+        # folding just learns no symbols from this node.
         pass
 
 

@@ -45,20 +45,27 @@ def device_reference(node, attrs) -> Callable[..., Any]:
 
     def run(*args):
         args = [host(a) if i in host_pos else a for i, a in enumerate(args)]
+        device_error = None
         if not state["host"]:
             try:
                 out = call(args)
                 if _on_device(out):
                     return out
-            except Exception:  # noqa: BLE001 - retried on the host below, which raises real errors
-                pass
+                device_error = "the reference returned host arrays"
+            except Exception as e:  # noqa: BLE001 - the host call below decides: it raises the real errors
+                device_error = f"{type(e).__name__}: {e}"
+        # On the host. An error here is the op's own (bad inputs) and propagates; only a call that works
+        # on the host after failing on the device switches this node to the host for good, and says why.
         out = call([a.get() if isinstance(a, cp.ndarray) else a for a in args])
-        state["host"] = True
-        run.fallback = True
+        if not state["host"]:
+            state["host"] = True
+            run.fallback = True
+            run.fallback_reason = device_error
         if isinstance(out, (tuple, list)):
             return tuple(cp.asarray(o) for o in out)
         return cp.asarray(out)
     run.fallback = False
+    run.fallback_reason = None
     return run
 
 
