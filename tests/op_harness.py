@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from kiln.ir import Graph, dtype, evaluate, verify
+from kiln.ir import DType, Graph, dtype, evaluate, verify
 from kiln.ir.passes.shape_inference import infer_shapes
 from kiln.runtime import Program
 
@@ -45,26 +45,56 @@ def build_single(op: str, inputs: Sequence[Optional[np.ndarray]], attrs: Optiona
     return g, feeds
 
 
-def check_backends(g: Graph, feeds: list, want: list) -> None:
-    """The conformance suite: every backend's kernels must agree with the reference outputs.
+def _gpu_present() -> bool:
+    global _GPU
+    if _GPU is None:
+        try:
+            import cupy
+            _GPU = int(cupy.cuda.runtime.getDeviceCount()) > 0
+        except Exception:  # noqa: BLE001 - no CuPy, no driver, no device
+            _GPU = False
+    return _GPU
 
-    (CPU runtime now; every op test in tests/ops/ runs through it.) Kernels may differ from the
-    reference by float rounding only (a fused or BLAS-ordered sum), never in dtype or shape."""
-    got = Program(g).run(feeds, as_list=True)
-    for v, w, o in zip(g.outputs, want, got):
-        assert o.dtype == w.dtype and o.shape == w.shape, f"runtime {v.name}: {o.dtype}{o.shape} vs {w.dtype}{w.shape}"
-        if dtype(w.dtype).is_float:
-            tol = 1e-5 if w.dtype.itemsize >= 4 else 1e-2  # half types: one rounding of 2**-8 .. 2**-11
-            # A reordered sum is off by rounding of its terms, not of its result: an element that
-            # cancels to ~0 keeps the absolute error of the large terms, so the absolute floor
-            # scales with the output's magnitude (OpenBLAS on AMD EPYC put a conv element of
-            # 0.0011 1.03e-6 off, past a fixed 1e-6).
-            finite = np.abs(w[np.isfinite(w)]).astype(np.float64)
-            scale = max(1.0, float(finite.max())) if finite.size else 1.0
-            np.testing.assert_allclose(o.astype(np.float64), w.astype(np.float64), rtol=tol, atol=tol / 10 * scale,
-                                       equal_nan=True, err_msg=f"CPU runtime disagrees on {v.name}")
-        else:
-            np.testing.assert_array_equal(o, w, err_msg=f"CPU runtime disagrees on {v.name}")
+
+_GPU: Optional[bool] = None
+
+
+def _run_cuda(g: Graph, feeds: list) -> list:
+    import kiln
+    prog = kiln.load(g.copy(), device="cuda", output="numpy", tf32=False)  # fp32 GEMMs in fp32, as the reference
+    return prog.run(feeds, as_list=True)
+
+
+def check_backends(g: Graph, feeds: list, want: list) -> None:
+    """The conformance suite: every backend's kernels must agree with the reference outputs: the CPU runtime
+    always, the CUDA runtime too where a GPU is present (``pytest tests/ops`` on the GPU machine). Every op
+    test in tests/ops/ runs through it. Kernels may differ from the reference by float rounding only (a fused
+    or BLAS-ordered sum; on the GPU also the fused multiply-adds and math intrinsics), never in dtype or shape."""
+    backends = [("CPU runtime", lambda: Program(g).run(feeds, as_list=True), 1e-5)]
+    # The GPU takes bfloat16 inside a model only (CuPy has no bfloat16 arrays; a bf16 input or output is
+    # refused at load with the way out, tested in tests/runtime/test_cuda_half.py): such graphs are CPU-only here.
+    bf16_io = any(v.dtype is DType.BFLOAT16 for v in [*g.inputs, *g.outputs])
+    if _gpu_present() and not bf16_io:
+        backends.append(("CUDA runtime", lambda: _run_cuda(g, feeds), 1e-4))
+    for label, run, tol32 in backends:
+        got = run()
+        for v, w, o in zip(g.outputs, want, got):
+            o = np.asarray(o)
+            assert o.dtype == w.dtype and o.shape == w.shape, \
+                f"{label} {v.name}: {o.dtype}{o.shape} vs {w.dtype}{w.shape}"
+            if dtype(w.dtype).is_float:
+                tol = tol32 if w.dtype.itemsize >= 4 else 1e-2  # half types: one rounding of 2**-8 .. 2**-11
+                # A reordered sum is off by rounding of its terms, not of its result: an element that
+                # cancels to ~0 keeps the absolute error of the large terms, so the absolute floor
+                # scales with the output's magnitude (OpenBLAS on AMD EPYC put a conv element of
+                # 0.0011 1.03e-6 off, past a fixed 1e-6).
+                finite = np.abs(w[np.isfinite(w)]).astype(np.float64)
+                scale = max(1.0, float(finite.max())) if finite.size else 1.0
+                np.testing.assert_allclose(o.astype(np.float64), w.astype(np.float64), rtol=tol,
+                                           atol=tol / 10 * scale, equal_nan=True,
+                                           err_msg=f"{label} disagrees on {v.name}")
+            else:
+                np.testing.assert_array_equal(o, w, err_msg=f"{label} disagrees on {v.name}")
 
 
 def check_op(op: str, inputs: Sequence[Optional[np.ndarray]], expected: Any = None, attrs: Optional[dict] = None,
