@@ -96,80 +96,14 @@ def _add_inspect_args(p: argparse.ArgumentParser) -> None:
                         "(by default only segments up to 16 MiB are checked, so big models load in constant time)")
 
 
-# ---------------------------------------------------------------------------- export (frontend/export_cli.py)
-def _add_export_args(p: argparse.ArgumentParser) -> None:
-    from kiln.frontend.export_cli import add_export_args
-    add_export_args(p)
-
-
-def _run_export(args: argparse.Namespace) -> int:
-    from kiln.frontend.export_cli import cmd_export
-    return cmd_export(args)
-
-
-# ---------------------------------------------------------------------------- convert (serializer/convert_cli.py)
-def _add_convert_args(p: argparse.ArgumentParser) -> None:
-    from kiln.serializer.convert_cli import add_convert_args
-    add_convert_args(p)
-
-
-def _run_convert(args: argparse.Namespace) -> int:
-    from kiln.serializer.convert_cli import cmd_convert
-    return cmd_convert(args)
-
-
-# ---------------------------------------------------------------------------- run, bench (runtime/cli.py)
-def _add_run_args(p: argparse.ArgumentParser) -> None:
-    from kiln.runtime.cli import add_run_args
-    add_run_args(p)
-
-
-def _run_run(args: argparse.Namespace) -> int:
-    from kiln.runtime.cli import cmd_run
-    return cmd_run(args)
-
-
-def _add_bench_args(p: argparse.ArgumentParser) -> None:
-    from kiln.runtime.cli import add_bench_args
-    add_bench_args(p)
-
-
-def _run_bench(args: argparse.Namespace) -> int:
-    from kiln.runtime.cli import cmd_bench
-    return cmd_bench(args)
-
-
-# ---------------------------------------------------------------------------- serve (server/cli.py)
-def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    from kiln.server.cli import add_serve_args
-    add_serve_args(p)
-
-
-def _run_serve(args: argparse.Namespace) -> int:
-    from kiln.server.cli import cmd_serve
-    return cmd_serve(args)
-
-
-# ---------------------------------------------------------------------------- deploy (server/deploy.py)
-def _add_deploy_args(p: argparse.ArgumentParser) -> None:
-    from kiln.server.deploy import add_deploy_args
-    add_deploy_args(p)
-
-
-def _run_deploy(args: argparse.Namespace) -> int:
-    from kiln.server.deploy import cmd_deploy
-    return cmd_deploy(args)
-
-
-# ---------------------------------------------------------------------------- mobile (mobile_stub/cli.py)
-def _add_mobile_args(p: argparse.ArgumentParser) -> None:
-    from kiln.mobile_stub.cli import add_mobile_args
-    add_mobile_args(p)
-
-
-def _run_mobile(args: argparse.Namespace) -> int:
-    from kiln.mobile_stub.cli import cmd_mobile
-    return cmd_mobile(args)
+def _lazy(module: str, name: str) -> Callable:
+    """``module.name``, imported on the first call: each sub-command's arguments and runner live with its layer
+    (export with the frontend, run with the runtime, ...), and ``kiln info`` imports none of them (nor torch)."""
+    def call(arg):
+        import importlib
+        return getattr(importlib.import_module(module), name)(arg)
+    call.__name__ = call.__qualname__ = f"{module}.{name}"
+    return call
 
 
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
@@ -179,22 +113,26 @@ COMMANDS: dict[str, Command] = {
     "inspect": ("summarize a .kiln file: header, versions, producer, inputs/outputs, op histogram, parameters",
                 _add_inspect_args, cmd_inspect),
     "export": ("trace a PyTorch model on example inputs and write it as a .kiln file and/or an ONNX file",
-               _add_export_args, _run_export),
+               _lazy("kiln.frontend.export_cli", "add_export_args"),
+               _lazy("kiln.frontend.export_cli", "cmd_export")),
     "convert": ("convert a .kiln file to ONNX or an ONNX file to .kiln (by the files' suffixes)",
-                _add_convert_args, _run_convert),
+                _lazy("kiln.serializer.convert_cli", "add_convert_args"),
+                _lazy("kiln.serializer.convert_cli", "cmd_convert")),
     "run": ("run a .kiln or .onnx file on inputs from .npy/.npz/JSON; write outputs to .npz/.npy or print a "
             "summary (same as python -m kiln.runtime); --backend onnxruntime runs it in ONNX Runtime",
-            _add_run_args, _run_run),
+            _lazy("kiln.runtime.cli", "add_run_args"), _lazy("kiln.runtime.cli", "cmd_run")),
     "bench": ("time a .kiln or .onnx file on random inputs (median/p90), optionally per op with --profile; "
-              "--backend onnxruntime times ONNX Runtime", _add_bench_args, _run_bench),
+              "--backend onnxruntime times ONNX Runtime", _lazy("kiln.runtime.cli", "add_bench_args"),
+              _lazy("kiln.runtime.cli", "cmd_bench")),
     "serve": ("serve a .kiln file or a model repository over HTTP (KServe/Triton V2 inference protocol) with "
-              "dynamic batching, worker processes and Prometheus metrics", _add_serve_args, _run_serve),
+              "dynamic batching, worker processes and Prometheus metrics", _lazy("kiln.server.cli", "add_serve_args"),
+              _lazy("kiln.server.cli", "cmd_serve")),
     "deploy": ("write what it takes to run a model elsewhere: `kserve` (a ServingRuntime, an InferenceService, "
                "Dockerfiles and the model repository to upload) or `ray` (a Ray Serve config for serve deploy)",
-               _add_deploy_args, _run_deploy),
+               _lazy("kiln.server.deploy", "add_deploy_args"), _lazy("kiln.server.deploy", "cmd_deploy")),
     "mobile": ("the mobile path: `check` a model against the mobile op set, `pack` it ahead of time (static "
                "memory plan, optional int8 weights), `bundle` it into a numpy-only zipapp",
-               _add_mobile_args, _run_mobile),
+               _lazy("kiln.mobile_stub.cli", "add_mobile_args"), _lazy("kiln.mobile_stub.cli", "cmd_mobile")),
 }
 
 
