@@ -302,6 +302,7 @@ def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize
     optimization, ``device`` 'cpu', 'cuda[:N]' or 'auto' picks its execution provider, and ``threads`` its
     intra-op thread count (default: ORT's). Both need ``pip install kiln[onnx]``.
 
+    ``device="auto"``: the GPU where CuPy sees one, else the CPU (as for the onnxruntime backend).
     ``device="cuda"`` (kiln backend): a ``CudaProgram`` on the current CUDA device through CuPy
     (``pip install kiln[gpu]``); ``cuda_options`` go to it (``output="cupy"|"numpy"``,
     ``tf32=False``, ``cuda_graphs=True|False|"auto"``, ``fuse=True``, ``conv="auto"|"cudnn"|"im2col"``,
@@ -344,6 +345,15 @@ def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize
                  memory_budget=memory_budget, **cuda_options)
 
 
+def cuda_usable() -> bool:
+    """Whether ``device='auto'`` means the GPU: CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+        return int(cupy.cuda.runtime.getDeviceCount()) > 0
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: the CPU
+        return False
+
+
 def _load(model, device: str, *, optimize: bool, backend: str, threads: Optional[int], limits,
           memory_budget: Union[int, str, None], precision: Optional[str] = None, weights: Optional[str] = None,
           **cuda_options):
@@ -352,11 +362,16 @@ def _load(model, device: str, *, optimize: bool, backend: str, threads: Optional
         return OrtProgram(model, device=device, optimize=optimize, threads=threads)
     if backend != "kiln":
         raise KilnError(f"unknown backend {backend!r}: choose one of {', '.join(map(repr, BACKENDS))}")
-    cuda = device == "cuda"
     if device not in ("cpu", "auto", "cuda"):
-        raise KilnError(f"unknown device '{device}': kiln runs on 'cpu' or 'cuda' ('auto' is the CPU)")
+        raise KilnError(f"unknown device '{device}': kiln runs on 'cpu', 'cuda' or 'auto' (the GPU where CuPy "
+                        "sees one, else the CPU)")
+    auto = device == "auto"
+    if auto:  # as the onnxruntime backend's 'auto': the GPU when there is one
+        device = "cuda" if cuda_usable() else "cpu"
+    cuda = device == "cuda"
     if cuda_options and not cuda:
-        raise KilnError(f"options {sorted(cuda_options)} are for device='cuda'")
+        raise KilnError(f"options {sorted(cuda_options)} are for device='cuda'"
+                        + (" (device='auto' found no usable GPU here)" if auto else ""))
     if cuda_options:  # named wrong: said before any loading (runtime/cuda_options.py has the fields)
         from kiln.runtime.cuda_options import FIELDS
         unknown = sorted(set(cuda_options) - set(FIELDS) - {"options"})

@@ -124,3 +124,19 @@ def test_cuda_device_is_refused_clearly(tmp_path):
     path = kiln.save(mlp(), tmp_path / "m.kiln")
     with pytest.raises(kiln.KilnError, match="device 'cuda' is not available yet"):
         kiln.load(path, device="cuda")
+
+
+def test_auto_device_is_the_gpu_where_one_is_usable(monkeypatch, tmp_path):
+    """device='auto' means what it means for the onnxruntime backend: the GPU when CuPy sees one, else the CPU."""
+    import importlib.util
+
+    import kiln.runtime.program as program
+    path = kiln.save(mlp(), tmp_path / "m.kiln")
+    monkeypatch.setattr(program, "cuda_usable", lambda: False)
+    assert isinstance(kiln.load(path, device="auto"), Program)
+    with pytest.raises(kiln.KilnError, match="device='auto' found no usable GPU"):
+        kiln.load(path, device="auto", tf32=False)
+    if importlib.util.find_spec("cupy") is None:  # the GPU path is taken (and says CuPy is missing)
+        monkeypatch.setattr(program, "cuda_usable", lambda: True)
+        with pytest.raises(kiln.KilnError, match="device 'cuda' is not available yet"):
+            kiln.load(path, device="auto")
