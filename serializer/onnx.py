@@ -187,6 +187,59 @@ def _expand_gelu(em: Emitter, node: Node) -> None:
     em.add("Mul", [em.add("Mul", [x, one_plus]), em.constant(0.5)], outputs=[em.outputs[0]])
 
 
+_HALF_TYPES = ("float16", "bfloat16")
+ISINF_HALF_OPSET = 20  # the first ai.onnx opset whose IsInf takes float16/bfloat16
+
+
+@register_expansion(ONNX_DOMAIN, "IsInf", native_since=ISINF_HALF_OPSET)
+def _expand_isinf(em: Emitter, node: Node) -> None:
+    """IsInf before opset 20 takes float and double only: a 16-bit input is widened first (exact: every
+    float16/bfloat16 value, infinities included, is a float32)."""
+    x = em.inputs[0]
+    t = em.input_type(0)
+    if t is not None and str(t.dtype) in _HALF_TYPES:
+        x = em.add("Cast", [x], to=TensorProto.FLOAT)
+    em.add("IsInf", [x], outputs=[em.outputs[0]], detect_negative=int(node.attrs.get("detect_negative", 1)),
+           detect_positive=int(node.attrs.get("detect_positive", 1)))
+
+
+@register_expansion(ONNX_DOMAIN, "Erf")
+def _expand_erf(em: Emitter, node: Node) -> None:
+    """kiln's Erf takes integer inputs as opset 9's did (the result truncated toward zero); since opset 13
+    ONNX's takes floats only. An integer input is computed in double, as kiln's reference does, and cast
+    back (Cast to an integer truncates toward zero)."""
+    t = em.input_type(0)
+    if t is None or t.dtype.is_float:
+        em.add("Erf", [em.inputs[0]], outputs=[em.outputs[0]])
+        return
+    wide = em.add("Erf", [em.add("Cast", [em.inputs[0]], to=TensorProto.DOUBLE)])
+    em.add("Cast", [wide], outputs=[em.outputs[0]], to=int(t.dtype.value))
+
+
+@register_expansion(ONNX_DOMAIN, "Einsum")
+def _expand_einsum(em: Emitter, node: Node) -> None:
+    """Einsum as itself, but where the ellipses of the inputs stand for different numbers of dims (kiln,
+    like numpy, broadcasts them from the right; ONNX's shape inference refuses it), the shorter ones get
+    leading size-1 dims at the ellipsis first (Unsqueeze): the same broadcast, spelled the way ONNX takes."""
+    equation = str(node.attrs["equation"]).replace(" ", "")
+    lhs = equation.split("->")[0].split(",")
+    inputs = list(em.inputs)
+    widths = {}
+    for i, term in enumerate(lhs):
+        t = em.input_type(i)
+        if "..." in term and t is not None and t.shape is not None:
+            widths[i] = len(t.shape) - len(term.replace("...", ""))
+    if len(set(widths.values())) > 1:
+        full = max(widths.values())
+        for i, w in widths.items():
+            if w < full:
+                start = lhs[i].index("...")
+                axes = em.add("Constant", [], value=numpy_helper.from_array(
+                    np.arange(start, start + full - w, dtype=np.int64)))
+                inputs[i] = em.add("Unsqueeze", [inputs[i], axes])
+    em.add("Einsum", inputs, outputs=[em.outputs[0]], equation=equation)
+
+
 # --------------------------------------------------------------------------- types and tensors
 
 
