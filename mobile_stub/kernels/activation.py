@@ -1,8 +1,8 @@
 """Activations as numpy ufuncs writing straight into the output view (no temporaries, except
 Gelu's erf, which needs one buffer for its rational approximation's denominator).
 
-numpy has no erf: Gelu (exact) uses Eigen's float rational approximation (|error| < 5e-7), the
-same one kiln's CPU runtime uses for Erf.
+numpy has no erf: Gelu (exact) uses Eigen's float rational approximation (|error| < 5e-7) from kiln.numerics,
+the one kiln's CPU runtime uses for Erf (the bundle carries that numpy-only file).
 """
 from __future__ import annotations
 
@@ -10,33 +10,9 @@ import math
 
 import numpy as np
 
+from kiln.numerics import erf_into  # noqa: F401  (the CPU runtime's approximation; Gelu below uses it)
+
 F32 = np.float32
-_ERF_P = tuple(F32(c) for c in (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
-                               -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
-                               -1.60960333262415e-02))
-_ERF_Q = tuple(F32(c) for c in (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
-                               -7.37332916720468e-03, -1.42647390514189e-02))
-
-
-def _horner(coefs, x2, acc):
-    np.multiply(x2, coefs[0], out=acc)
-    acc += coefs[1]
-    for c in coefs[2:]:
-        acc *= x2
-        acc += c
-    return acc
-
-
-def erf_into(x, out, scale=1.0):
-    """out = erf(scale * x), float32, with one temporary the size of x."""
-    np.multiply(x, F32(scale), out=out)
-    np.clip(out, F32(-4), F32(4), out=out)
-    x2 = np.square(out)
-    num = _horner(_ERF_P, x2, np.empty_like(out))
-    num *= out
-    _horner(_ERF_Q, x2, out)
-    np.divide(num, out, out=out)
-    return out
 
 
 def relu(ins, outs, attrs):

@@ -13,42 +13,20 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kiln.numerics import erf_into, horner_into
 from kiln.runtime.kernels.cpu import kernel, reference_kernel
 from kiln.runtime.kernels.cpu.linalg import input_dtype
 
 F32 = np.dtype(np.float32)
-# erf(x) ~ x * P(x^2) / Q(x^2) on [-4, 4] (beyond, erf is +-1 to within 2e-8); highest power first.
-_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
-          -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
-_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
-          -1.42647390514189e-02)
-
-
-_ERF_P32 = tuple(F32.type(c) for c in _ERF_P)
-_ERF_Q32 = tuple(F32.type(c) for c in _ERF_Q)
-
-
-def _horner_into(coefs: tuple, x2: np.ndarray, acc: np.ndarray) -> np.ndarray:
-    np.multiply(x2, coefs[0], out=acc)
-    acc += coefs[1]
-    for c in coefs[2:]:
-        acc *= x2
-        acc += c
-    return acc
 
 
 def erf_f32(x: np.ndarray, scale: float = 1.0) -> np.ndarray:
-    """erf(scale * x) as a fresh float32 array, in float32 (about 25 passes over 3 buffers)."""
+    """erf(scale * x) as a fresh float32 array (kiln.numerics.erf_into: the approximation the mobile stub
+    shares)."""
     # Flat, so that 0-d inputs stay arrays through the arithmetic (ufuncs return scalars there).
-    t = np.multiply(x.reshape(-1), F32.type(scale), dtype=F32)
-    # Clipped, x2 <= 16 keeps the Horner sums tame; past +-4, erf rounds to +-1 in float32.
-    np.clip(t, F32.type(-4.0), F32.type(4.0), out=t)
-    x2 = np.square(t)
-    p = _horner_into(_ERF_P32, x2, np.empty_like(t))
-    p *= t
-    q = _horner_into(_ERF_Q32, x2, t)  # t is spent: its buffer takes Q (x2 cannot, Horner reads it)
-    p /= q
-    return p.reshape(x.shape)
+    out = np.empty(x.size, F32)
+    erf_into(x.reshape(-1), out, scale)
+    return out.reshape(x.shape)
 
 
 def fresh(x: np.ndarray) -> np.ndarray:
@@ -117,7 +95,7 @@ def _gelu_erf(x: np.ndarray) -> np.ndarray:
 def _gelu_erf_block(x: np.ndarray, sq: np.ndarray, y: np.ndarray) -> None:
     """Gelu of the 1-D block ``x`` into ``y``, with ``sq`` (as large) for scratch."""
     np.multiply(x, x, out=sq)
-    _horner_into(_GELU_NEG_H, sq, y)
+    horner_into(_GELU_NEG_H, sq, y)
     y *= x                  # -y
     np.exp(y, out=y)
     y += F32.type(1.0)
