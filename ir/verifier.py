@@ -47,6 +47,10 @@ class _Verifier:
         self.check_inference = check_inference
         self.deadline = deadline
         self.countdown = _CLOCK_EVERY
+        # Elementwise ops infer from their attributes and input types alone (no constants, no symbols): one
+        # inference per distinct (op, attributes, input types) in a graph, not one per node (a model repeats
+        # the same layer; a 30k-node chain of Add/Mul/Relu had three).
+        self.elementwise_inferred: dict = {}
 
     def fail(self, msg: str) -> None:
         self.problems.append(msg)
@@ -163,13 +167,25 @@ class _Verifier:
 
     def inference_agrees(self, node: Node, schema) -> None:
         types = [None if v is None else v.type for v in node.inputs]
-        consts = [None if v is None else v.const for v in node.inputs]
-        try:
-            ctx = InferContext(node, schema, types, consts)
-            inferred = normalize_inferred(ctx, schema.infer(ctx))
-        except Exception as e:  # noqa: BLE001 - any inference failure is a verify failure
-            self.fail(f"{node.describe()}: shape inference fails: {e}")
-            return
+        key = None
+        if "elementwise" in schema.traits:
+            try:
+                key = (schema.name, schema.since_version, tuple(sorted(node.attrs.items())), tuple(types),
+                       len(node.outputs))
+                hash(key)
+            except TypeError:  # an unhashable attribute value (an array): inferred as any other node
+                key = None
+        inferred = self.elementwise_inferred.get(key) if key is not None else None
+        if inferred is None:
+            consts = [None if v is None else v.const for v in node.inputs]
+            try:
+                ctx = InferContext(node, schema, types, consts)
+                inferred = normalize_inferred(ctx, schema.infer(ctx))
+            except Exception as e:  # noqa: BLE001 - any inference failure is a verify failure
+                self.fail(f"{node.describe()}: shape inference fails: {e}")
+                return
+            if key is not None:
+                self.elementwise_inferred[key] = inferred
         for v, t in zip(node.outputs, inferred):
             if t is None or v.type is None:
                 continue
