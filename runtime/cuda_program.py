@@ -158,9 +158,8 @@ class CudaProgram:
         self._template = self._upload_constants(builder)
         self.inputs = [TensorSpec(v.name, v.type) for v in graph.inputs]
         self.outputs = [TensorSpec(v.name, v.type) for v in graph.outputs]
-        md = graph.metadata
-        self.metadata = {"producer_name": md.producer_name, "producer_version": md.producer_version,
-                         "doc_string": md.doc_string, **md.props}
+        from kiln.runtime.program import program_metadata
+        self.metadata = program_metadata(graph)
         # "auto": graphs where launches are many; a plan of a few kernels gains nothing from a
         # graph and would pay its input and output copies (a fused 8192^2 chain: 0.14 ms eager,
         # 0.60 ms through a graph's copies on an H200).

@@ -167,9 +167,8 @@ def _spec(arg: Any, what: str) -> TensorSpec:
 
 
 def _graph_metadata(graph: Graph) -> dict:
-    md = graph.metadata
-    return {"producer_name": md.producer_name, "producer_version": md.producer_version,
-            "doc_string": md.doc_string, **md.props}
+    from kiln.runtime.program import program_metadata
+    return program_metadata(graph)
 
 
 def _onnx_metadata(path: str) -> dict:

@@ -121,9 +121,7 @@ class Program:
         # (and then write into) the model's own weights or the array it passed in.
         self._copy_out = frozenset(s for s in self.plan.output_slots
                                    if self._template[s] is not None or s in self.plan.input_slots)
-        md = graph.metadata
-        self.metadata = {"producer_name": md.producer_name, "producer_version": md.producer_version,
-                         "doc_string": md.doc_string, **md.props}
+        self.metadata = program_metadata(graph)
 
     def run(self, inputs: Union[Mapping[str, Any], Sequence[Any]], *, as_list: bool = False):
         """Run on numpy arrays given by name (a dict) or in order; returns a dict by output name
@@ -343,6 +341,15 @@ def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize
                         "first: kiln convert IN OUT --precision fp16")
     return _load(model, device, optimize=optimize, backend=backend, threads=threads, limits=limits,
                  memory_budget=memory_budget, **cuda_options)
+
+
+def program_metadata(graph: Graph) -> dict:
+    """What a loaded program reports as ``metadata``, for every backend alike: producer, version, doc string
+    and the graph's props, less the optimizer's own bookkeeping (``kiln.optimized``, which a load may add)."""
+    from kiln.ir.passes.pipeline import OPTIMIZED_PROP
+    md = graph.metadata
+    return {"producer_name": md.producer_name, "producer_version": md.producer_version,
+            "doc_string": md.doc_string, **{k: v for k, v in md.props.items() if k != OPTIMIZED_PROP}}
 
 
 def cuda_usable() -> bool:

@@ -137,3 +137,32 @@ def test_bodies_of_if_and_loop_are_optimized(rng):
     for flag in (True, False):
         feeds = {"x": rng.normal(size=(2, 3)).astype(np.float32), "cond": np.array(flag)}
         np.testing.assert_allclose(evaluate(g, feeds)[0], evaluate(original, feeds)[0], rtol=1e-6)
+
+
+def test_a_graph_the_pipeline_converged_on_is_not_optimized_again(rng, tmp_path, monkeypatch):
+    """optimize() marks the graph it converged on (level, kiln version, a structural fingerprint, kept
+    through save/load); optimizing it again, or kiln.load of the saved file, runs no pass. Any edit since
+    clears the mark's match, so the passes run again."""
+    import importlib
+
+    import kiln
+    pl = importlib.import_module("kiln.ir.passes.pipeline")  # the module (kiln.ir.passes.pipeline is also a function)
+    g = resnet_block(rng)
+    first = optimize(g)
+    assert first.converged and first.iterations >= 1 and pl.is_optimized(g)
+    again = optimize(g)
+    assert again.converged and again.iterations == 0 and not pl.is_optimized(g, level=1)
+    path = kiln.save(g, tmp_path / "m.kiln")
+    loaded = kiln.load_graph(path)
+    assert pl.is_optimized(loaded)
+    ran = []
+    monkeypatch.setattr(pl, "infer_shapes", lambda graph: ran.append(graph) or False)
+    x = rng.standard_normal((1, 8, 16, 16)).astype(np.float32)
+    want = evaluate(loaded, [x])
+    got = kiln.load(path).run([x], as_list=True)
+    assert not ran  # the load ran no pass
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+    out = loaded.outputs[0]
+    loaded.outputs = [loaded.op("Relu", out)]  # an edit: the mark no longer matches
+    assert not pl.is_optimized(loaded) and optimize(loaded).iterations >= 1
