@@ -8,7 +8,8 @@ Graphs (built with kiln's IR builder, no torch):
   node is removed by DCE (the issue's measurement);
 - *live chain*: Add(x, c_i) / Mul / Relu cycling, n nodes, all live: what loading, shape inference, CSE,
   folding and fusion walk over (fusion turns it into few fused nodes).
-Loading: the live chain saved as .kiln (``kiln.save``) and as ONNX (``kiln.export_onnx``); ``kiln.load_graph``
+Loading: the live chain optimized (as ``kiln export`` writes it) and saved as .kiln (``kiln.save``) and as ONNX
+(``kiln.export_onnx``); ``kiln.load_graph``
 (decode + verify) against ``onnx.load`` (protobuf parse only; ``onnx.checker`` is not run), best of 3 each.
 """
 from __future__ import annotations
@@ -88,6 +89,8 @@ def load_rows(sizes) -> list:
     with tempfile.TemporaryDirectory() as d:
         for n in sizes:
             g = live_chain(n)
+            from kiln.ir.passes import optimize
+            optimize(g)  # as `kiln export` saves it: optimized (and marked so, so that kiln.load does not redo it)
             kpath, opath = os.path.join(d, f"c{n}.kiln"), os.path.join(d, f"c{n}.onnx")
             kiln.save(g, kpath)
             kiln.export_onnx(g, opath)
