@@ -134,9 +134,9 @@ def fingerprint(graph: Graph) -> str:
         h.update(repr([(v.name, str(v.type)) for v in g.inputs]).encode())
         h.update(repr([(v.name, str(v.type)) for v in g.initializers.values()]).encode())
         for n in g.nodes:
-            h.update(f"{n.domain}.{n.op}|{[None if v is None else v.name for v in n.inputs]}|"
-                     f"{[v.name for v in n.outputs]}|{sorted((k, repr(a)) for k, a in n.attrs.items() if not isinstance(a, Graph))}\n"
-                     .encode())
+            attrs = sorted((k, repr(a)) for k, a in n.attrs.items() if not isinstance(a, Graph))
+            inputs = [None if v is None else v.name for v in n.inputs]
+            h.update(f"{n.domain}.{n.op}|{inputs}|{[v.name for v in n.outputs]}|{attrs}\n".encode())
         h.update(repr([v.name for v in g.outputs]).encode())
     return h.hexdigest()
 
