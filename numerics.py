@@ -38,3 +38,15 @@ def erf_into(x: np.ndarray, out: np.ndarray, scale: float = 1.0) -> np.ndarray:
     horner_into(ERF_Q, x2, out)  # out is spent: its buffer takes Q (x2 cannot, Horner reads it)
     np.divide(num, out, out=out)
     return out
+
+
+def onnx_slice(start: int, end: int, step: int, dim: int) -> slice:
+    """The Python slice taking what ONNX Slice takes along an axis of size ``dim`` (kiln.ir.ops.indexing's
+    clamp_slice as a slice). Python's own clamping differs for a negative step: ONNX clamps start to
+    [0, dim-1] (a start before the front takes element 0), Python to -1 (nothing)."""
+    start = start + dim if start < 0 else start
+    end = end + dim if end < 0 else end
+    if step > 0:
+        return slice(min(max(start, 0), dim), min(max(end, 0), dim), step)
+    first, stop = min(max(start, 0), dim - 1), min(max(end, -1), dim - 1)
+    return slice(first, None if stop < 0 else stop, step)

@@ -170,9 +170,22 @@ def nbytes(v: Value) -> int:
 
 
 def is_weight_decoder(node: Node) -> bool:
-    """A DequantizeLinear over constants: the stub fuses it into its consumer's weight (no arena slot)."""
-    return (node.op == "DequantizeLinear" and node.domain == ""
-            and all(v is None or v.is_initializer for v in node.inputs))
+    """A DequantizeLinear the stub fuses into its consumer's weight (no arena slot): the same rule as
+    runtime.StubProgram._fuse_dequantize. Constant per-axis int8 data and 1-D scales, no nonzero zero point,
+    its output read only as the weight (input 1) of Conv/Gemm/MatMul and not a graph output. Any other
+    DequantizeLinear runs as a node with its output in the arena (one that is a graph output, say: packing
+    had given it no slot, and the stub refused the file)."""
+    if node.op != "DequantizeLinear" or node.domain != "" or \
+            not all(v is None or v.is_initializer for v in node.inputs) or len(node.inputs) < 2:
+        return False
+    q, scale = node.inputs[0].const, node.inputs[1].const
+    zero = node.inputs[2].const if len(node.inputs) > 2 and node.inputs[2] is not None else None
+    out = node.outputs[0]
+    if q.dtype != np.int8 or scale.ndim != 1 or (zero is not None and zero.any()):
+        return False
+    if any(out is o for o in node.graph.outputs) or not out.uses:
+        return False
+    return all(user.op in ("Conv", "Gemm", "MatMul") and user.domain == "" and pos == 1 for user, pos in out.uses)
 
 
 def lifetimes(graph: Graph) -> dict[Value, tuple[int, int]]:

@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from kiln.errors import KilnError
 from kiln.ir import DType, Graph, dtype, evaluate, verify
 from kiln.ir.passes.shape_inference import infer_shapes
 from kiln.runtime import Program
@@ -86,6 +87,31 @@ def _run_ort(g: Graph, feeds: list) -> Optional[list]:
     return prog.run(feeds, as_list=True)
 
 
+def _run_mobile(g: Graph, feeds: list) -> Optional[list]:
+    """The mobile stub on the graph packed for these feeds' shapes (kiln mobile pack), where the stub's op set
+    has every node's op and dtype; None where it does not claim the graph."""
+    import tempfile
+
+    from kiln.mobile_stub import check as mcheck
+    from kiln.mobile_stub import pack as mpack
+    from kiln.mobile_stub import runtime as mrt
+    from kiln.serializer import save
+    dims = {}
+    for v, f in zip(g.inputs, feeds):
+        for d, n in zip(v.type.shape or (), np.shape(f)):
+            if isinstance(d, str):
+                dims[d] = int(n)
+    try:
+        packed = mpack.pack(g, dims=dims)
+    except KilnError:  # a graph the packer does not take (no static shapes, say): not claimed
+        return None
+    if mcheck.check_graph(packed):
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        path = save(packed, f"{d}/m.kiln")
+        return [np.asarray(o) for o in mrt.load(str(path)).run(*feeds)]
+
+
 def check_backends(g: Graph, feeds: list, want: list) -> None:
     """The conformance suite: every backend's kernels must agree with the reference outputs: the CPU runtime
     always, the CUDA runtime too where a GPU is present (``pytest tests/ops`` on the GPU machine). Every op
@@ -97,6 +123,7 @@ def check_backends(g: Graph, feeds: list, want: list) -> None:
     bf16_io = any(v.dtype is DType.BFLOAT16 for v in [*g.inputs, *g.outputs])
     if _gpu_present() and not bf16_io:
         backends.append(("CUDA runtime", lambda: _run_cuda(g, feeds), 1e-4))
+    backends.append(("mobile stub", lambda: _run_mobile(g, feeds), 1e-4))
     backends.append(("onnxruntime backend", lambda: _run_ort(g, feeds), 1e-5))
     for label, run, tol32 in backends:
         got = run()

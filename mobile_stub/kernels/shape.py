@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.numerics import onnx_slice
+
 ALL = {"float32", "int64", "int32", "bool", "int8", "uint8"}
 
 
@@ -50,8 +52,10 @@ def slice_(ins, outs, attrs):
     steps = ins[4] if len(ins) > 4 and ins[4] is not None else [1] * len(starts)
     idx = [slice(None)] * x.ndim
     for s, e, a, st in zip(starts, ends, axes, steps):
-        # Python's slices clamp out-of-range bounds (INT64_MAX/MIN sentinels included) as ONNX does.
-        idx[int(a) % x.ndim] = slice(int(s), int(e), int(st))
+        axis = int(a) % x.ndim
+        # ONNX's clamping, not Python's: they differ for a negative step from before the front (the op suite
+        # on the stub found it: x[-2::-1] of one element is empty in Python, [x[0]] in ONNX).
+        idx[axis] = onnx_slice(int(s), int(e), int(st), x.shape[axis])
     np.copyto(outs[0], x[tuple(idx)])
 
 
