@@ -284,8 +284,7 @@ def test_mobile_stub_runs_guards(tmp_path):
 
 
 def test_cli_export_no_guards_and_summary(tmp_path):
-    import subprocess
-    import sys
+    from cli_helpers import run_cli  # kiln's CLI in this process (no torch import a call)
 
     src = tmp_path / "m.py"
     src.write_text("import torch\n"
@@ -294,19 +293,18 @@ def test_cli_export_no_guards_and_summary(tmp_path):
                    "        if mask.all():\n"
                    "            return x * 2\n"
                    "        return x * mask\n")
-    base = [sys.executable, "-m", "kiln", "export", f"{src}:M", "--input", "x:2x4", "--input",
-            "mask:2x4:int64:1:2"]
+    base = ["export", f"{src}:M", "--input", "x:2x4", "--input", "mask:2x4:int64:1:2"]
     # The user range keeps the check on all-ones masks: the export passes, and says which guard
     # the file carries.
-    out = subprocess.run(base + ["-o", str(tmp_path / "a.kiln")], capture_output=True, text=True)
+    out = run_cli(*base, "-o", tmp_path / "a.kiln")
     assert out.returncode == 0, out.stderr
     assert "guards      1:" in out.stdout and "m.py:4" in out.stdout
-    out = subprocess.run(base + ["-o", str(tmp_path / "b.kiln"), "--no-guards"], capture_output=True, text=True)
+    out = run_cli(*base, "-o", tmp_path / "b.kiln", "--no-guards")
     assert out.returncode == 0, out.stderr
     assert "guards are off" in out.stderr and "guards      " not in out.stdout
     # Without the range the check draws 0/1 masks and refuses at export.
-    out = subprocess.run([sys.executable, "-m", "kiln", "export", f"{src}:M", "--input", "x:2x4", "--input",
-                          "mask:2x4:int64:0:2", "-o", str(tmp_path / "c.kiln")], capture_output=True, text=True)
+    out = run_cli("export", f"{src}:M", "--input", "x:2x4", "--input", "mask:2x4:int64:0:2", "-o",
+                  tmp_path / "c.kiln")
     assert out.returncode == 0, out.stderr  # a random 0/1 example takes the mask path: nothing is read
 
 
