@@ -184,3 +184,44 @@ def test_transformer_with_real_weight_sizes_packs_below_three_tenths(tmp_path):
     report = pack_file(src, tmp_path / "t.mobile.kiln", quantize="int8", dims={"batch": 1, "seq": 8}, trials=3)
     assert report.ratio <= 0.3, str(report)
     assert report.max_rel_error <= 0.02, str(report)
+
+
+# ---------------------------------------------------------------------- what `kiln mobile check` names
+# Found by running the op suite on the stub (tests/op_harness.check_backends): each passed the check, then
+# failed in the stub.
+
+def test_check_names_what_the_stub_cannot_run_though_the_op_set_has_the_op():
+    from kiln.mobile_stub.check import check_graph
+    g = Graph()
+    x = g.add_input("x", "float32", [1, 2, 4, 4, 4])
+    w = g.add_initializer("w", np.ones((3, 2, 1, 1, 1), np.float32))
+    g.outputs = [g.op("Conv", x, w)]
+    [p] = check_graph(g)
+    assert p.op == "Conv" and "runs 1-D and 2-D convs, not 3-D" in str(p)
+    h = Graph()
+    y = h.add_input("y", "float32", [4])
+    h.outputs = [h.op("Cast", y, to=16)]  # to bfloat16
+    [p] = check_graph(h)
+    assert "holds no bfloat16 values" in str(p)
+    f = Graph()
+    z = f.add_input("z", "float32", [1, 2, 4, 4])
+    f.outputs = [f.op("MaxPool", z, kernel_shape=[2, 2])]
+    assert check_graph(f) == []  # 2-D: runs
+
+
+def test_a_dequantize_feeding_a_graph_output_is_not_a_weight_decoder():
+    """The packer's rule is the stub's: a DequantizeLinear whose output is a graph output (or feeds anything
+    but a Conv/Gemm/MatMul weight) runs as a node and gets its arena slot."""
+    g = Graph()
+    q = g.add_initializer("q", np.ones((4, 3), np.int8))
+    s = g.add_initializer("s", np.full((4,), 0.5, np.float32))
+    dq = g.op("DequantizeLinear", q, s, axis=0)
+    g.outputs = [dq]
+    assert not is_weight_decoder(dq.producer)
+    pack(g)  # packs (it had no arena slot before), and the stub runs it: tests/ops/test_quant.py
+    h = Graph()
+    x = h.add_input("x", "float32", [2, 4])
+    w = h.op("DequantizeLinear", h.add_initializer("q", np.ones((4, 3), np.int8)),
+             h.add_initializer("s", np.full((3,), 0.5, np.float32)), axis=1)
+    h.outputs = [h.op("MatMul", x, w)]
+    assert is_weight_decoder(w.producer)  # the weight of a MatMul: fused into the stub's kernel
