@@ -15,7 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+import numpy as np
+
 from kiln.mobile_stub import opset
+from kiln.mobile_stub.runtime import DTYPES
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class Problem:
 # What the op set's Op:dtype key does not say, and the stub's kernels and reader do not take (each refused
 # only at load or at run time before; the op suite run on the stub found them):
 # - values of a dtype the packed format's reader has no numpy type for (bfloat16: a Cast to it, a Where of it);
-STUB_DTYPES = {"float32", "uint8", "int8", "int16", "int32", "int64", "bool", "float16", "float64"}
+STUB_DTYPES = {np.dtype(t).name for t in DTYPES.values()}
 # - convolutions and pools over more than two spatial dims (the kernels run 1-D and 2-D).
 SPATIAL_2D_OPS = {"Conv", "MaxPool", "AveragePool"}
 

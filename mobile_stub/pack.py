@@ -185,7 +185,8 @@ def is_weight_decoder(node: Node) -> bool:
         return False
     if any(out is o for o in node.graph.outputs) or not out.uses:
         return False
-    return all(user.op in ("Conv", "Gemm", "MatMul") and user.domain == "" and pos == 1 for user, pos in out.uses)
+    from kiln.mobile_stub.runtime import QUANT_CONSUMERS
+    return all(user.op in QUANT_CONSUMERS and user.domain == "" and pos == 1 for user, pos in out.uses)
 
 
 def lifetimes(graph: Graph) -> dict[Value, tuple[int, int]]:

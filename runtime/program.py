@@ -353,11 +353,11 @@ def program_metadata(graph: Graph) -> dict:
 
 
 def cuda_usable() -> bool:
-    """Whether ``device='auto'`` means the GPU: CuPy imports and sees at least one CUDA device."""
+    """Whether ``device='auto'`` means the GPU: the CUDA runtime imports and sees at least one device."""
     try:
-        import cupy
-        return int(cupy.cuda.runtime.getDeviceCount()) > 0
-    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: the CPU
+        from kiln.runtime.cuda_program import device_count
+        return device_count() > 0
+    except Exception:  # noqa: BLE001 - no CuPy, a broken CUDA install: the CPU
         return False
 
 

@@ -55,6 +55,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise KilnError("ONNX export needs the 'onnx' package: pip install 'kiln[onnx]'") from e
 
 from kiln.errors import KilnError, UnsupportedOpError
+from kiln.ir.dtypes import DType
 from kiln.ir.dtypes import dtype as as_dtype
 from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.registry import ONNX_DOMAIN, AttrKind
@@ -187,7 +188,6 @@ def _expand_gelu(em: Emitter, node: Node) -> None:
     em.add("Mul", [em.add("Mul", [x, one_plus]), em.constant(0.5)], outputs=[em.outputs[0]])
 
 
-_HALF_TYPES = ("float16", "bfloat16")
 ISINF_HALF_OPSET = 20  # the first ai.onnx opset whose IsInf takes float16/bfloat16
 
 
@@ -197,7 +197,7 @@ def _expand_isinf(em: Emitter, node: Node) -> None:
     float16/bfloat16 value, infinities included, is a float32)."""
     x = em.inputs[0]
     t = em.input_type(0)
-    if t is not None and str(t.dtype) in _HALF_TYPES:
+    if t is not None and t.dtype in (DType.FLOAT16, DType.BFLOAT16):
         x = em.add("Cast", [x], to=TensorProto.FLOAT)
     em.add("IsInf", [x], outputs=[em.outputs[0]], detect_negative=int(node.attrs.get("detect_negative", 1)),
            detect_positive=int(node.attrs.get("detect_positive", 1)))

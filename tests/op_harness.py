@@ -7,6 +7,7 @@ symbol ``batch`` and inference keeps it.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -46,18 +47,10 @@ def build_single(op: str, inputs: Sequence[Optional[np.ndarray]], attrs: Optiona
     return g, feeds
 
 
+@functools.lru_cache(maxsize=1)
 def _gpu_present() -> bool:
-    global _GPU
-    if _GPU is None:
-        try:
-            import cupy
-            _GPU = int(cupy.cuda.runtime.getDeviceCount()) > 0
-        except Exception:  # noqa: BLE001 - no CuPy, no driver, no device
-            _GPU = False
-    return _GPU
-
-
-_GPU: Optional[bool] = None
+    from kiln.runtime.program import cuda_usable
+    return cuda_usable()
 
 
 def _run_cuda(g: Graph, feeds: list) -> list:
@@ -114,7 +107,8 @@ def _run_mobile(g: Graph, feeds: list) -> Optional[list]:
 
 def check_backends(g: Graph, feeds: list, want: list) -> None:
     """The conformance suite: every backend's kernels must agree with the reference outputs: the CPU runtime
-    always, the CUDA runtime too where a GPU is present (``pytest tests/ops`` on the GPU machine). Every op
+    always, the CUDA runtime too where a GPU is present (``pytest tests/ops`` on the GPU machine), the mobile
+    stub where it claims the graph, and ONNX Runtime when asked (KILN_OPS_ORT=1). Every op
     test in tests/ops/ runs through it. Kernels may differ from the reference by float rounding only (a fused
     or BLAS-ordered sum; on the GPU also the fused multiply-adds and math intrinsics), never in dtype or shape."""
     backends = [("CPU runtime", lambda: Program(g).run(feeds, as_list=True), 1e-5)]

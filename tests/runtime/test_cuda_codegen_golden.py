@@ -1,7 +1,7 @@
 """The CUDA source the elementwise generator writes (runtime/kernels/cuda/codegen.py), checked without a GPU:
 for a few representative fused bodies (float32 with a broadcast operand, float16 and bfloat16 vector paths, a
 scalar operand, an integer power turned into products, two outputs) the generated kernel must equal its golden
-file in tests/fixtures/cuda_golden/. A change to the generator shows up here as a diff to review; after checking
+file in tests/fixtures/cuda_golden/ (after the generator's shared prelude, PRELUDE.cu there). A change to the generator shows up here as a diff to review; after checking
 it on the GPU (`pytest -m gpu` on the device runs the same bodies through NVRTC), rewrite the files with
 ``KILN_UPDATE_GOLDEN=1 pytest tests/runtime/test_cuda_codegen_golden.py``.
 
@@ -82,12 +82,14 @@ CASES = {
 def test_generated_kernel_equals_its_golden_file(name):
     dtype, build, modes, ndim, index, vec = CASES[name]
     source = cg.generate(_body(dtype, build), modes, ndim, index, vec)
-    path = GOLDEN / f"{name}.cu"
+    # Every kernel starts with the generator's shared prelude (helpers, conversions): kept once, in PRELUDE.
+    prelude, path = GOLDEN / "PRELUDE.cu", GOLDEN / f"{name}.cu"
     if os.environ.get("KILN_UPDATE_GOLDEN") == "1":
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(source + "\n")
+        prelude.write_text(cg.PRELUDE + "\n")
+        path.write_text(source[len(cg.PRELUDE) + 1:] + "\n")
     assert path.exists(), f"no golden file {path}: run with KILN_UPDATE_GOLDEN=1 once the kernel is checked on a GPU"
-    assert source + "\n" == path.read_text(), (
+    assert source + "\n" == prelude.read_text() + path.read_text(), (
         f"the generated kernel for {name} changed; review the diff (and run it on the GPU), then rewrite the "
         "golden files with KILN_UPDATE_GOLDEN=1")
 
