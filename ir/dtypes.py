@@ -35,7 +35,10 @@ class DType(enum.Enum):
     @property
     def numpy(self) -> np.dtype:
         """The numpy dtype (bfloat16 through ml_dtypes)."""
-        return _numpy_dtype(self)
+        d = _NUMPY.get(self)
+        if d is None:  # once per dtype: np.dtype("float32") was a few % of loading a node-heavy graph
+            d = _NUMPY[self] = _numpy_dtype(self)
+        return d
 
     @property
     def itemsize(self) -> int:
@@ -85,6 +88,8 @@ def _numpy_dtype(d: DType) -> np.dtype:
         return _bfloat16()
     return np.dtype(_SHORT[d])
 
+
+_NUMPY: dict = {}  # DType -> numpy dtype, filled on first use (bfloat16 imports ml_dtypes then)
 
 # numpy dtype -> DType, filled as dtypes are seen (a hot path when loading and checking graphs).
 _BY_NUMPY: dict = {}

@@ -129,96 +129,110 @@ class PlanBuilder:
         input_slots = tuple(self.slot(v) for v in graph.inputs)
         for v in graph.initializers.values():
             self.slot(v)
-        instructions, reads = [], []
+        slot = self.slot
+        rows, reads = [], []  # (kernel, inputs, outputs, node, single, with_slots) per node
         for node in graph.nodes:
             kernel = self.choose(node, self)
-            ins = tuple(-1 if v is None else self.slot(v) for v in node.inputs)
-            outs = tuple(self.slot(v) for v in node.outputs)
-            instructions.append(Instruction(kernel, ins, outs, (), node, len(outs) == 1,
-                                            getattr(kernel, "with_slots", False)))
-            reads.append(ins + tuple(self.slot(v) for v in outer_values(node)))
+            ins = tuple(-1 if v is None else slot(v) for v in node.inputs)
+            outs = tuple(slot(v) for v in node.outputs)
+            rows.append((kernel, ins, outs, node, len(outs) == 1, getattr(kernel, "with_slots", False)))
+            reads.append(ins + tuple(slot(v) for v in outer_values(node)) if node.attrs else ins)
         output_slots = tuple(self.slot(v) for v in graph.outputs)
+        release = [()] * len(rows)
+        targets = [-1] * len(rows)
+        kernels = [row[0] for row in rows]
         if liveness:
             keep = set(output_slots) | set(input_slots)
-            last = self._last_uses(instructions, reads)
-            instructions = self._with_liveness(instructions, last, keep)
+            last = self._last_uses(rows, reads)
+            dying: dict[int, list] = {}
+            template = self.template
+            for s, i in last.items():
+                if s not in keep and template[s] is None:
+                    dying.setdefault(i, []).append(s)
+            for i, slots in dying.items():
+                release[i] = tuple(sorted(slots))
             if inplace:
-                instructions = self._with_inplace(instructions, reads, last, keep)
+                self._choose_inplace(rows, reads, last, keep, kernels, targets)
+        instructions = [Instruction(kernels[i], ins, outs, release[i], node, single, with_slots, targets[i])
+                        for i, (_, ins, outs, node, single, with_slots) in enumerate(rows)]
         return Plan(instructions, input_slots, output_slots, none_slot=0)
 
     @staticmethod
-    def _last_uses(instructions: list, reads: list) -> dict:
+    def _last_uses(rows: list, reads: list) -> dict:
         """Slot -> index of the last instruction that reads (or, if none does, makes) it."""
         last: dict[int, int] = {}
-        for i, (ins, r) in enumerate(zip(instructions, reads)):
-            for s in ins.outputs:
+        for i, (row, r) in enumerate(zip(rows, reads)):
+            for s in row[2]:
                 last[s] = i  # a value nobody reads dies right after it is made
             for s in r:
                 if s >= 0:
                     last[s] = i
         return last
 
-    def _with_liveness(self, instructions: list, last: dict, keep: set) -> list:
-        dying: dict[int, list] = {}
-        for s, i in last.items():
-            if s not in keep and self.template[s] is None:
-                dying.setdefault(i, []).append(s)
-        return [Instruction(ins.kernel, ins.inputs, ins.outputs, tuple(sorted(dying.get(i, ()))), ins.node,
-                            ins.single, ins.with_slots) for i, ins in enumerate(instructions)]
-
-    def _with_inplace(self, instructions: list, reads: list, last: dict, keep: set) -> list:
-        """Swap in in-place variants where the rules of the module docstring allow it."""
-        roots: dict[int, frozenset] = {}   # slot -> the root slots whose buffers it may share
-        aliases: dict[int, set] = {}       # root slot -> every slot that may share its buffer
+    def _choose_inplace(self, rows: list, reads: list, last: dict, keep: set, kernels: list,
+                        targets: list) -> None:
+        """Swap in in-place variants (into ``kernels``, the input each writes into ``targets``) where the
+        rules of the module docstring allow it."""
+        # Alias roots (module docstring): a slot in ``own`` is its own only root; any other slot maps in
+        # ``roots`` to the roots whose buffers it may share; ``aliases``: root -> every slot sharing it.
+        own: set = set()
+        roots: dict[int, frozenset] = {}
+        aliases: dict[int, set] = {}
+        template = self.template
 
         def dead_after(s: int, i: int) -> bool:
-            return s not in keep and self.template[s] is None and last.get(s, -1) <= i
+            return s not in keep and template[s] is None and last.get(s, -1) <= i
 
-        out = []
-        for i, (ins, r) in enumerate(zip(instructions, reads)):
-            k, variant = self._inplace_target(ins, r, i, roots, aliases, dead_after)
+        for i, (kernel, ins, outs, node, single, with_slots) in enumerate(rows):
+            k, variant = -1, None
+            if single and not with_slots:
+                k, variant = _inplace_target(kernel, node, ins, reads[i], i, own, roots, aliases, dead_after)
             if k >= 0:
-                ins = Instruction(variant, ins.inputs, ins.outputs, ins.release, ins.node, ins.single,
-                                  ins.with_slots, inplace=k)
-            if k >= 0 or _is_fresh(ins.kernel, ins.node):
-                for o in ins.outputs:
-                    roots[o] = frozenset((o,))
+                kernels[i], targets[i] = variant, k
+            if k >= 0 or _is_fresh(kernel, node):
+                for o in outs:
+                    own.add(o)
                     aliases[o] = {o}
             else:
-                shared = frozenset().union(*(roots.get(s, ()) for s in r if s >= 0))
-                for o in ins.outputs:
+                shared = set()
+                for s in reads[i]:
+                    if s in own:
+                        shared.add(s)
+                    elif s in roots:
+                        shared.update(roots[s])
+                shared = frozenset(shared)
+                for o in outs:
+                    own.discard(o)
                     roots[o] = shared
                     for root in shared:
                         aliases[root].add(o)
-            out.append(ins)
-        return out
 
-    @staticmethod
-    def _inplace_target(ins: Instruction, reads: tuple, i: int, roots: dict, aliases: dict,
-                        dead_after: Callable[[int, int], bool]) -> tuple:
-        """(the input instruction ``i`` may overwrite, the variant doing it), or (-1, None)."""
-        if not ins.single or ins.with_slots:
-            return -1, None
-        variants = _variants(ins.kernel, ins.node)
-        if not variants:
-            return -1, None
-        out_type = ins.node.outputs[0].type
-        if _static_nbytes(out_type) < INPLACE_MIN_BYTES:
-            return -1, None
-        # Prefer an input whose static shape is the output's: its run-time check then passes.
-        order = sorted(variants, key=lambda k: not _same_shape(ins.node.inputs[k].type, out_type))
-        for k in order:
-            s = ins.inputs[k]
-            if s < 0 or roots.get(s) != frozenset((s,)) or not dead_after(s, i):
-                continue
-            if not _may_fit(ins.node.inputs[k].type, out_type):
-                continue
-            if not all(dead_after(m, i) for m in aliases[s]):
-                continue
-            if any(t != s and s in roots.get(t, ()) for t in reads if t >= 0):
-                continue
-            return k, variants[k]
+
+def _inplace_target(kernel: Kernel, node: Node, ins: tuple, reads: tuple, i: int, own: set, roots: dict,
+                    aliases: dict, dead_after: Callable[[int, int], bool]) -> tuple:
+    """(the input instruction ``i`` may overwrite, the variant doing it), or (-1, None)."""
+    out_type = node.outputs[0].type
+    if _static_nbytes(out_type) < INPLACE_MIN_BYTES:
         return -1, None
+    variants = _variants(kernel, node)
+    if not variants:
+        return -1, None
+    order = list(variants)
+    if len(order) > 1:  # prefer an input whose static shape is the output's: its run-time check then passes
+        order.sort(key=lambda k: not _same_shape(node.inputs[k].type, out_type))
+    for k in order:
+        s = ins[k]
+        if s < 0 or s not in own or not dead_after(s, i):
+            continue
+        if not _may_fit(node.inputs[k].type, out_type):
+            continue
+        if not all(dead_after(m, i) for m in aliases[s]):
+            continue
+        # Another argument sharing the buffer (an own-root argument shares only its own).
+        if any(t != s and t not in own and s in roots.get(t, ()) for t in reads if t >= 0):
+            continue
+        return k, variants[k]
+    return -1, None
 
 
 def _is_fresh(kernel: Kernel, node: Node) -> bool:
@@ -235,11 +249,21 @@ def _variants(kernel: Kernel, node: Node) -> dict:
         return variants
     if isinstance(kernel, np.ufunc) and kernel.nout == 1 and kernel.nin in (1, 2) \
             and len(node.inputs) == kernel.nin and len(node.outputs) == 1:
-        dt = _static_dtype(node.outputs[0])
+        out = node.outputs[0].type
+        dt = None if out is None else out.dtype
         # Same dtype in and out (statically; checked again per call): out= changes nothing then.
-        if dt is not None and all(v is not None and _static_dtype(v) == dt for v in node.inputs):
-            return {k: ufunc_inplace(kernel, k, kernel.nin, dt) for k in range(kernel.nin)}
+        if dt is not None and all(v is not None and v.type is not None and v.type.dtype is dt for v in node.inputs):
+            key = (kernel, dt)
+            found = _UFUNC_VARIANTS.get(key)
+            if found is None:  # the variants depend on nothing else: built once per (ufunc, dtype)
+                np_dt = _static_dtype(node.outputs[0])
+                found = _UFUNC_VARIANTS[key] = {} if np_dt is None else {
+                    k: ufunc_inplace(kernel, k, kernel.nin, np_dt) for k in range(kernel.nin)}
+            return found
     return {}
+
+
+_UFUNC_VARIANTS: dict = {}
 
 
 def _static_dtype(v: Value) -> Optional[np.dtype]:
@@ -266,12 +290,16 @@ def _static_nbytes(t) -> float:
 
 def _same_shape(a, b) -> bool:
     """Both static shapes known and equal (the same symbol is the same size in one run)."""
+    if a is b:  # a loaded graph shares one TensorType object per distinct type
+        return a is not None and a.shape is not None and None not in a.shape
     sa, sb = getattr(a, "shape", None), getattr(b, "shape", None)
     return sa is not None and sb is not None and None not in sa and tuple(sa) == tuple(sb)
 
 
 def _may_fit(a, b) -> bool:
     """False when static shapes prove an input of type ``a`` cannot hold an output of type ``b``."""
+    if a is b:
+        return True
     sa, sb = getattr(a, "shape", None), getattr(b, "shape", None)
     if sa is None or sb is None:
         return True

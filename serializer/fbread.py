@@ -184,25 +184,31 @@ class _Reader:
         return _vector_struct(n, fmt).unpack_from(buf, pos + 4)
 
     def references(self, pos: int, kind: str, detail: Optional[str], path: Any, depth: int) -> list:
-        self.spend(pos, path)
-        self.need(pos, 4, path, "vector length")
-        n = _U32.unpack_from(self.buf, pos)[0]
-        self.need(pos + 4, n * 4, path, f"vector of {n} elements")
+        buf, size = self.buf, self.size
+        self.budget -= 1
+        if self.budget < 0:
+            self.over_budget(pos, path)
+        if pos < 0 or pos + 4 > size:
+            self.need(pos, 4, path, "vector length")
+        n = _U32.unpack_from(buf, pos)[0]
+        if not n:
+            return []
+        if pos + 4 + n * 4 > size:
+            self.need(pos + 4, n * 4, path, f"vector of {n} elements")
         if detail in self.max_tables:
             self.count(detail, n, pos, path)
+        offsets = _vector_struct(n, "I").unpack_from(buf, pos + 4)
+        if kind != "vector_table":
+            string = self.string
+            return [string(pos + 4 + 4 * i + off, (path, i)) for i, off in enumerate(offsets)]
         out = []
-        buf = self.buf
         deadline = self.deadline
-        for i in range(n):
-            at = pos + 4 + 4 * i
-            target = at + _U32.unpack_from(buf, at)[0]
-            if kind == "vector_table":
-                out.append(self.table(target, detail, (path, i), depth + 1))
-                if deadline is not None and not i & 1023 and time.monotonic() > deadline:
-                    self.fail(pos, path, "reading the model structure ran past the load's time budget "
-                              "(LoadLimits.max_seconds)")
-            else:
-                out.append(self.string(target, (path, i)))
+        table = self.table
+        for i, off in enumerate(offsets):
+            out.append(table(pos + 4 + 4 * i + off, detail, (path, i), depth + 1))
+            if deadline is not None and not i & 1023 and time.monotonic() > deadline:
+                self.fail(pos, path, "reading the model structure ran past the load's time budget "
+                          "(LoadLimits.max_seconds)")
         return out
 
 

@@ -133,10 +133,12 @@ def fingerprint(graph: Graph) -> str:
     for g in graph.all_graphs():
         h.update(repr([(v.name, str(v.type)) for v in g.inputs]).encode())
         h.update(repr([(v.name, str(v.type)) for v in g.initializers.values()]).encode())
+        lines = []
         for n in g.nodes:
-            attrs = sorted((k, repr(a)) for k, a in n.attrs.items() if not isinstance(a, Graph))
+            attrs = sorted((k, repr(a)) for k, a in n.attrs.items() if not isinstance(a, Graph)) if n.attrs else []
             inputs = [None if v is None else v.name for v in n.inputs]
-            h.update(f"{n.domain}.{n.op}|{inputs}|{[v.name for v in n.outputs]}|{attrs}\n".encode())
+            lines.append(f"{n.domain}.{n.op}|{inputs}|{[v.name for v in n.outputs]}|{attrs}\n")
+        h.update("".join(lines).encode())
         h.update(repr([v.name for v in g.outputs]).encode())
     return h.hexdigest()
 
