@@ -59,6 +59,10 @@ class DType(enum.Enum):
     def __str__(self) -> str:
         return self.short
 
+    # Members are singletons compared by identity: hash them so too (Enum's default hashes the name in
+    # Python code, a few % of loading a node-heavy graph, where every TensorType hash hashes its dtype).
+    __hash__ = object.__hash__
+
     def __repr__(self) -> str:
         return f"DType.{self.name}"
 

@@ -65,97 +65,171 @@ def _only_reader(v, node: Node) -> bool:
     return all(u is node for u in v.users) and len(v.users) == 1
 
 
+class _Epilogue:
+    """One FusedEpilogue node as the strategies below see it: the body, its anchor and the anchor's output
+    ``y``, the body's nodes after the anchor, where each body input sits among the node's inputs."""
+
+    def __init__(self, node, body):
+        self.body = body
+        self.anchor = body.nodes[0]
+        self.k = len(self.anchor.inputs)
+        self.outer = dict(zip(body.inputs, node.inputs))
+        self.y = self.anchor.outputs[0]
+        self.rest = list(body.nodes[1:])
+        self.single = len(body.outputs) == 1
+        self.position = {v: i for i, v in enumerate(body.inputs)}
+        self.tf32 = options().tf32  # the program's, bound at load (the anchor's kernel takes the rest)
+
+    def const(self, v) -> Optional[np.ndarray]:
+        return self.outer[v].const if v in self.outer else v.const
+
+    def residual(self, t, add: Node) -> Optional[int]:
+        """The body-input position of the non-constant tensor ``add`` adds to ``t``, of ``t``'s shape and
+        dtype, or None."""
+        r = _other(add, t)
+        if r is None or r not in self.position or self.const(r) is not None or r.type is None or t.type is None:
+            return None
+        if r.type.shape != t.type.shape or r.type.dtype != t.type.dtype:
+            return None
+        return self.position[r]
+
+
 @kernel("FusedEpilogue", domain="kiln")
 def fused_epilogue(node, attrs) -> Optional[Callable[..., Any]]:
+    """The first strategy that takes the node (module docstring): cublasLt's epilogue, the GEMM's alpha, the
+    conv's own epilogue, else the anchor's kernel; what the chosen one leaves runs as one generated kernel."""
     from kiln.runtime.kernels import cuda
-    body = attrs["body"]
-    anchor = body.nodes[0]
-    k = len(anchor.inputs)
-    outer = dict(zip(body.inputs, node.inputs))
-    y = anchor.outputs[0]
-    if y.type is None or y.type.shape is None:
+    e = _Epilogue(node, attrs["body"])
+    if e.y.type is None or e.y.type.shape is None:
         return None
-    rest = list(body.nodes[1:])
-    single = len(body.outputs) == 1
-    position = {v: i for i, v in enumerate(body.inputs)}
-    tf32 = options().tf32  # the program's, bound at load (the anchor's kernel takes the rest)
+    found = _cublaslt(e) or _gemm_alpha(e)
+    if found is not None:
+        return _with_tail(e, *found)
+    anchor_k = cuda.choose(_shadow(e.anchor, [e.outer[v] for v in e.anchor.inputs]),
+                           e.anchor.schema.fill_attrs(e.anchor.attrs))
+    if anchor_k is None:
+        return None
+    conv = _conv_epilogue(e, anchor_k)
+    if conv is not None:
+        return conv
 
-    def const(v) -> Optional[np.ndarray]:
-        return outer[v].const if v in outer else v.const
+    def first(args):
+        return anchor_k(*args[:e.k])
+    return _with_tail(e, first, ignored_inputs(anchor_k), f"{e.anchor.op} kernel", e.y, e.rest, anchor_k)
 
-    # ---- MatMul / Gemm: [a constant bias vector [and a ReLU right after it]] [then a residual add] -> cublasLt
-    # (the bias and ReLU as its epilogue, the residual as its C operand with beta 1).
-    lt, bias_at, residual_at, t, steps, operands = None, None, None, y, list(rest), None
-    if anchor.op in ("MatMul", "Gemm") and steps and steps[0].op == "Add" and _only_reader(y, steps[0]):
-        n = y.type.shape[-1]
-        b = _other(steps[0], y)
-        c = None if b is None else const(b)
-        operands = _matmul_operands(anchor, const)
-        bias, relu = None, False
-        if c is not None and operands is not None and isinstance(n, int) and c.size == n and c.ndim >= 1 \
-                and c.shape[-1] == n and np.dtype(c.dtype) in FLOATS and np.dtype(c.dtype) == in_dtype(anchor):
-            bias = c
-            t = steps[0].outputs[0]
-            steps.pop(0)
-            relu = bool(steps) and steps[0].op == "Relu" and _only_reader(t, steps[0])
-            if relu:
-                t = steps[0].outputs[0]
-                steps.pop(0)
-            bias_at = position.get(b)
-        if operands is not None and not relu and steps and steps[0].op == "Add" and _only_reader(t, steps[0]):
-            r = _other(steps[0], t)
-            if r is not None and r in position and const(r) is None and r.type is not None and t.type is not None \
-                    and r.type.shape == t.type.shape and r.type.dtype == t.type.dtype \
-                    and steps[0].outputs[0].type is not None and steps[0].outputs[0].type.shape == t.type.shape:
-                residual_at, t = position[r], steps[0].outputs[0]
-                steps.pop(0)
-        if bias is not None or residual_at is not None:
-            from kiln.runtime.kernels.cuda.linalg import LtBias
-            lt = LtBias(None if bias is None else device_array(np.ascontiguousarray(bias.reshape(-1))), relu=relu,
-                        tf32=tf32)
-    # ---- MatMul then a multiply by a one-element constant (attention's 1/sqrt(d)) -> the GEMM's alpha.
-    alpha = None
-    if lt is None and anchor.op == "MatMul" and steps and steps[0].op == "Mul" and _only_reader(y, steps[0]) \
-            and in_dtype(anchor) in FLOATS:
-        c = _other(steps[0], y)
-        c = None if c is None else const(c)
-        if c is not None and c.size == 1 and np.dtype(c.dtype) == in_dtype(anchor) and \
-                steps[0].outputs[0].type is not None and steps[0].outputs[0].type.shape == y.type.shape:
-            alpha = float(c.reshape(-1)[0])
-            t = steps[0].outputs[0]
-            steps.pop(0)
-    anchor_k = None
-    if lt is None and alpha is None:
-        anchor_k = cuda.choose(_shadow(anchor, [outer[v] for v in anchor.inputs]),
-                               anchor.schema.fill_attrs(anchor.attrs))
-        if anchor_k is None:
-            return None
 
-    # ---- Conv: [Add(residual)] [Relu], the last node giving the one output.
-    if anchor.op == "Conv" and anchor_k is not None and hasattr(anchor_k, "with_epilogue") and single:
-        t, residual_at, relu, steps = y, None, False, list(rest)
-        if steps and steps[0].op == "Add" and _only_reader(t, steps[0]):
-            r = _other(steps[0], t)
-            if r is not None and r in position and const(r) is None and r.type is not None \
-                    and r.type.shape == y.type.shape and r.type.dtype == y.type.dtype:
-                residual_at, t = position[r], steps[0].outputs[0]
-                steps.pop(0)
-        if steps and steps[0].op == "Relu" and _only_reader(t, steps[0]):
-            relu, t = True, steps[0].outputs[0]
-            steps.pop(0)
-        if not steps and body.outputs[0] is t and (relu or residual_at is not None):
-            conv = anchor_k.with_epilogue
+def _cublaslt(e: _Epilogue) -> Optional[tuple]:
+    """MatMul / Gemm: [a constant bias vector [and a ReLU right after it]] [then a residual add] -> cublasLt
+    (the bias and ReLU as its epilogue, the residual as its C operand with beta 1). Returns
+    ``(first, ignored inputs, strategy, value it gives, steps left)`` or None."""
+    anchor, y, steps = e.anchor, e.y, list(e.rest)
+    if anchor.op not in ("MatMul", "Gemm") or not steps or steps[0].op != "Add" or not _only_reader(y, steps[0]):
+        return None
+    operands = _matmul_operands(anchor, e.const)
+    if operands is None:
+        return None
+    n = y.type.shape[-1]
+    b = _other(steps[0], y)
+    c = None if b is None else e.const(b)
+    t, bias, relu, bias_at, residual_at = y, None, False, None, None
+    if c is not None and isinstance(n, int) and c.size == n and c.ndim >= 1 \
+            and c.shape[-1] == n and np.dtype(c.dtype) in FLOATS and np.dtype(c.dtype) == in_dtype(anchor):
+        bias = c
+        t = steps.pop(0).outputs[0]
+        relu = bool(steps) and steps[0].op == "Relu" and _only_reader(t, steps[0])
+        if relu:
+            t = steps.pop(0).outputs[0]
+        bias_at = e.position.get(b)
+    if not relu and steps and steps[0].op == "Add" and _only_reader(t, steps[0]):
+        out = steps[0].outputs[0].type
+        at = e.residual(t, steps[0])
+        if at is not None and out is not None and out.shape == t.type.shape:
+            residual_at, t = at, steps.pop(0).outputs[0]
+    if bias is None and residual_at is None:
+        return None
+    from kiln.runtime.kernels.cuda.linalg import LtBias, cublas_matmul
+    lt = LtBias(None if bias is None else device_array(np.ascontiguousarray(bias.reshape(-1))), relu=relu,
+                tf32=e.tf32)
+    ta, tb, b_const = operands
+    b_dev = None if b_const is None else device_array(np.ascontiguousarray(b_const))
+    tf32 = e.tf32
 
-            def run_conv(*args):
-                return conv(args[0], None if residual_at is None else args[residual_at], relu)
-            run_conv.ignores = ignored_inputs(anchor_k)
-            run_conv.inner = anchor_k  # reports walk through (CudaProgram.conv_paths)
-            run_conv.strategy = "conv with " + "+".join(s for s, on in (("residual", residual_at is not None),
-                                                                       ("relu", relu)) if on)
-            return run_conv
-        t, steps = y, list(rest)
+    def first(args):
+        a = args[0].T if ta else args[0]
+        bm = b_dev if b_dev is not None else (args[1].T if tb else args[1])
+        r = None if residual_at is None else args[residual_at]
+        out = lt(a, bm, r)
+        if out is None and a.dtype == np.uint16:  # CuPy's adds below would be integer adds of bfloat16 words
+            raise KilnError(f"cublasLt took no layout for this bfloat16 product ({a.shape} x {bm.shape}); no other "
+                            "GPU path adds its bias yet: convert the model with precision='fp16'")
+        if out is None:  # a layout cublasLt cannot take: cuBLAS, then the bias (and ReLU), the residual
+            out = cublas_matmul(a, bm, tf32=tf32) if a.ndim == 2 or bm.ndim != 2 else \
+                cublas_matmul(a.reshape(-1, a.shape[-1]), bm, tf32=tf32).reshape(a.shape[:-1] + (bm.shape[1],))
+            if lt.bias is not None:
+                out += lt.bias
+            if lt.relu:
+                cp.maximum(out, 0, out=out)
+            if r is not None:
+                out += r
+        return out
+    ignored = tuple(sorted(({1} if b_dev is not None else set())
+                           | ({bias_at} if bias_at is not None and bias_at >= e.k else set())))
+    strategy = "cublasLt " + "+".join(p for p, on in (("bias", lt.bias is not None), ("relu", lt.relu),
+                                                       ("residual", residual_at is not None)) if on)
+    return first, ignored, strategy, t, steps
 
-    # ---- the rest of the epilogue: one generated kernel over t and the inputs it reads.
+
+def _gemm_alpha(e: _Epilogue) -> Optional[tuple]:
+    """MatMul then a multiply by a one-element constant (attention's 1/sqrt(d)) -> the GEMM's alpha.
+    Returns what :func:`_cublaslt` returns, or None."""
+    anchor, y, steps = e.anchor, e.y, list(e.rest)
+    if anchor.op != "MatMul" or not steps or steps[0].op != "Mul" or not _only_reader(y, steps[0]) \
+            or in_dtype(anchor) not in FLOATS:
+        return None
+    c = _other(steps[0], y)
+    c = None if c is None else e.const(c)
+    out = steps[0].outputs[0].type
+    if c is None or c.size != 1 or np.dtype(c.dtype) != in_dtype(anchor) or out is None or out.shape != y.type.shape:
+        return None
+    from kiln.runtime.kernels.cuda.linalg import matmul2
+    alpha, tf32 = float(c.reshape(-1)[0]), e.tf32
+
+    def first(args):
+        return matmul2(args[0], args[1], alpha, tf32)
+    t = steps.pop(0).outputs[0]
+    return first, (), "cuBLAS alpha", t, steps
+
+
+def _conv_epilogue(e: _Epilogue, anchor_k) -> Optional[Callable[..., Any]]:
+    """Conv: [Add(residual)] [Relu], the last node giving the one output -> the conv kernel's own epilogue
+    (cuDNN's fused graph, or one pass after the im2col GEMM). The whole node's kernel, or None."""
+    if e.anchor.op != "Conv" or not hasattr(anchor_k, "with_epilogue") or not e.single:
+        return None
+    t, residual_at, relu, steps = e.y, None, False, list(e.rest)
+    if steps and steps[0].op == "Add" and _only_reader(t, steps[0]):
+        at = e.residual(t, steps[0])
+        if at is not None:
+            residual_at, t = at, steps.pop(0).outputs[0]
+    if steps and steps[0].op == "Relu" and _only_reader(t, steps[0]):
+        relu, t = True, steps.pop(0).outputs[0]
+    if steps or e.body.outputs[0] is not t or not (relu or residual_at is not None):
+        return None
+    conv = anchor_k.with_epilogue
+
+    def run_conv(*args):
+        return conv(args[0], None if residual_at is None else args[residual_at], relu)
+    run_conv.ignores = ignored_inputs(anchor_k)
+    run_conv.inner = anchor_k  # reports walk through (CudaProgram.conv_paths)
+    run_conv.strategy = "conv with " + "+".join(s for s, on in (("residual", residual_at is not None),
+                                                               ("relu", relu)) if on)
+    return run_conv
+
+
+def _with_tail(e: _Epilogue, first, ignored: tuple, strategy: str, t, steps: list,
+               anchor_k=None) -> Optional[Callable[..., Any]]:
+    """The node's kernel: ``first(args)`` gives ``t``; ``steps``, the rest of the epilogue, run as one generated
+    kernel over ``t`` and the body inputs they read (in place over ``t`` where the contract allows)."""
+    body, position, single = e.body, e.position, e.single
     ew, extra = None, []
     if steps:
         reads = []
@@ -172,47 +246,7 @@ def fused_epilogue(node, attrs) -> Optional[Callable[..., Any]]:
     elif not (len(body.outputs) == 1 and body.outputs[0] is t):
         return None  # an epilogue of nothing but an exported intermediate: not a pattern made here
     in_place = ew is not None and len(body.outputs) == 1 and body.outputs[0].type is not None and \
-        body.outputs[0].type.dtype == y.type.dtype
-
-    if lt is not None:
-        from kiln.runtime.kernels.cuda.linalg import cublas_matmul
-        ta, tb, b_const = operands
-        b_dev = None if b_const is None else device_array(np.ascontiguousarray(b_const))
-
-        def first(args):
-            a = args[0].T if ta else args[0]
-            bm = b_dev if b_dev is not None else (args[1].T if tb else args[1])
-            r = None if residual_at is None else args[residual_at]
-            out = lt(a, bm, r)
-            if out is None and a.dtype == np.uint16:  # CuPy's adds below would be integer adds of bfloat16 words
-                raise KilnError(f"cublasLt took no layout for this bfloat16 product ({a.shape} x {bm.shape}); no other "
-                                "GPU path adds its bias yet: convert the model with precision='fp16'")
-            if out is None:  # a layout cublasLt cannot take: cuBLAS, then the bias (and ReLU), the residual
-                out = cublas_matmul(a, bm, tf32=tf32) if a.ndim == 2 or bm.ndim != 2 else \
-                    cublas_matmul(a.reshape(-1, a.shape[-1]), bm, tf32=tf32).reshape(a.shape[:-1] + (bm.shape[1],))
-                if lt.bias is not None:
-                    out += lt.bias
-                if lt.relu:
-                    cp.maximum(out, 0, out=out)
-                if r is not None:
-                    out += r
-            return out
-        ignored = tuple(sorted(({1} if b_dev is not None else set())
-                               | ({bias_at} if bias_at is not None and bias_at >= k else set())))
-        strategy = "cublasLt " + "+".join(p for p, on in (("bias", lt.bias is not None), ("relu", lt.relu),
-                                                           ("residual", residual_at is not None)) if on)
-    elif alpha is not None:
-        from kiln.runtime.kernels.cuda.linalg import matmul2
-
-        def first(args):
-            return matmul2(args[0], args[1], alpha, tf32)
-        ignored = ()
-        strategy = "cuBLAS alpha"
-    else:
-        def first(args):
-            return anchor_k(*args[:k])
-        ignored = ignored_inputs(anchor_k)
-        strategy = f"{anchor.op} kernel"
+        body.outputs[0].type.dtype == e.y.type.dtype
 
     def run(*args):
         base = first(args)
