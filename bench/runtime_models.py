@@ -49,6 +49,32 @@ def _encoder(d_model: int, nhead: int, dim_ff: int, layers: int) -> Callable[[],
     return build
 
 
+class TinyViT(nn.Module):
+    """A ViT-Tiny-style model (issue 21's "small ViT"): 16x16 patches of a 3x64x64 image, a class token,
+    learned positions, 4 pre-norm encoder layers (hidden 192, 3 heads, feed-forward 768, GELU), a head."""
+
+    def __init__(self, image: int = 64, patch: int = 16, dim: int = 192, heads: int = 3, layers: int = 4,
+                 classes: int = 1000):
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, patch, patch)
+        self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos = nn.Parameter(torch.randn(1, (image // patch) ** 2 + 1, dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, activation="gelu", batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.patch(x).flatten(2).transpose(1, 2)
+        p = torch.cat([self.cls.expand(p.shape[0], -1, -1), p], dim=1) + self.pos
+        return self.head(self.norm(self.encoder(p))[:, 0])
+
+
+def _vit() -> nn.Module:
+    return zoo._seeded(TinyViT)
+
+
 def _randn(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(1))
 
@@ -60,6 +86,7 @@ MODELS: dict[str, RefModel] = {m.key: m for m in (
              lambda b: _randn(b, SEQ, 128)),
     RefModel("bert4", "BERT-style 4 layers, hidden 768, seq 128", _encoder(768, 12, 3072, 4),
              lambda b: _randn(b, SEQ, 768)),
+    RefModel("vit", "ViT-Tiny-style, 4 layers, hidden 192, 3x64x64", _vit, lambda b: _randn(b, 3, 64, 64)),
 )}
 
 

@@ -19,6 +19,7 @@ from kiln.runtime.allocator import tune_allocator
 from kiln.runtime.control import if_kernel, loop_kernel
 from kiln.runtime.kernels import cpu
 from kiln.runtime.plan import MemoryEstimate, Plan, PlanBuilder, execute
+from kiln.runtime.threads import ThreadPolicy
 
 _CONTROL = {"If": if_kernel, "Loop": loop_kernel}
 
@@ -93,9 +94,11 @@ class Program:
 
     backend = "kiln"  # which engine runs it (OrtProgram says "onnxruntime")
 
-    def __init__(self, graph: Graph, *, memory_budget: Union[int, str, None] = None):
+    def __init__(self, graph: Graph, *, memory_budget: Union[int, str, None] = None, threads: Optional[int] = None):
         tune_allocator()  # large activations stay in the heap between runs (see runtime/allocator.py)
         self.graph = graph
+        # BLAS threads per run: at most ``threads`` (default: the BLAS's own count), 1 while the host is busy.
+        self.threads = ThreadPolicy(threads)
         builder = PlanBuilder(_choose_cpu)
         self.plan: Plan = builder.build(graph)
         self._template = builder.template
@@ -133,6 +136,7 @@ class Program:
         slots = self._template.copy()
         for s, a in zip(plan.input_slots, arrays):
             slots[s] = a
+        self.threads.apply()
         try:
             execute(plan, slots)
         except KilnError:
@@ -300,6 +304,11 @@ def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize
     optimization, ``device`` 'cpu', 'cuda[:N]' or 'auto' picks its execution provider, and ``threads`` its
     intra-op thread count (default: ORT's). Both need ``pip install kiln[onnx]``.
 
+    ``threads`` (kiln's CPU runtime): the most BLAS threads a run uses (default: numpy's BLAS's own count, i.e.
+    the cores, or ``OPENBLAS_NUM_THREADS``). A run drops to one thread while every core this process may use
+    is taken by other runnable tasks (a busy host): a BLAS team on an oversubscribed host waits at its barrier
+    for preempted members, which made a small MLP 450x slower (``kiln.runtime.threads``).
+
     ``device="auto"``: the GPU where CuPy sees one, else the CPU (as for the onnxruntime backend).
     ``device="cuda"`` (kiln backend): a ``CudaProgram`` on the current CUDA device through CuPy
     (``pip install kiln[gpu]``); ``cuda_options`` go to it (``output="cupy"|"numpy"``,
@@ -384,10 +393,10 @@ def _load(model, device: str, *, optimize: bool, backend: str, threads: Optional
         unknown = sorted(set(cuda_options) - set(FIELDS) - {"options"})
         if unknown:
             raise KilnError(f"unknown CUDA option(s) {unknown}; known: options, {', '.join(FIELDS)}")
-    if threads is not None:
-        raise KilnError("threads= sets ONNX Runtime's intra-op threads (backend='onnxruntime'); kiln's CPU runtime "
-                        "uses numpy's BLAS threads, set by OMP_NUM_THREADS/OPENBLAS_NUM_THREADS before numpy is "
-                        "imported (see `kiln bench --threads`)")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise KilnError(f"threads= must be a positive int (the most BLAS threads a run uses), not {threads!r}")
+    if threads is not None and device == "cuda":
+        raise KilnError("threads= caps the CPU runtime's BLAS threads; device='cuda' does not take it")
     if isinstance(model, Graph):
         graph = model.copy()
     elif is_onnx_path(model):
@@ -426,7 +435,8 @@ def _load(model, device: str, *, optimize: bool, backend: str, threads: Optional
         if memory_budget is not None:
             raise KilnError("memory_budget= is checked by the CPU runtime; device='cuda' does not take it yet")
         return CudaProgram(graph, **cuda_options)
-    return Program(graph, memory_budget=memory_budget if memory_budget is not None else default_memory_budget())
+    return Program(graph, memory_budget=memory_budget if memory_budget is not None else default_memory_budget(),
+                   threads=threads)
 
 
 def is_onnx_path(model: Union[str, os.PathLike]) -> bool:
