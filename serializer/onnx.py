@@ -216,6 +216,37 @@ def _expand_erf(em: Emitter, node: Node) -> None:
     em.add("Cast", [wide], outputs=[em.outputs[0]], to=int(t.dtype.value))
 
 
+@register_expansion(ONNX_DOMAIN, "Mod")
+def _expand_mod(em: Emitter, node: Node) -> None:
+    """kiln's Mod is Mod-28 (both fmod modes for every numeric type); Mod-13, which the export opsets write,
+    takes fmod=0 for integers and fmod=1 for floats only. The other two are spelled with Mod-13's:
+    float fmod=0 (the divisor's sign, Python's %) as fmod's remainder moved by one divisor where it is nonzero
+    and its sign differs from the divisor's; integer fmod=1 (the dividend's sign) as a - (a / b) * b, ONNX's
+    integer Div truncating toward zero as C's fmod does."""
+    a, b = em.inputs
+    t = em.input_type(0)
+    fmod = int(node.attrs.get("fmod", 0))
+    if t is None or t.dtype.is_float == bool(fmod):
+        em.add("Mod", [a, b], outputs=[em.outputs[0]], fmod=fmod)
+        return
+    if fmod:
+        em.add("Sub", [a, em.add("Mul", [em.add("Div", [a, b]), b])], outputs=[em.outputs[0]])
+        return
+    r = em.add("Mod", [a, b], fmod=1)
+    zero = em.constant(0.0)
+    moved = em.add("And", [em.add("Not", [em.add("Equal", [r, zero])]),
+                           em.add("Xor", [em.add("Less", [r, zero]), em.add("Less", [b, zero])])])
+    em.add("Where", [moved, em.add("Add", [r, b]), r], outputs=[em.outputs[0]])
+
+
+@register_expansion(ONNX_DOMAIN, "Attention")
+def _expand_attention(em: Emitter, node: Node) -> None:
+    """Attention is an ai.onnx op from opset 23, past the newest opset kiln writes (MAX_OPSET): refused by name
+    rather than written into a model no runtime of that opset accepts."""
+    raise KilnError(f"{node.describe()}: ai.onnx Attention exists from opset 23 on, and kiln writes ONNX opsets "
+                    f"{MIN_OPSET}..{MAX_OPSET}; save the model as .kiln (kiln.save), which keeps it")
+
+
 @register_expansion(ONNX_DOMAIN, "Einsum")
 def _expand_einsum(em: Emitter, node: Node) -> None:
     """Einsum as itself, but where the ellipses of the inputs stand for different numbers of dims (kiln,

@@ -86,7 +86,12 @@ ModelLike = Union[str, os.PathLike, bytes, bytearray, "onnx.ModelProto"]
 
 # Ops whose kiln implementation follows a later ai.onnx version than the base opset. (Resize-19:
 # every Resize/Upsample version is translated at import, see serializer/onnx_resize.py.)
-KILN_ONNX_VERSION = {"Gelu": 20, "Resize": 19}
+KILN_ONNX_VERSION = {"Gelu": 20, "Resize": 19, "Attention": 25, "Mod": 28}
+# Older versions of such ops that kiln's implementation covers as they are (no upgrade through the version
+# converter, which knows nothing past opset 18's ops): Attention-23/24 are Attention-25 without its new
+# optional input and attributes (kiln.ir.ops.attention); Mod-10/13 are Mod-28 restricted to fmod=0 for integers
+# and fmod=1 for floats (28 defines both for both).
+IMPORTED_AS_IS = {"Attention": (23, 24), "Mod": (10, 13)}
 
 # Ops whose versions after opset 18 keep opset-18 semantics for everything kiln can express,
 # with the newest version checked (a later version is rejected until reviewed). Reviewed
@@ -98,6 +103,8 @@ SAME_SEMANTICS_AS_18 = {
     # 19 adds float8 types and `saturate` (float8 only; kiln has the attribute); 21/23/24/25/28
     # add int4/float4/float8e8m0/int2/float6 types; 24 adds `round_mode` (float8e8m0 only).
     "Cast": 28,
+    # CastLike follows Cast: 19 adds float8 types and `saturate` (kiln has the attribute), 21/23/24/25 types.
+    "CastLike": 25,
     # New element types only (int4/uint4, float4, float8e8m0, int2/uint2...).
     "Constant": 25, "ConstantOfShape": 25, "Flatten": 25, "Identity": 25, "If": 25, "Loop": 25,
     "Reshape": 25, "Shape": 25, "Size": 25, "Squeeze": 25, "Transpose": 25, "Unsqueeze": 25,
@@ -314,7 +321,7 @@ def _check_ops(g, opset: Optional[int], imports: dict, where: str = "") -> bool:
             raise UnsupportedOpError(
                 f"op '{n.op_type}' in {label} is not defined in ai.onnx opset {opset} "
                 f"(kiln implements {n.op_type}-{ours})")
-        if theirs < ours:
+        if theirs < ours and theirs not in IMPORTED_AS_IS.get(n.op_type, ()):
             needs_upgrade = True
         elif theirs > ours and not _same_semantics(n, theirs, label):
             raise UnsupportedOpError(

@@ -7,3 +7,4 @@ from kiln.ir.ops import quant  # noqa: F401,E402  (DequantizeLinear: int8 weight
 from kiln.ir.ops import assertion  # noqa: F401,E402  (kiln.Assert: run-time checks from scripted `assert`)
 from kiln.ir.ops import guard  # noqa: F401,E402  (kiln.Guard: what a trace leaves where the model read tensor data)
 from kiln.ir.ops import resize  # noqa: F401,E402  (Resize: ONNX Resize-19, issue 15)
+from kiln.ir.ops import attention  # noqa: F401,E402  (Attention: ai.onnx's Attention-23..25)

@@ -72,18 +72,13 @@ def div(a, b):
     return _trunc_div(a, b)
 
 
-def _infer_mod(ctx: InferContext) -> TensorType:
-    t = infer_broadcast(ctx)
-    if ctx.input(0).dtype.is_float and not ctx.attrs.get("fmod", 0):
-        ctx.fail("floating-point Mod needs fmod=1 (the ONNX rule)")
-    return t
-
-
 @op("Mod", inputs=[In("A", NUMERIC), In("B", NUMERIC)], outputs=["C"],
-    attrs=[Attr("fmod", AttrKind.INT, 0)], infer=_infer_mod)
+    attrs=[Attr("fmod", AttrKind.INT, 0)], infer=infer_broadcast)
 def mod(a, b, fmod=0):
-    """Remainder: with fmod=0 (integers only) its sign follows the divisor, as Python's ``%``;
-    with fmod=1 it follows the dividend, as C's ``fmod``. Integer x % 0 is undefined (0 here)."""
+    """Remainder (ONNX Mod-28, which kiln imports for every Mod version: earlier ones allowed a subset).
+    fmod=0: ``a - floor(a / b) * b``, the sign of the divisor, as Python's ``%`` (floats: x % 0 and inf % y
+    are NaN, x % inf is x when the signs agree, else inf); fmod=1: ``a - trunc(a / b) * b``, the sign of the
+    dividend, as C's ``fmod``. Integer x % 0 is undefined (0 here)."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.fmod(a, b) if fmod else np.remainder(a, b)
 

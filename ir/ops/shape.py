@@ -262,13 +262,11 @@ def _split_sizes(ctx: InferContext, dim: Dim) -> list:
 
 
 def _chunks(dim: int, n: int) -> list[int]:
-    """ONNX's num_outputs split: ceil(dim / n) per chunk, the last one smaller. (A ValueError
-    here becomes an inference error naming the node.)"""
+    """ONNX's num_outputs split: ceil(dim / n) per chunk, the last ones smaller. Where n chunks of ceil(dim / n)
+    overrun the axis (5 into 4: 2, 2, 1 and then nothing), the chunks past the end are clipped to it, as ONNX's
+    reference evaluator and onnxruntime compute it: sizes 2, 2, 1, 0."""
     chunk = -(-dim // n)
-    sizes = [chunk] * (n - 1) + [dim - chunk * (n - 1)]
-    if sizes[-1] < 0:
-        raise ValueError(f"an axis of size {dim} cannot be split into {n} chunks of {chunk}")
-    return sizes
+    return [min(chunk, max(0, dim - chunk * i)) for i in range(n)]
 
 
 def _infer_split(ctx: InferContext) -> list[TensorType]:
