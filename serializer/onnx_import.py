@@ -86,7 +86,8 @@ ModelLike = Union[str, os.PathLike, bytes, bytearray, "onnx.ModelProto"]
 
 # Ops whose kiln implementation follows a later ai.onnx version than the base opset. (Resize-19:
 # every Resize/Upsample version is translated at import, see serializer/onnx_resize.py.)
-KILN_ONNX_VERSION = {"Gelu": 20, "Resize": 19, "Attention": 25, "Mod": 28}
+KILN_ONNX_VERSION = {"Gelu": 20, "Resize": 19, "Attention": 25, "Mod": 28, "RMSNormalization": 23,
+                     "RotaryEmbedding": 23, "CumProd": 26}
 # Older versions of such ops that kiln's implementation covers as they are (no upgrade through the version
 # converter, which knows nothing past opset 18's ops): Attention-23/24 are Attention-25 without its new
 # optional input and attributes (kiln.ir.ops.attention); Mod-10/13 are Mod-28 restricted to fmod=0 for integers
@@ -120,6 +121,13 @@ SAME_SEMANTICS_AS_18 = {
     "TopK": 24, "Einsum": 28, "DepthToSpace": 28,
     # 28 adds `mode` whose default (DCR) is the old behaviour (kiln rejects the attribute).
     "SpaceToDepth": 28,
+    # Element types only (bfloat16; float16/double for Celu), reviewed against onnx 1.23's schemas: same
+    # attributes and documentation.
+    "Acos": 22, "Acosh": 22, "Asin": 22, "Asinh": 22, "Atan": 22, "Atanh": 22, "Cosh": 22, "Sinh": 22, "Tan": 22,
+    "Round": 22, "Det": 22, "EyeLike": 22, "LpNormalization": 22, "ThresholdedRelu": 22,
+    "NegativeLogLikelihoodLoss": 22, "OneHot": 28, "Compress": 28, "Celu": 28,
+    # 28: same attributes, types and documentation (a revised function body).
+    "ReduceLogSumExp": 28, "ReduceLogSum": 28,
 }
 # Not listed on purpose: Range-27 (stash_type changes float16/bfloat16 results).
 

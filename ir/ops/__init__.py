@@ -8,3 +8,5 @@ from kiln.ir.ops import assertion  # noqa: F401,E402  (kiln.Assert: run-time che
 from kiln.ir.ops import guard  # noqa: F401,E402  (kiln.Guard: what a trace leaves where the model read tensor data)
 from kiln.ir.ops import resize  # noqa: F401,E402  (Resize: ONNX Resize-19, issue 15)
 from kiln.ir.ops import attention  # noqa: F401,E402  (Attention: ai.onnx's Attention-23..25)
+from kiln.ir.ops import loss  # noqa: F401,E402  (SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss)
+from kiln.ir.ops import rotary  # noqa: F401,E402  (RotaryEmbedding-23)

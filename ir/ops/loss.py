@@ -1,0 +1,2 @@
+"""Losses ONNX models carry: SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss."""
+from __future__ import annotations

@@ -1,0 +1,2 @@
+"""RotaryEmbedding (ai.onnx opset 23)."""
+from __future__ import annotations
