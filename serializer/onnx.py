@@ -247,6 +247,17 @@ def _expand_attention(em: Emitter, node: Node) -> None:
                     f"{MIN_OPSET}..{MAX_OPSET}; save the model as .kiln (kiln.save), which keeps it")
 
 
+@register_expansion(ONNX_DOMAIN, "BitShift")
+def _expand_bitshift(em: Emitter, node: Node) -> None:
+    """kiln's BitShift is BitShift-28 (signed types too); the opsets kiln writes have BitShift-11, unsigned only:
+    a signed one is refused by name rather than written into a model its runtimes reject."""
+    t = em.input_type(0)
+    if t is not None and t.dtype is not DType.UINT8:
+        raise KilnError(f"{node.describe()}: BitShift of {t.dtype} exists in ai.onnx from opset 28 on; kiln writes "
+                        f"opsets {MIN_OPSET}..{MAX_OPSET}, whose BitShift takes unsigned integers only")
+    em.add("BitShift", em.inputs, outputs=[em.outputs[0]], direction=str(node.attrs["direction"]))
+
+
 @register_expansion(ONNX_DOMAIN, "Einsum")
 def _expand_einsum(em: Emitter, node: Node) -> None:
     """Einsum as itself, but where the ellipses of the inputs stand for different numbers of dims (kiln,

@@ -11,10 +11,10 @@ import math
 import numpy as np
 
 from kiln.ir.dtypes import DType
-from kiln.ir.ops._common import FLOAT, SIGNED_NUMERIC, infer_same
+from kiln.ir.ops._common import FLOAT, NUMERIC, SIGNED_NUMERIC, infer_same
 from kiln.ir.ops.elementwise import erf64, float_map
 from kiln.ir.registry import Attr, AttrKind, In, InferContext, op
-from kiln.ir.types import TensorType, dims_compatible, merge_dim
+from kiln.ir.types import TensorType, dims_compatible, merge_dim, normalize_axis
 
 # ONNX Selu defaults: the constants of Klambauer et al. rounded to float32.
 SELU_ALPHA = 1.67326319217681884765625
@@ -133,3 +133,46 @@ def prelu(x, slope):
     if x.dtype.kind in "iu":
         return np.where(x < 0, x * slope, x).astype(x.dtype)
     return float_map(lambda v, s: np.where(v < 0, s * v, v), x, slope)
+
+
+@op("Celu", traits=("elementwise",), inputs=[In("X", FLOAT)], outputs=["Y"],
+    attrs=[Attr("alpha", AttrKind.FLOAT, 1.0)], infer=infer_same)
+def celu(x, alpha=1.0):
+    """max(0, x) + min(0, alpha * (exp(x / alpha) - 1))."""
+    return float_map(lambda v: np.maximum(v, 0.0) + np.minimum(0.0, alpha * np.expm1(v / alpha)), x)
+
+
+@op("ThresholdedRelu", traits=("elementwise",), inputs=[In("X", FLOAT)], outputs=["Y"],
+    attrs=[Attr("alpha", AttrKind.FLOAT, 1.0)], infer=infer_same)
+def thresholded_relu(x, alpha=1.0):
+    """x where x > alpha, else 0."""
+    return np.where(x > x.dtype.type(alpha), x, x.dtype.type(0))
+
+
+@op("Shrink", traits=("elementwise",), inputs=[In("input", NUMERIC)], outputs=["output"],
+    attrs=[Attr("lambd", AttrKind.FLOAT, 0.5), Attr("bias", AttrKind.FLOAT, 0.0)], infer=infer_same)
+def shrink(x, lambd=0.5, bias=0.0):
+    """x + bias below -lambd, x - bias above lambd, 0 between (computed in float64, cast back)."""
+    v = x.astype(np.float64)
+    return np.where(v < -lambd, v + bias, np.where(v > lambd, v - bias, 0.0)).astype(x.dtype)
+
+
+def _infer_hardmax(ctx: InferContext) -> TensorType:
+    x = ctx.input(0)
+    if x.shape is not None:
+        try:
+            normalize_axis(ctx.attrs["axis"], len(x.shape))
+        except ValueError as e:
+            ctx.fail(str(e))
+    return x
+
+
+@op("Hardmax", inputs=[In("input", FLOAT)], outputs=["output"], attrs=[Attr("axis", AttrKind.INT, -1)],
+    infer=_infer_hardmax)
+def hardmax(x, *, axis=-1):
+    """1 at the first maximum along ``axis``, 0 elsewhere."""
+    ax = normalize_axis(axis, x.ndim)
+    out = np.zeros_like(x)
+    if x.size:
+        np.put_along_axis(out, np.expand_dims(np.argmax(x, axis=ax), ax), 1, axis=ax)
+    return out

@@ -187,6 +187,28 @@ def cos(x):
     return float_map(np.cos, x)
 
 
+# Inverse and hyperbolic trigonometry (ai.onnx 7/9; 22 adds bfloat16): float64, rounded once. Outside the
+# domain (acos 2, atanh 1.5) the result is NaN, as numpy gives and ONNX's reference expects.
+def _unary_float(name: str, fn: Callable[[np.ndarray], np.ndarray], doc: str) -> None:
+    def reference(x):
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            return float_map(fn, x)
+    reference.__name__, reference.__doc__ = name.lower(), doc
+    op(name, traits=("elementwise",), inputs=[In("input", FLOAT)], outputs=["output"], infer=infer_same)(reference)
+
+
+for _name, _fn in (("Tan", np.tan), ("Acos", np.arccos), ("Asin", np.arcsin), ("Atan", np.arctan),
+                   ("Sinh", np.sinh), ("Cosh", np.cosh), ("Asinh", np.arcsinh), ("Acosh", np.arccosh),
+                   ("Atanh", np.arctanh)):
+    _unary_float(_name, _fn, f"{_fn.__name__} of each element.")
+
+
+@op("Round", traits=("elementwise",), inputs=[In("X", FLOAT)], outputs=["Y"], infer=infer_same)
+def round_(x):
+    """Round to the nearest integer, halves to even (as numpy's rint and ONNX)."""
+    return np.rint(x)
+
+
 # --------------------------------------------------------------------------- variadic
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.ir.dtypes import DType
-from kiln.ir.ops._common import ALL, BOOL, FLOAT, NUMERIC, infer_broadcast, infer_broadcast_bool, infer_same, \
+from kiln.ir.ops._common import ALL, BOOL, FLOAT, INT, NUMERIC, infer_broadcast, infer_broadcast_bool, infer_same, \
     same_shape
 from kiln.ir.registry import REQUIRED, Attr, AttrKind, In, InferContext, op
 from kiln.ir.types import TensorType, broadcast_shapes
@@ -66,6 +66,59 @@ def or_(a, b):
     inputs=[In("A", BOOL), In("B", BOOL)], outputs=["C"], infer=infer_broadcast)
 def xor(a, b):
     return np.logical_xor(a, b)
+
+
+# Bitwise ops (ai.onnx 18) on the integer types kiln has (uint16/32/64 are not kiln dtypes).
+@op("BitwiseAnd", traits=("elementwise", "commutative"), inputs=[In("A", INT), In("B", INT)], outputs=["C"],
+    infer=infer_broadcast)
+def bitwise_and(a, b):
+    return np.bitwise_and(a, b)
+
+
+@op("BitwiseOr", traits=("elementwise", "commutative"), inputs=[In("A", INT), In("B", INT)], outputs=["C"],
+    infer=infer_broadcast)
+def bitwise_or(a, b):
+    return np.bitwise_or(a, b)
+
+
+@op("BitwiseXor", traits=("elementwise", "commutative"), inputs=[In("A", INT), In("B", INT)], outputs=["C"],
+    infer=infer_broadcast)
+def bitwise_xor(a, b):
+    return np.bitwise_xor(a, b)
+
+
+@op("BitwiseNot", traits=("elementwise",), inputs=[In("X", INT)], outputs=["Y"], infer=infer_same)
+def bitwise_not(x):
+    return np.invert(x)
+
+
+def _infer_bitshift(ctx: InferContext) -> TensorType:
+    if ctx.attrs["direction"] not in ("LEFT", "RIGHT"):
+        ctx.fail(f"direction must be 'LEFT' or 'RIGHT', not {ctx.attrs['direction']!r}")
+    if ctx.input(0).dtype is not ctx.input(1).dtype:
+        ctx.fail(f"X and Y have different dtypes: {ctx.input(0).dtype}, {ctx.input(1).dtype}")
+    return infer_broadcast(ctx)
+
+
+@op("BitShift", inputs=[In("X", INT), In("Y", INT)], outputs=["Z"],
+    attrs=[Attr("direction", AttrKind.STRING, REQUIRED)], infer=_infer_bitshift)
+def bit_shift(x, y, direction=REQUIRED):
+    """BitShift-28 (kiln imports every version: BitShift-11 is its unsigned subset). Right shifts of signed
+    types are arithmetic; left shifts drop the bits shifted past the width (the sign bit included); a shift
+    below 0 or of the width or more gives what the sign extension alone gives: -1 for a right shift of a
+    negative x, else 0."""
+    x, y = np.broadcast_arrays(x, y)
+    bits = np.iinfo(x.dtype).bits
+    valid = (y >= 0) & (y < bits)
+    s = np.where(valid, y, 0)
+    if direction == "RIGHT":
+        out = np.right_shift(x, s.astype(x.dtype))
+        fill = np.where(x < 0, x.dtype.type(-1), x.dtype.type(0)) if x.dtype.kind == "i" else x.dtype.type(0)
+    else:
+        unsigned = np.dtype(f"u{x.dtype.itemsize}")
+        out = np.left_shift(x.view(unsigned), s.astype(unsigned)).view(x.dtype)
+        fill = x.dtype.type(0)
+    return np.where(valid, out, fill).astype(x.dtype)
 
 
 def _infer_where(ctx: InferContext) -> TensorType:

@@ -139,6 +139,37 @@ _register_reduce("ReduceProd", REDUCE_T, _prod, "Product over axes.")
 _register_reduce("ReduceL2", REDUCE_T, _l2, "sqrt(sum(x^2)) over axes.")
 
 
+def _l1(x, axes):
+    return np.abs(x.astype(compute_dtype(x.dtype))).sum(axis=axes, keepdims=True)
+
+
+def _sum_square(x, axes):
+    a = x.astype(compute_dtype(x.dtype))
+    return (a * a).sum(axis=axes, keepdims=True)
+
+
+def _log_sum(x, axes):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.log(_float_acc(x).sum(axis=axes, keepdims=True))
+
+
+def _log_sum_exp(x, axes):
+    """log(sum(exp(x))), shifted by the max so that large x does not overflow (an all -inf slice gives -inf)."""
+    a = _float_acc(x)
+    if a.size == 0:
+        return np.log(np.exp(a).sum(axis=axes, keepdims=True))
+    top = a.max(axis=axes, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        return np.log(np.exp(a - top).sum(axis=axes, keepdims=True)) + top
+
+
+_register_reduce("ReduceL1", REDUCE_T, _l1, "sum(|x|) over axes.")
+_register_reduce("ReduceSumSquare", REDUCE_T, _sum_square, "sum(x^2) over axes.")
+_register_reduce("ReduceLogSum", REDUCE_T, _log_sum, "log(sum(x)) over axes.")
+_register_reduce("ReduceLogSumExp", REDUCE_T, _log_sum_exp, "log(sum(exp(x))) over axes.")
+
+
 # --------------------------------------------------------------------------- ArgMax, ArgMin
 
 

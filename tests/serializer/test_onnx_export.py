@@ -456,6 +456,24 @@ CASES["Resize"] = [  # more in tests/serializer/test_onnx_resize.py
     ([_f(1, 2, 4, 5), None, np.array([1, 1, 2, 2], np.float32)],
      {"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}, (2,), None),
     ([_f(1, 2, 4, 5), None, None, np.array([3, 9], I64)], {"mode": "cubic", "axes": [2, 3]}, (3,), None)]
+_UNIT = np.tanh(X) * 0.9  # inside (-1, 1): the inverse trigonometry's domain
+_I32 = np.arange(-12, 12, dtype=np.int32).reshape(2, 3, 4)
+CASES.update({op: [([_UNIT], {}, (), None)] for op in ["Tan", "Acos", "Asin", "Atan", "Sinh", "Cosh", "Asinh",
+                                                        "Atanh", "Round"]})
+CASES.update({
+    "Acosh": [([_f(2, 3, lo=1.0)], {}, (), None)],
+    "Celu": [([X], {"alpha": 2.0}, (), None)],
+    "ThresholdedRelu": [([X], {"alpha": 0.5}, (), None)],
+    "Shrink": [([X], {"lambd": 0.5, "bias": 0.25}, (), None)],
+    "Hardmax": [([X], {"axis": 1}, (), None)],
+    "BitwiseAnd": [([_I32, _I32[::-1].copy()], {}, (), None)],
+    "BitwiseOr": [([_I32, _I32[::-1].copy()], {}, (), None)],
+    "BitwiseXor": [([_I32, _I32[::-1].copy()], {}, (), None)],
+    "BitwiseNot": [([_I32], {}, (), None)],
+    "BitShift": [([np.array([1, 4, 255], np.uint8), np.array([1, 2, 9], np.uint8)], {"direction": "LEFT"}, (), None)],
+})
+CASES.update({op: [([_f(2, 3, 4, lo=0.1), np.array([0, 2], I64)], {"keepdims": 1}, (1,), None)]
+              for op in ["ReduceL1", "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp"]})
 ELSEWHERE = {"If": "test_if_and_loop_export_and_run", "Loop": "test_if_and_loop_export_and_run",
              # newer than the opsets kiln writes: its export is refused by name (tests/ops/test_attention.py)
              "Attention": "test_export_refuses_attention_by_name"}
@@ -527,3 +545,11 @@ def test_einsum_with_ellipses_of_different_ranks_is_unsqueezed_to_one_rank():
     feeds = [rng.standard_normal((2, 3, 4, 5)).astype(np.float32), rng.standard_normal((3, 5, 6)).astype(np.float32)]
     got = session(model).run(None, {"a": feeds[0], "b": feeds[1]})
     np.testing.assert_allclose(got[0], evaluate(g, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_signed_bitshift_is_refused_by_name():
+    g = Graph()
+    x, y = g.add_input("x", "int32", [3]), g.add_input("y", "int32", [3])
+    g.outputs = [g.op("BitShift", x, y, direction="RIGHT")]
+    with pytest.raises(kiln.KilnError, match="BitShift of int32 exists in ai.onnx from opset 28 on"):
+        kx.to_onnx_model(g)
