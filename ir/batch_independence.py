@@ -557,7 +557,9 @@ def rule(*ops: str, domain: str = ONNX_DOMAIN) -> Callable[[Rule], Rule]:
 
 _UNARY = ("Abs", "Cast", "Ceil", "Cos", "Elu", "Erf", "Exp", "Floor", "Gelu", "HardSigmoid", "HardSwish",
           "Identity", "IsInf", "IsNaN", "LeakyRelu", "Log", "Mish", "Neg", "Not", "Reciprocal", "Relu", "Selu",
-          "Sigmoid", "Sign", "Sin", "Softplus", "Softsign", "Sqrt", "Tanh", "Dropout", "CastLike")
+          "Sigmoid", "Sign", "Sin", "Softplus", "Softsign", "Sqrt", "Tanh", "Dropout", "CastLike",
+          "Tan", "Acos", "Asin", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Round", "Celu",
+          "ThresholdedRelu", "Shrink", "BitwiseNot")
 
 
 @rule(*_UNARY)
@@ -570,7 +572,8 @@ def _unary(ctx: _Ctx) -> list:
 
 
 _BROADCAST = ("Add", "Sub", "Mul", "Div", "Mod", "Pow", "And", "Or", "Xor", "Equal", "Greater", "GreaterOrEqual",
-              "Less", "LessOrEqual", "Max", "Min", "Mean", "Sum", "Where", "PRelu", "Clip")
+              "Less", "LessOrEqual", "Max", "Min", "Mean", "Sum", "Where", "PRelu", "Clip", "BitwiseAnd", "BitwiseOr",
+              "BitwiseXor", "BitShift")
 
 
 @rule(*_BROADCAST)
