@@ -258,6 +258,24 @@ def _expand_bitshift(em: Emitter, node: Node) -> None:
     em.add("BitShift", em.inputs, outputs=[em.outputs[0]], direction=str(node.attrs["direction"]))
 
 
+POOL_DILATIONS_OPSET = 19  # the first ai.onnx opset whose AveragePool takes dilations
+
+
+def _dilated(node: Node) -> bool:
+    return any(d != 1 for d in node.attrs.get("dilations") or ())
+
+
+@register_expansion(ONNX_DOMAIN, "AveragePool", native_since=POOL_DILATIONS_OPSET)
+def _expand_average_pool(em: Emitter, node: Node) -> None:
+    """Before opset 19 AveragePool has no dilations: without them (or all 1) it is written as itself, less the
+    attribute; a dilated one is refused by name (default_opset picks 19 for it)."""
+    if _dilated(node):
+        raise KilnError(f"{node.describe()}: a dilated AveragePool needs ai.onnx opset {POOL_DILATIONS_OPSET} or "
+                        f"later; this export writes opset {em.opset}")
+    attrs = {k: v for k, v in node.attrs.items() if k != "dilations"}
+    em.add("AveragePool", em.inputs, outputs=[em.outputs[0]], **attrs)
+
+
 @register_expansion(ONNX_DOMAIN, "Einsum")
 def _expand_einsum(em: Emitter, node: Node) -> None:
     """Einsum as itself, but where the ellipses of the inputs stand for different numbers of dims (kiln,
@@ -341,6 +359,9 @@ def register_opset_rule(domain: str, op: str, fn: Callable[[Node], int]) -> None
     """``fn(node)``: the oldest ai.onnx opset that writes ``node`` as itself (``default_opset``
     takes the largest over the graph; Resize with half_pixel_symmetric asks for 19)."""
     _OPSET_RULES[(domain, op)] = fn
+
+
+register_opset_rule(ONNX_DOMAIN, "AveragePool", lambda n: POOL_DILATIONS_OPSET if _dilated(n) else 0)
 
 
 def default_opset(graph: Graph) -> int:

@@ -98,7 +98,7 @@ IMPORTED_AS_IS = {"Attention": (23, 24), "Mod": (10, 13), "BitShift": (11,)}
 # with the newest version checked (a later version is rejected until reviewed). Reviewed
 # against the onnx 1.23 schemas (type constraints, attributes, docs):
 SAME_SEMANTICS_AS_18 = {
-    # 19 adds `dilations` (kiln's schema lacks it: rejected when set); 22 adds bfloat16 and
+    # 19 adds `dilations` (MaxPool had it; kiln's AveragePool has it too); 22 adds bfloat16 and
     # spells out the ceil_mode rule kiln already follows (no window starts in the end padding).
     "AveragePool": 22, "MaxPool": 22,
     # 19 adds float8 types and `saturate` (float8 only; kiln has the attribute); 21/23/24/25/28

@@ -76,12 +76,13 @@ def max_pool(x, *, auto_pad, ceil_mode, kernel_shape, pads, strides, dilations, 
 
 
 @op("AveragePool", inputs=[In("X", FLOAT)],
-    attrs=_POOL_ATTRS + [Attr("count_include_pad", AttrKind.INT, 0)], infer=infer_pool)
-def average_pool(x, *, auto_pad, ceil_mode, kernel_shape, pads, strides, count_include_pad):
+    attrs=_POOL_ATTRS + [Attr("count_include_pad", AttrKind.INT, 0), Attr("dilations", AttrKind.INTS, None)],
+    infer=infer_pool)
+def average_pool(x, *, auto_pad, ceil_mode, kernel_shape, pads, strides, count_include_pad, dilations=None):
     """Mean of each window over the input positions it covers (and the pads it covers when
-    count_include_pad=1)."""
+    count_include_pad=1). ``dilations`` (AveragePool-19) spaces the window's taps."""
     attrs = {"auto_pad": auto_pad, "ceil_mode": ceil_mode, "kernel_shape": kernel_shape,
-             "pads": pads, "strides": strides}
+             "pads": pads, "strides": strides, "dilations": dilations}
     acc = compute_dtype(x.dtype)
     cols, window, (begin, end, reach, out) = _pool_views(x.astype(acc), attrs, 0)
     taps = tuple(range(-window.rank, 0))

@@ -175,3 +175,18 @@ def test_global_pools_match_torch(rng, shape, dtype):
     axes = tuple(range(2, len(shape)))
     check_op("GlobalAveragePool", [x], t64(x).mean(dim=axes, keepdim=True).numpy(), symbolic_batch=True, **TOL[dtype])
     check_op("GlobalMaxPool", [x], t64(x).amax(dim=axes, keepdim=True).numpy(), symbolic_batch=True, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spatial,k,d,p,ceil,include_pad", [
+    (2, (3, 3), (2, 2), (2, 2, 2, 2), 0, 0), (2, (2, 3), (2, 1), (1, 0, 1, 0), 1, 1), (1, (3,), (3,), (0, 0), 0, 0),
+    (3, (2, 2, 2), (2, 2, 2), (1, 1, 1, 1, 1, 1), 1, 0)])
+def test_average_pool_dilations_match_onnx_reference(rng, spatial, k, d, p, ceil, include_pad):
+    """AveragePool-19's dilations: the CPU and mobile kernels take the reference's path for them."""
+    ref = pytest.importorskip("onnx.reference.ops.op_average_pool")
+    x = rng.standard_normal((1, 2) + (9,) * spatial).astype(np.float32)
+    attrs = {"kernel_shape": list(k), "dilations": list(d), "pads": list(p), "ceil_mode": ceil,
+             "count_include_pad": include_pad}
+    want = ref.AveragePool_19._run(ref.AveragePool_19.__new__(ref.AveragePool_19), x, auto_pad="NOTSET",
+                                   ceil_mode=ceil, count_include_pad=include_pad, dilations=list(d),
+                                   kernel_shape=list(k), pads=list(p), strides=None)[0]
+    check_op("AveragePool", [x], want, attrs, rtol=1e-5, atol=1e-6)

@@ -398,7 +398,8 @@ CASES.update({
     "PRelu": [([X, _f(4)], {}, (1,), None)],
     "ArgMax": [([X], {"axis": 1}, (), None)],
     "ArgMin": [([X], {"axis": -1, "keepdims": 0}, (), None)],
-    "AveragePool": [([IMG], {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "strides": [2, 2]}, (), None)],
+    "AveragePool": [([IMG], {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "strides": [2, 2]}, (), None),
+                    ([IMG], {"kernel_shape": [2, 2], "dilations": [2, 2], "pads": [1, 1, 1, 1]}, (), None)],
     "MaxPool": [([IMG], {"kernel_shape": [2, 2], "strides": [2, 2]}, (), None)],
     "GlobalAveragePool": [([IMG], {}, (), None)],
     "GlobalMaxPool": [([IMG], {}, (), None)],
@@ -491,7 +492,8 @@ def test_op_exports_checks_and_runs(op, k):
     g, feeds = build_single(op, inputs, attrs, const_inputs=const_inputs, num_outputs=num_outputs,
                             symbolic_batch=True)
     want = evaluate(g, feeds)
-    for opset in sorted({18, kx.default_opset(g), kx.MAX_OPSET}):
+    # From the oldest opset that writes the node (18 for most; 19 for a dilated AveragePool ...) to the newest.
+    for opset in sorted({kx.default_opset(g), kx.MAX_OPSET}):
         proto = kx.to_onnx_model(g, opset=opset)
         onnx.checker.check_model(proto, full_check=True)
         sess = session(proto)
@@ -553,3 +555,12 @@ def test_signed_bitshift_is_refused_by_name():
     g.outputs = [g.op("BitShift", x, y, direction="RIGHT")]
     with pytest.raises(kiln.KilnError, match="BitShift of int32 exists in ai.onnx from opset 28 on"):
         kx.to_onnx_model(g)
+
+
+def test_dilated_average_pool_exports_at_opset_19_and_is_refused_below():
+    g = Graph()
+    x = g.add_input("x", "float32", [1, 2, 5, 5])
+    g.outputs = [g.op("AveragePool", x, kernel_shape=[2, 2], dilations=[2, 2])]
+    assert kx.default_opset(g) == 19
+    with pytest.raises(kiln.KilnError, match="dilated AveragePool needs ai.onnx opset 19"):
+        kx.to_onnx_model(g, opset=18)

@@ -123,7 +123,8 @@ def _max_cols(v: np.ndarray, window, ow: int, left: int, lowest, y: np.ndarray) 
 
 @kernel("AveragePool")
 def average_pool(node, attrs) -> Callable[..., Any]:
-    if input_dtype(node) not in BLAS_DTYPES or len(attrs["kernel_shape"]) != 2:
+    if input_dtype(node) not in BLAS_DTYPES or len(attrs["kernel_shape"]) != 2 or any(
+            d != 1 for d in attrs.get("dilations") or ()):
         return reference_kernel(node, attrs)
     window = _window(attrs | {"dilations": None})
     taps = _taps(window)

@@ -448,8 +448,9 @@ def _average_counts(sizes: tuple, window, include_pad: int) -> np.ndarray:
 
 @kernel("AveragePool")
 def average_pool(node, attrs) -> Optional[Callable[..., Any]]:
-    if in_dtype(node) not in FLOATS16 or len(attrs["kernel_shape"]) not in (1, 2, 3):
-        return None
+    if in_dtype(node) not in FLOATS16 or len(attrs["kernel_shape"]) not in (1, 2, 3) or any(
+            d != 1 for d in attrs.get("dilations") or ()):
+        return None  # dilated averages run on the host
     window = _pool_window(attrs, dilations=False)
     include_pad = attrs["count_include_pad"]
     axes = tuple(range(2, 2 + len(attrs["kernel_shape"])))
