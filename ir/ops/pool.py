@@ -120,3 +120,17 @@ def global_average_pool(x):
 def global_max_pool(x):
     """Max over every spatial dim, kept as size 1."""
     return x.max(axis=tuple(range(2, x.ndim)), keepdims=True)
+
+
+# --------------------------------------------------------------------------- LpPool
+
+
+@op("LpPool", inputs=[In("X", FLOAT)],
+    attrs=_POOL_ATTRS + [Attr("dilations", AttrKind.INTS, None), Attr("p", AttrKind.INT, 2)], infer=infer_pool)
+def lp_pool(x, *, auto_pad, ceil_mode, kernel_shape, pads, strides, dilations=None, p=2):
+    """(sum of |x|^p over each window)^(1/p), LpPool-18; pads add nothing to the sum."""
+    attrs = {"auto_pad": auto_pad, "ceil_mode": ceil_mode, "kernel_shape": kernel_shape,
+             "pads": pads, "strides": strides, "dilations": dilations}
+    acc = compute_dtype(x.dtype)
+    cols, window, _ = _pool_views(np.abs(x.astype(acc)) ** p, attrs, 0)
+    return (cols.sum(axis=tuple(range(-window.rank, 0))) ** (1.0 / p)).astype(x.dtype)

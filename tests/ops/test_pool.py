@@ -190,3 +190,15 @@ def test_average_pool_dilations_match_onnx_reference(rng, spatial, k, d, p, ceil
                                    ceil_mode=ceil, count_include_pad=include_pad, dilations=list(d),
                                    kernel_shape=list(k), pads=list(p), strides=None)[0]
     check_op("AveragePool", [x], want, attrs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_lp_pool_is_the_p_norm_of_each_window(rng, p):
+    x = rng.standard_normal((1, 2, 6, 7)).astype(np.float32)
+    attrs = {"kernel_shape": [2, 3], "strides": [2, 1], "pads": [1, 0, 0, 1], "p": p}
+    xp = np.pad(np.abs(x.astype(np.float64)), [(0, 0), (0, 0), (1, 0), (0, 1)])
+    oh, ow = (xp.shape[2] - 2) // 2 + 1, xp.shape[3] - 3 + 1
+    want = np.array([[[[(xp[n, c, 2 * i:2 * i + 2, j:j + 3] ** p).sum() ** (1 / p) for j in range(ow)]
+                       for i in range(oh)] for c in range(2)] for n in range(1)])
+    check_op("LpPool", [x], want.astype(np.float32), attrs, rtol=1e-5, atol=1e-6)
+    check_op("LpPool", [x], None, {"kernel_shape": [2, 2], "dilations": [2, 2], "p": p})

@@ -466,6 +466,7 @@ CASES.update({
     "Celu": [([X], {"alpha": 2.0}, (), None)],
     "ThresholdedRelu": [([X], {"alpha": 0.5}, (), None)],
     "Shrink": [([X], {"lambd": 0.5, "bias": 0.25}, (), None)],
+    "LpPool": [([IMG], {"kernel_shape": [2, 2], "pads": [1, 1, 0, 0], "p": 3}, (), None)],
     "Hardmax": [([X], {"axis": 1}, (), None)],
     "BitwiseAnd": [([_I32, _I32[::-1].copy()], {}, (), None)],
     "BitwiseOr": [([_I32, _I32[::-1].copy()], {}, (), None)],
