@@ -61,11 +61,14 @@ sys.path.insert(0, str(HERE))
 RESULTS = HERE / "model_suite.jsonl"
 COVERAGE = HERE / "COVERAGE.md"
 RTOL, ATOL = 1e-4, 1e-5
-COLUMNS = ("kiln_trace", "kiln_run", "kiln_onnx", "onnx_ts", "onnx_dynamo", "jit")
+COLUMNS = ("kiln_trace", "kiln_run", "kiln_onnx", "onnx_ts", "onnx_dynamo", "jit", "onnx_ts_kiln", "onnx_dynamo_kiln")
 COLUMN_TITLES = {"kiln_trace": "kiln trace (+check)", "kiln_run": "kiln run", "kiln_onnx": "kiln → ONNX → ORT",
                  "onnx_ts": "torch.onnx TorchScript → ORT", "onnx_dynamo": "torch.onnx dynamo → ORT",
-                 "jit": "torch.jit.trace"}
-COLUMN_GROUPS = {"kiln": ("kiln_trace", "kiln_run", "kiln_onnx"), "peers": ("onnx_ts", "onnx_dynamo", "jit")}
+                 "jit": "torch.jit.trace", "onnx_ts_kiln": "torch.onnx TorchScript → kiln",
+                 "onnx_dynamo_kiln": "torch.onnx dynamo → kiln"}
+COLUMN_GROUPS = {"kiln": ("kiln_trace", "kiln_run", "kiln_onnx"), "peers": ("onnx_ts", "onnx_dynamo", "jit"),
+                 # issue 22: the peers' ONNX files that onnxruntime ran, imported into kiln (kiln.load of the .onnx)
+                 "import": ("onnx_ts_kiln", "onnx_dynamo_kiln")}
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
 DEFAULT_TIMEOUT = 900.0
 DEFAULT_MEMORY_GIB = 10.0
@@ -354,6 +357,33 @@ class Worker:
         if res["status"] == "ok":
             self.peer_onnx[column] = path
         self._put(column, res, time.perf_counter() - t)
+        if f"{column}_kiln" in self.columns:
+            self._peer_in_kiln(column, path if res["status"] == "ok" else None)
+
+    def _peer_in_kiln(self, column: str, path: Optional[Path]) -> None:
+        """The peer's ONNX file, which onnxruntime ran and matched, imported and run by kiln (issue 22)."""
+        import kiln
+
+        col = f"{column}_kiln"
+        if path is None:
+            self._put(col, {"status": "refused", "error": "no export that onnxruntime ran", "skipped": True}, 0.0)
+            return
+        self._phase(col)
+        t = time.perf_counter()
+        try:
+            program = kiln.load(path)
+        except Exception as e:  # noqa: BLE001
+            self._put(col, {"status": "refused", "error": err_text(e, 600), "error_class": type(e).__name__},
+                      time.perf_counter() - t)
+            return
+        names = [i.name for i in program.inputs]
+
+        def run(s: str) -> list:
+            given = self.inputs[s]
+            feeds = ({n: to_numpy(given[n]) for n in names} if all(n in given for n in names)
+                     else {n: to_numpy(v) for n, v in zip(names, given.values())})
+            return program.run(feeds, as_list=True)
+        self._put(col, self._sets_result(run), time.perf_counter() - t)
 
     def _wrapper(self):
         return positional(self.model, self.names)
@@ -923,6 +953,17 @@ def write_coverage(rows: list[dict], path: Path, wall: Optional[float], jobs: in
                                                                           kiln_wrong else "") +
              (": met" if not kiln_wrong else ": **not met**"))
     L.append("")
+    if any(r["columns"].get(c) for r in rows for c in COLUMN_GROUPS["import"]):
+        L.append("Goal (issue 22): every torch-exported ONNX file that onnxruntime runs also runs in kiln and matches:")
+        for col in COLUMN_GROUPS["import"]:
+            peer = col[:-len("_kiln")]
+            ran = [r for r in rows if _status(r, peer) == "ok" and r["columns"].get(col)]
+            ok = [r for r in ran if _status(r, col) == "ok"]
+            left = [f"{r['model']} ({_status(r, col)}: {r['columns'][col].get('error', '')[:140]})"
+                    for r in ran if _status(r, col) != "ok"]
+            L.append(f"- {COLUMN_TITLES[col]}: {len(ok)} of {len(ran)}" + (": met" if len(ok) == len(ran) else
+                                                                            ": **not met**; " + "; ".join(left)))
+        L.append("")
     # -- kiln refusals by cause
     causes: dict[str, dict] = {}
     for r in rows:
