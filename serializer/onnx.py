@@ -276,6 +276,132 @@ def _expand_average_pool(em: Emitter, node: Node) -> None:
     em.add("AveragePool", em.inputs, outputs=[em.outputs[0]], **attrs)
 
 
+def _ints(em: Emitter, *values: int) -> str:
+    """A 1-D int64 Constant (axes, starts, shapes)."""
+    return em.add("Constant", [], value=numpy_helper.from_array(np.array(values, np.int64)))
+
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+@register_expansion(ONNX_DOMAIN, "RMSNormalization")
+def _expand_rms_normalization(em: Emitter, node: Node) -> None:
+    """RMSNormalization (opset 23) as its ONNX function body in opset-18 ops, the way kiln computes it
+    (kiln.ir.ops.normalization): X cast to stash_type, squared, the mean over axis..rank-1 (of a 16-bit stash
+    taken in float32 and rounded back, as kiln's reference sums it), plus epsilon (a float32 cast to
+    stash_type), Sqrt, X divided by it, cast back to X's type, times scale."""
+    x, scale = em.inputs[:2]
+    t = em.input_type(0)
+    stash = DType(int(node.attrs.get("stash_type", 1)))
+    axis = int(node.attrs.get("axis", -1))
+    epsilon = float(node.attrs.get("epsilon", 1e-5))
+    xu = x if t is not None and t.dtype is stash else em.add("Cast", [x], to=stash.value)
+    if t is not None and t.shape is not None:
+        rank = len(t.shape)
+        start = axis + rank if axis < 0 else axis
+        axes = _ints(em, *range(start, rank))
+    else:  # the rank is known at run time only: Range(axis (+ rank), rank), as the function body does
+        rank_v = em.add("Size", [em.add("Shape", [x])])
+        start = _ints(em, axis) if axis >= 0 else em.add("Add", [rank_v, _ints(em, axis)])
+        axes = em.add("Range", [em.add("Reshape", [start, _ints(em)]), rank_v,
+                                em.add("Constant", [], value=numpy_helper.from_array(np.array(1, np.int64)))])
+    squared = em.add("Mul", [xu, xu])
+    if stash in (DType.FLOAT16, DType.BFLOAT16):
+        mean = em.add("ReduceMean", [em.add("Cast", [squared], to=TensorProto.FLOAT), axes], keepdims=1)
+        mean = em.add("Cast", [mean], to=stash.value)
+    else:
+        mean = em.add("ReduceMean", [squared, axes], keepdims=1)
+    eps = em.add("Constant", [], value=numpy_helper.from_array(np.array(epsilon, np.float32)))
+    if stash is not DType.FLOAT32:
+        eps = em.add("Cast", [eps], to=stash.value)
+    normalized = em.add("Div", [xu, em.add("Sqrt", [em.add("Add", [mean, eps])])])
+    if t is None:
+        normalized = em.add("CastLike", [normalized, x])
+    elif t.dtype is not stash:
+        normalized = em.add("Cast", [normalized], to=t.dtype.value)
+    em.add("Mul", [normalized, scale], outputs=[em.outputs[0]])
+
+
+@register_expansion(ONNX_DOMAIN, "RotaryEmbedding")
+def _expand_rotary_embedding(em: Emitter, node: Node) -> None:
+    """RotaryEmbedding (opset 23) in opset-18 ops, computing what kiln does (kiln.ir.ops.rotary), rounding
+    included: the caches gathered by position_ids (Gather), 16-bit inputs widened to float32 (kiln's reference
+    computes in float32 and rounds once), the rotated features sliced out (halves by Split, interleaved pairs
+    by strided Slices), (cos x1 - sin x2, sin x1 + cos x2) with the caches unsqueezed over the heads, put
+    back (interleaved: stacked on a new last axis and reshaped) and concatenated with the features that pass
+    through. 3-D X is reshaped to [B, S, H, D] and back."""
+    x, cos, sin = em.inputs[:3]
+    pos = em.inputs[3] if len(em.inputs) > 3 else ""
+    t = em.input_type(0)
+    if t is None or t.shape is None or len(t.shape) not in (3, 4):
+        raise KilnError(f"{node.describe()}: exporting RotaryEmbedding needs X's rank (3 or 4) to be known")
+    rank = len(t.shape)
+    interleaved = int(node.attrs.get("interleaved", 0))
+    rd = int(node.attrs.get("rotary_embedding_dim", 0))
+    heads = node.attrs.get("num_heads")
+    if pos:
+        cos = em.add("Gather", [cos, pos], axis=0)
+        sin = em.add("Gather", [sin, pos], axis=0)
+    if t.dtype is not DType.FLOAT32:
+        x, cos, sin = (em.add("Cast", [v], to=TensorProto.FLOAT) for v in (x, cos, sin))
+    if rank == 3:
+        hidden = t.shape[2]
+        head = hidden // int(heads) if isinstance(hidden, int) else -1
+        x = em.add("Reshape", [x, _ints(em, 0, 0, int(heads), head)])
+        head = head if head > 0 else None
+    else:
+        head = t.shape[3] if isinstance(t.shape[3], int) else None
+    heads_axis = 2 if rank == 3 else 1  # the caches are [B, S, rd/2]: broadcast them over the heads
+    cos = em.add("Unsqueeze", [cos, _ints(em, heads_axis)])
+    sin = em.add("Unsqueeze", [sin, _ints(em, heads_axis)])
+    rest = None
+    if rd and rd != head:
+        rot = em.add("Slice", [x, _ints(em, 0), _ints(em, rd), _ints(em, -1)])
+        rest = em.add("Slice", [x, _ints(em, rd), _ints(em, _INT64_MAX), _ints(em, -1)])
+    else:
+        rot = x
+    if interleaved:
+        x1 = em.add("Slice", [rot, _ints(em, 0), _ints(em, _INT64_MAX), _ints(em, -1), _ints(em, 2)])
+        x2 = em.add("Slice", [rot, _ints(em, 1), _ints(em, _INT64_MAX), _ints(em, -1), _ints(em, 2)])
+    else:  # the two halves (Split would need its sizes or num_outputs, a name Emitter.add keeps for itself)
+        width = rd or head
+        mid = _ints(em, width // 2) if width else em.add("Div", [em.add("Shape", [rot], start=-1), _ints(em, 2)])
+        x1 = em.add("Slice", [rot, _ints(em, 0), mid, _ints(em, -1)])
+        x2 = em.add("Slice", [rot, mid, _ints(em, _INT64_MAX), _ints(em, -1)])
+    real = em.add("Sub", [em.add("Mul", [cos, x1]), em.add("Mul", [sin, x2])])
+    imag = em.add("Add", [em.add("Mul", [sin, x1]), em.add("Mul", [cos, x2])])
+    if interleaved:
+        last = _ints(em, -1)
+        pairs = em.add("Concat", [em.add("Unsqueeze", [real, last]), em.add("Unsqueeze", [imag, last])], axis=-1)
+        width = rd or head or -1
+        rotated = em.add("Reshape", [pairs, _ints(em, 0, 0, 0, width)])
+    else:
+        rotated = em.add("Concat", [real, imag], axis=-1)
+    steps = []  # what is left to do, the last writing the node's output
+    if rest is not None:
+        steps.append(("Concat", [rest], {"axis": -1}))
+    if rank == 3:
+        hidden = t.shape[2]
+        steps.append(("Reshape", [_ints(em, 0, 0, hidden if isinstance(hidden, int) else -1)], {}))
+    if t.dtype is not DType.FLOAT32:
+        steps.append(("Cast", [], {"to": t.dtype.value}))
+    y = rotated
+    for k, (op_type, more, attrs) in enumerate(steps):
+        last = k == len(steps) - 1
+        y = em.add(op_type, [y, *more], outputs=[em.outputs[0]] if last else None, **attrs)
+    if not steps:
+        em.add("Identity", [y], outputs=[em.outputs[0]])
+
+
+@register_expansion(ONNX_DOMAIN, "MeanVarianceNormalization")
+def _expand_mean_variance_normalization(em: Emitter, node: Node) -> None:
+    """MeanVarianceNormalization as itself, its axes always written: the op's ONNX function body reads the
+    attribute (Constant<value_ints = @axes>), and onnx's checker (full check) rejects a node that leaves it to the
+    schema default [0, 2, 3] (the body's Constant gets no value)."""
+    axes = [int(a) for a in node.attrs.get("axes", node.schema.attrs["axes"].default)]
+    em.add("MeanVarianceNormalization", [em.inputs[0]], outputs=[em.outputs[0]], axes=axes)
+
+
 @register_expansion(ONNX_DOMAIN, "Einsum")
 def _expand_einsum(em: Emitter, node: Node) -> None:
     """Einsum as itself, but where the ellipses of the inputs stand for different numbers of dims (kiln,

@@ -1,5 +1,6 @@
-"""Normalizations: BatchNormalization (inference), LayerNormalization, InstanceNormalization,
-Softmax and LogSoftmax (ONNX semantics). Narrow floats compute in float32 and round once."""
+"""Normalizations: BatchNormalization (inference), LayerNormalization, RMSNormalization (opset 23),
+InstanceNormalization, LpNormalization, MeanVarianceNormalization, Softmax and LogSoftmax (ONNX
+semantics). Narrow floats compute in float32 and round once (RMSNormalization: in its stash_type)."""
 from __future__ import annotations
 
 import numpy as np
@@ -193,3 +194,125 @@ def log_softmax(x, *, axis):
     """x - log(sum(exp(x))) along axis, computed from x - max(x) so it never overflows."""
     s = _shifted(x, axis)
     return (s - np.log(np.exp(s).sum(axis=axis, keepdims=True))).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- RMSNormalization
+
+_STASH_TYPES = (DType.FLOAT16, DType.FLOAT32, DType.FLOAT64, DType.BFLOAT16)
+
+
+def infer_rms_norm(ctx: InferContext) -> TensorType:
+    x, scale = ctx.input(0), ctx.input(1)
+    if scale.dtype is not x.dtype:
+        # ONNX's types allow X and scale to differ, but its function body multiplies X-typed values by scale
+        # (Mul takes one type), so a model with two types has no defined result.
+        ctx.fail(f"scale is {scale.dtype} but X is {x.dtype}; they must match")
+    stash = _stash_dtype(ctx)
+    if stash not in _STASH_TYPES:
+        ctx.fail(f"stash_type must be float16, float32, float64 or bfloat16, got {stash}")
+    if x.shape is None:
+        return x
+    rank = len(x.shape)
+    if rank == 0:
+        ctx.fail("X must have rank >= 1 (a scalar has no axis to normalize over)")
+    try:
+        normalize_axis(ctx.attrs["axis"], rank)
+    except ValueError as e:
+        ctx.fail(str(e))
+    s = scale.shape
+    if s is not None and (len(s) > rank or not all(
+            d == 1 or dims_compatible(d, n) for d, n in zip(reversed(s), reversed(x.shape)))):
+        ctx.fail(f"scale of shape {list(s)} does not broadcast (one way) to X's shape {list(x.shape)}")
+    return x
+
+
+@op("RMSNormalization", inputs=[In("X", FLOAT), In("scale", FLOAT)], outputs=["Y"],
+    attrs=[Attr("axis", AttrKind.INT, -1), Attr("epsilon", AttrKind.FLOAT, 1e-5),
+           Attr("stash_type", AttrKind.INT, 1)],
+    infer=infer_rms_norm)
+def rms_normalization(x, scale, *, axis, epsilon, stash_type):
+    """Y = X / sqrt(mean(X^2 over dims axis..rank-1) + epsilon) * scale, as ONNX's function body: the
+    normalization in stash_type (X cast to it, epsilon a float32 cast to it, the mean summed in float32 or
+    wider and rounded to it), the result cast back to X's type, then multiplied by scale in X's type."""
+    stash = DType(stash_type).numpy
+    wide = compute_dtype(stash)
+    axes = tuple(range(normalize_axis(axis, x.ndim), x.ndim))
+    xu = x.astype(stash)
+    mean = np.mean((xu * xu).astype(wide), axis=axes, keepdims=True).astype(stash)
+    rms = np.sqrt(mean + np.asarray(np.float32(epsilon)).astype(stash))
+    normalized = (xu / rms).astype(x.dtype)
+    acc = compute_dtype(x.dtype)  # one rounding: a product of two narrow floats is exact in float32
+    return (normalized.astype(acc) * scale.astype(acc)).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- LpNormalization
+
+
+def infer_lp_norm(ctx: InferContext) -> TensorType:
+    x = ctx.input(0)
+    if ctx.attrs["p"] not in (1, 2):
+        ctx.fail(f"p must be 1 or 2, got {ctx.attrs['p']}")
+    if x.shape is not None:
+        if len(x.shape) == 0:
+            ctx.fail("input must have rank >= 1 (a scalar has no axis to normalize along)")
+        try:
+            normalize_axis(ctx.attrs["axis"], len(x.shape))
+        except ValueError as e:
+            ctx.fail(str(e))
+    return x
+
+
+@op("LpNormalization", inputs=[In("input", FLOAT)], outputs=["output"],
+    attrs=[Attr("axis", AttrKind.INT, -1), Attr("p", AttrKind.INT, 2)],
+    infer=infer_lp_norm)
+def lp_normalization(x, *, axis, p):
+    """x / ||x||_p along axis (p = 1: sum of |x|; p = 2: sqrt of the sum of squares); 0 where the norm is 0."""
+    if p not in (1, 2):
+        raise ValueError(f"LpNormalization: p must be 1 or 2, got {p}")
+    acc = compute_dtype(x.dtype)
+    xa = x.astype(acc)
+    if p == 1:
+        norm = np.abs(xa).sum(axis=axis, keepdims=True)
+    else:
+        norm = np.sqrt(np.square(xa).sum(axis=axis, keepdims=True))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        y = np.where(norm == 0, acc.type(0), xa / norm)
+    return y.astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- MeanVarianceNormalization
+
+MVN_EPSILON = 1e-9  # what ONNX's function body adds to the standard deviation
+
+
+def _mvn_axes(ctx: InferContext, rank: int) -> tuple:
+    axes = []
+    for a in ctx.attrs["axes"]:
+        try:
+            axes.append(normalize_axis(int(a), rank, "axes entry"))
+        except ValueError as e:
+            ctx.fail(f"{e} (axes={list(ctx.attrs['axes'])})")
+    if len(set(axes)) != len(axes):
+        ctx.fail(f"axes {list(ctx.attrs['axes'])} name an axis twice")
+    return tuple(axes)
+
+
+def infer_mvn(ctx: InferContext) -> TensorType:
+    x = ctx.input(0)
+    if x.shape is not None:
+        _mvn_axes(ctx, len(x.shape))
+    return x
+
+
+@op("MeanVarianceNormalization", inputs=[In("X", FLOAT)], outputs=["Y"],
+    attrs=[Attr("axes", AttrKind.INTS, (0, 2, 3))], infer=infer_mvn)
+def mean_variance_normalization(x, *, axes):
+    """(X - E[X]) / (sqrt(E[(X - E[X])^2]) + 1e-9), the expectations over ``axes`` (ONNX's definition; its
+    function body's epsilon). The variance is taken of X - E[X], not as E[X^2] - E[X]^2, which is the same
+    number but can round below zero (a NaN from sqrt) where X is constant along the axes."""
+    acc = compute_dtype(x.dtype)
+    axes = tuple(normalize_axis(int(a), x.ndim) for a in axes)
+    xa = x.astype(acc)
+    centered = xa - xa.mean(axis=axes, keepdims=True)
+    std = np.sqrt(np.square(centered).mean(axis=axes, keepdims=True))
+    return (centered / (std + acc.type(MVN_EPSILON))).astype(x.dtype)
