@@ -80,7 +80,16 @@ def mod(a, b, fmod=0):
     are NaN, x % inf is x when the signs agree, else inf); fmod=1: ``a - trunc(a / b) * b``, the sign of the
     dividend, as C's ``fmod``. Integer x % 0 is undefined (0 here)."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.fmod(a, b) if fmod else np.remainder(a, b)
+        if fmod:
+            return np.fmod(a, b)
+        r = np.remainder(a, b)
+        if r.dtype.kind == "f":
+            # x % ±inf spelled out (the GPU runs this reference on CuPy, whose remainder gives NaN there): x when
+            # x and the divisor have the same sign, else the divisor; ±0 takes the divisor's sign.
+            inf_b = np.isinf(b) & np.isfinite(a)
+            zero = r.dtype.type(0)
+            r = np.where(inf_b, np.where(a == 0, np.copysign(zero, b), np.where((a < 0) == (b < 0), a, b)), r)
+        return r.astype(np.result_type(a, b), copy=False)
 
 
 def _trunc_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
