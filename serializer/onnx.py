@@ -402,6 +402,25 @@ def _expand_mean_variance_normalization(em: Emitter, node: Node) -> None:
     em.add("MeanVarianceNormalization", [em.inputs[0]], outputs=[em.outputs[0]], axes=axes)
 
 
+GRID_SAMPLE_20_OPSET = 20  # GridSample-20: any rank, modes linear/nearest/cubic (16: 4-D, bilinear/bicubic)
+
+
+@register_expansion(ONNX_DOMAIN, "GridSample")
+def _expand_grid_sample(em: Emitter, node: Node) -> None:
+    """GridSample as itself, its mode spelled as the target opset's version names it; before opset 20 only the 4-D
+    form exists, so another rank is refused by name."""
+    mode = str(node.attrs.get("mode", "linear"))
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
+    t = em.input_type(0)
+    if em.opset < GRID_SAMPLE_20_OPSET:
+        if t is None or t.shape is None or len(t.shape) != 4:
+            raise KilnError(f"{node.describe()}: GridSample on other than 4-D input needs ai.onnx opset "
+                            f"{GRID_SAMPLE_20_OPSET}; this export writes opset {em.opset}")
+        mode = {"linear": "bilinear", "cubic": "bicubic"}.get(mode, mode)
+    attrs = {k: v for k, v in node.attrs.items() if k != "mode"}
+    em.add("GridSample", em.inputs, outputs=[em.outputs[0]], mode=mode, **attrs)
+
+
 @register_expansion(ONNX_DOMAIN, "Einsum")
 def _expand_einsum(em: Emitter, node: Node) -> None:
     """Einsum as itself, but where the ellipses of the inputs stand for different numbers of dims (kiln,

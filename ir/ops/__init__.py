@@ -10,3 +10,4 @@ from kiln.ir.ops import resize  # noqa: F401,E402  (Resize: ONNX Resize-19, issu
 from kiln.ir.ops import attention  # noqa: F401,E402  (Attention: ai.onnx's Attention-23..25)
 from kiln.ir.ops import loss  # noqa: F401,E402  (SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss)
 from kiln.ir.ops import rotary  # noqa: F401,E402  (RotaryEmbedding-23)
+from kiln.ir.ops import grid_sample  # noqa: F401,E402  (GridSample-20/22)

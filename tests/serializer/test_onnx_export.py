@@ -467,6 +467,8 @@ CASES.update({
     "ThresholdedRelu": [([X], {"alpha": 0.5}, (), None)],
     "Shrink": [([X], {"lambd": 0.5, "bias": 0.25}, (), None)],
     "LpPool": [([IMG], {"kernel_shape": [2, 2], "pads": [1, 1, 0, 0], "p": 3}, (), None)],
+    "GridSample": [([IMG, np.tanh(_f(1, 3, 4, 2)) * 1.2], {"mode": "linear", "padding_mode": "border"}, (), None),
+                   ([IMG, np.tanh(_f(1, 3, 4, 2)) * 1.2], {"mode": "cubic", "align_corners": 1}, (), None)],
     "RMSNormalization": [([_f(2, 3, 4), _f(3, 4, seed=1)], {"axis": 1, "epsilon": 1e-3}, (1,), None)],
     "RotaryEmbedding": [([_f(2, 2, 3, 8), _f(10, 2, seed=1), _f(10, 2, seed=2), np.array([[0, 3, 9], [1, 2, 5]], I64)],
                          {"interleaved": 1, "rotary_embedding_dim": 4}, (1, 2, 3), None)],
