@@ -421,6 +421,59 @@ def _expand_grid_sample(em: Emitter, node: Node) -> None:
     em.add("GridSample", em.inputs, outputs=[em.outputs[0]], mode=mode, **attrs)
 
 
+@register_expansion(ONNX_DOMAIN, "CumProd")
+def _expand_cumprod(em: Emitter, node: Node) -> None:
+    """CumProd is an ai.onnx op from opset 26, past the opsets kiln writes: written in opset-18 ops, loop-free
+    and without Log/Exp, as a Hillis-Steele scan along the axis of static length n: ceil(log2 n) steps of
+    y = y * (y moved k = 1, 2, 4... places along the axis, the first k places 1) (Slice, Pad with 1, Mul);
+    exclusive moves the inclusive result one more place, reverse flips the axis before and after (Slice, step
+    -1). 16-bit floats multiply in float32 and round once, as kiln's reference does. The products are kiln's
+    grouped as a tree rather than left to right: integers (wrapping) agree exactly, floats up to the rounding of
+    a reordered product. A run-time axis or axis length is refused by name (the step count depends on it)."""
+    t = em.input_type(0)
+    axis_v = node.inputs[1].const if len(node.inputs) > 1 and node.inputs[1] is not None else None
+    if t is None or t.shape is None or axis_v is None:
+        raise KilnError(f"{node.describe()}: CumProd exists in ai.onnx from opset 26 on, and kiln writes opsets "
+                        f"{MIN_OPSET}..{MAX_OPSET}: its opset-18 form needs a constant axis and an input of known "
+                        f"rank; save the model as .kiln (kiln.save), which keeps it")
+    rank = len(t.shape)
+    axis = int(np.asarray(axis_v).reshape(-1)[0])
+    axis = axis + rank if axis < 0 else axis
+    n = t.shape[axis]
+    if not isinstance(n, int):
+        raise KilnError(f"{node.describe()}: CumProd exists in ai.onnx from opset 26 on, and kiln writes opsets "
+                        f"{MIN_OPSET}..{MAX_OPSET}: its opset-18 form needs the length of axis {axis} (here "
+                        f"{n!r}) at export; save the model as .kiln (kiln.save), which keeps it")
+    half = t.dtype in (DType.FLOAT16, DType.BFLOAT16)
+    work = DType.FLOAT32 if half else t.dtype
+    axes = _ints(em, axis)
+    one = em.add("Constant", [], value=numpy_helper.from_array(np.array(1, work.numpy)))
+
+    def moved(v: str, k: int) -> str:  # v moved k < n places along the axis, the first k places 1
+        head = em.add("Slice", [v, _ints(em, 0), _ints(em, n - k), axes])
+        return em.add("Pad", [head, _ints(em, k, 0), one, axes], mode="constant")
+
+    def flipped(v: str) -> str:
+        return em.add("Slice", [v, _ints(em, -1), _ints(em, np.iinfo(np.int64).min), axes, _ints(em, -1)])
+
+    y = em.add("Cast", [em.inputs[0]], to=TensorProto.FLOAT) if half else em.inputs[0]
+    reverse = int(node.attrs.get("reverse", 0))
+    if reverse:
+        y = flipped(y)
+    k = 1
+    while k < n:
+        y = em.add("Mul", [y, moved(y, k)])
+        k *= 2
+    if int(node.attrs.get("exclusive", 0)) and n:
+        y = moved(y, 1)
+    if reverse:
+        y = flipped(y)
+    if half:
+        em.add("Cast", [y], outputs=[em.outputs[0]], to=t.dtype.value)
+    else:
+        em.add("Identity", [y], outputs=[em.outputs[0]])
+
+
 @register_expansion(ONNX_DOMAIN, "Einsum")
 def _expand_einsum(em: Emitter, node: Node) -> None:
     """Einsum as itself, but where the ellipses of the inputs stand for different numbers of dims (kiln,

@@ -1,16 +1,19 @@
-"""Indexing ops of the shape family: Slice, Gather, GatherElements, ScatterND and Trilu
-(ONNX opset 18 semantics). Padding and block rearrangement live in ``layout.py``."""
+"""Indexing ops of the shape family: Slice, Gather, GatherElements, GatherND, ScatterND,
+ScatterElements, OneHot, Compress and Trilu (ONNX opset 18 semantics). Padding and block
+rearrangement live in ``layout.py``."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import numpy as np
 
-from kiln.ir.ops._common import ALL, INDEX
-from kiln.ir.ops._dims import (END_OF_AXIS, INT64, as_int_list, check_axes, check_axis, int_values,
+from kiln.ir.dtypes import DType
+from kiln.ir.ops._common import ALL, BOOL, INDEX, NUMERIC
+from kiln.ir.ops._dims import (END_OF_AXIS, INT64, as_int_list, check_axes, check_axis, dim_product, int_values,
                                scalar_input)
 from kiln.ir.registry import Attr, AttrKind, In, InferContext, op
-from kiln.ir.types import Dim, TensorType, dims_compatible
+from kiln.ir.types import Dim, TensorType, dims_compatible, merge_dim, normalize_axis
 
 # --------------------------------------------------------------------------- Slice
 
@@ -201,6 +204,257 @@ def scatter_nd(data, indices, updates, *, reduction="none"):
     else:
         _SCATTER_REDUCTIONS[reduction].at(out, where, upd)  # duplicates accumulate in order
     return out
+
+
+# --------------------------------------------------------------------------- GatherND
+
+
+def _check_index_values(ctx: InferContext, values: np.ndarray, dims: dict) -> None:
+    """Fail when constant indices leave an axis of known size: ``values[..., j]`` indexes data axis
+    ``a`` of size ``d`` for the j-th item ``a: d`` of ``dims``."""
+    for j, (axis, dim) in enumerate(dims.items()):
+        col = values[..., j]
+        if not isinstance(dim, int) or not col.size:
+            continue
+        lo, hi = int(col.min()), int(col.max())
+        if lo < -dim or hi >= dim:
+            ctx.fail(f"index {lo if lo < -dim else hi} is out of range [-{dim}, {dim}) for axis {axis} of data "
+                     f"(size {dim})")
+
+
+def _infer_gather_nd(ctx: InferContext) -> TensorType:
+    x = ctx.input(0)
+    idx = ctx.input(1)
+    b = ctx.attrs["batch_dims"]
+    if b < 0:
+        ctx.fail(f"batch_dims must be >= 0, got {b}")
+    if x.shape == ():
+        ctx.fail("data must have rank >= 1, got a scalar")
+    if idx.shape == ():
+        ctx.fail("indices must have rank >= 1 (the last axis holds the index tuples), got a scalar")
+    if x.shape is None or idx.shape is None:
+        return TensorType(x.dtype, None)
+    r, q = len(x.shape), len(idx.shape)
+    if b >= min(r, q):
+        ctx.fail(f"batch_dims {b} must be less than the ranks of data ({r}) and indices ({q})")
+    if not all(dims_compatible(a, c) for a, c in zip(x.shape[:b], idx.shape[:b])):
+        ctx.fail(f"the first batch_dims={b} dims of data {x} and indices {idx} must be equal")
+    k = idx.shape[-1]
+    if not isinstance(k, int):
+        return TensorType(x.dtype, None)  # the output rank depends on the tuple length
+    if not 1 <= k <= r - b:
+        ctx.fail(f"index tuples have {k} elements (indices {idx}); they must have 1 to {r - b} "
+                 f"(data rank {r} less batch_dims {b})")
+    values = ctx.const(1)
+    if values is not None:
+        _check_index_values(ctx, values.astype(np.int64), {b + j: x.shape[b + j] for j in range(k)})
+    batch = tuple(merge_dim(a, c) for a, c in zip(x.shape[:b], idx.shape[:b]))
+    return TensorType(x.dtype, batch + tuple(idx.shape[b:-1]) + tuple(x.shape[b + k:]))
+
+
+@op("GatherND", inputs=[In("data", ALL), In("indices", INT64)], outputs=["output"],
+    attrs=[Attr("batch_dims", AttrKind.INT, 0)], infer=_infer_gather_nd)
+def gather_nd(data, indices, *, batch_dims=0):
+    """Slices of data addressed by the index tuples on indices' last axis (GatherND-13); the first
+    batch_dims dims of data and indices are batch dims, walked together. Negative indices count
+    from the back; one out of range is an error."""
+    b = int(batch_dims)
+    if data.ndim < 1 or indices.ndim < 1 or not 0 <= b < min(data.ndim, indices.ndim):
+        raise ValueError(f"batch_dims={b} needs data (rank {data.ndim}) and indices (rank {indices.ndim}) "
+                         f"of rank > batch_dims")
+    if data.shape[:b] != indices.shape[:b]:
+        raise ValueError(f"batch dims differ: data {list(data.shape)}, indices {list(indices.shape)}, "
+                         f"batch_dims={b}")
+    k = indices.shape[-1]
+    if not 1 <= k <= data.ndim - b:
+        raise ValueError(f"index tuples of {k} elements for data of rank {data.ndim} with batch_dims={b}")
+    dims = np.asarray(data.shape[b:b + k], np.int64)
+    if indices.size and (np.any(indices < -dims) or np.any(indices >= dims)):
+        raise IndexError(f"an index tuple is outside data of shape {list(data.shape)} (batch_dims={b})")
+    idx = np.where(indices < 0, indices + dims, indices)
+    n = math.prod(data.shape[:b])
+    m = math.prod(indices.shape[b:-1])
+    flat = idx.reshape(n, m, k)
+    where = (np.arange(n)[:, None],) + tuple(flat[..., j] for j in range(k))
+    out = data.reshape((n,) + data.shape[b:])[where]
+    return out.reshape(indices.shape[:-1] + data.shape[b + k:])
+
+
+# --------------------------------------------------------------------------- ScatterElements
+
+
+def _infer_scatter_elements(ctx: InferContext) -> TensorType:
+    x = ctx.input(0)
+    idx = ctx.input(1)
+    upd = ctx.input(2)
+    if ctx.attrs["reduction"] not in _SCATTER_REDUCTIONS:
+        ctx.fail(f"reduction '{ctx.attrs['reduction']}' is not one of {', '.join(_SCATTER_REDUCTIONS)}")
+    if upd.dtype is not x.dtype:
+        ctx.fail(f"updates are {upd.dtype}, data is {x.dtype}")
+    for name, t in (("data", x), ("indices", idx), ("updates", upd)):
+        if t.shape == ():
+            ctx.fail(f"{name} must have rank >= 1, got a scalar")
+    ranks = {len(t.shape) for t in (x, idx, upd) if t.shape is not None}
+    if len(ranks) > 1:
+        ctx.fail(f"data {x}, indices {idx} and updates {upd} must have the same rank")
+    if not ranks:
+        return x
+    axis = check_axis(ctx, ctx.attrs["axis"], ranks.pop())
+    if idx.shape is not None and upd.shape is not None and \
+            not all(dims_compatible(a, c) for a, c in zip(idx.shape, upd.shape)):
+        ctx.fail(f"updates {upd} must have the shape of indices {idx}")
+    if x.shape is None or idx.shape is None:
+        return x
+    for i, (d, n) in enumerate(zip(x.shape, idx.shape)):
+        if i != axis and isinstance(d, int) and isinstance(n, int) and n > d:
+            ctx.fail(f"indices {idx} are larger than data {x} on axis {i} (only the scatter axis {axis} may differ)")
+    values = ctx.const(1)
+    if values is not None:
+        _check_index_values(ctx, values.astype(np.int64)[..., None], {axis: x.shape[axis]})
+    return x
+
+
+@op("ScatterElements", inputs=[In("data", ALL), In("indices", INDEX), In("updates", ALL)], outputs=["output"],
+    attrs=[Attr("axis", AttrKind.INT, 0), Attr("reduction", AttrKind.STRING, "none")],
+    infer=_infer_scatter_elements)
+def scatter_elements(data, indices, updates, *, axis=0, reduction="none"):
+    """A copy of data with updates[p] written (or combined, by reduction) at p with its axis
+    coordinate replaced by indices[p] (ScatterElements-18). Duplicates with a reduction combine
+    in order; without one the last wins (ONNX leaves that undefined)."""
+    if reduction not in _SCATTER_REDUCTIONS:
+        raise ValueError(f"reduction '{reduction}' is not one of {', '.join(_SCATTER_REDUCTIONS)}")
+    if not data.ndim == indices.ndim == updates.ndim >= 1 or indices.shape != updates.shape:
+        raise ValueError(f"data {list(data.shape)}, indices {list(indices.shape)} and updates "
+                         f"{list(updates.shape)}: indices and updates must have one shape, of data's rank >= 1")
+    axis = normalize_axis(axis, data.ndim)
+    over = [i for i in range(data.ndim) if i != axis and indices.shape[i] > data.shape[i]]
+    if over:
+        raise IndexError(f"indices of shape {list(indices.shape)} are larger than data of shape "
+                         f"{list(data.shape)} on axis {over[0]}")
+    dim = data.shape[axis]
+    if np.any((indices < -dim) | (indices >= dim)):
+        raise IndexError(f"indices out of range [-{dim}, {dim}) on axis {axis}")
+    where = list(np.indices(indices.shape, sparse=True))
+    where[axis] = np.where(indices < 0, indices + dim, indices)
+    out = data.copy()
+    if reduction == "none":
+        out[tuple(where)] = updates
+    else:
+        _SCATTER_REDUCTIONS[reduction].at(out, tuple(where), updates)  # duplicates accumulate in order
+    return out
+
+
+# --------------------------------------------------------------------------- OneHot
+
+# ONNX's T1/T2 (indices, depth): every numeric type but bfloat16 (uint16/32/64 kiln lacks).
+_ONE_HOT_NUMBERS = NUMERIC - {DType.BFLOAT16}
+
+
+def _depth_value(depth) -> int:
+    """The depth input as an int: a float is cast to int64 (truncated) as ONNX says."""
+    v = np.asarray(depth).reshape(-1)[0]
+    if not np.issubdtype(v.dtype, np.integer):
+        v = float(v)
+        if not math.isfinite(v):
+            raise ValueError(f"depth {v} is not a finite number")
+    return int(v)
+
+
+def _infer_one_hot(ctx: InferContext) -> TensorType:
+    idx = ctx.input(0)
+    scalar_input(ctx, 1, "depth")
+    vals = ctx.input(2)
+    if vals.shape is not None and (len(vals.shape) != 1 or not dims_compatible(vals.shape[0], 2)):
+        ctx.fail(f"values must be a 1-D tensor of two elements [off_value, on_value], got shape {list(vals.shape)}")
+    depth: Dim = None
+    c = ctx.const(1)
+    if c is not None:
+        try:
+            depth = _depth_value(c)
+        except ValueError as e:
+            ctx.fail(str(e))
+    else:
+        s = ctx.symbolic(1)
+        depth = s[0] if s is not None and len(s) == 1 else None
+    if isinstance(depth, int) and depth < 0:
+        ctx.fail(f"depth must be >= 0, got {depth}")
+    if idx.shape is None:
+        return TensorType(vals.dtype, None)
+    axis = check_axis(ctx, ctx.attrs["axis"], len(idx.shape) + 1)
+    return TensorType(vals.dtype, tuple(idx.shape[:axis]) + (depth,) + tuple(idx.shape[axis:]))
+
+
+@op("OneHot", inputs=[In("indices", _ONE_HOT_NUMBERS), In("depth", _ONE_HOT_NUMBERS, max_elements=1),
+                      In("values", ALL, rank=1)], outputs=["output"],
+    attrs=[Attr("axis", AttrKind.INT, -1)], infer=_infer_one_hot)
+def one_hot(indices, depth, values, *, axis=-1):
+    """on_value (values[1]) where the new axis' position equals the index, off_value (values[0])
+    elsewhere (OneHot-11). Float indices and depth are truncated to int64; indices in [-depth, -1]
+    count from the back; any other index outside [0, depth) gives all off_value (not an error)."""
+    d = _depth_value(depth)
+    if d < 0:
+        raise ValueError(f"depth must be >= 0, got {d}")
+    if values.shape != (2,):
+        raise ValueError(f"values must hold two elements [off_value, on_value], got shape {list(values.shape)}")
+    with np.errstate(invalid="ignore", over="ignore"):
+        idx = np.asarray(indices).astype(np.int64)
+    axis = normalize_axis(axis, idx.ndim + 1)
+    idx = np.where(idx < 0, idx + d, idx)
+    classes = np.arange(d, dtype=np.int64).reshape((1,) * axis + (d,) + (1,) * (idx.ndim - axis))
+    hot = np.expand_dims(idx, axis) == classes
+    return np.where(hot, values[1], values[0]).astype(values.dtype, copy=False)
+
+
+# --------------------------------------------------------------------------- Compress
+
+
+def _infer_compress(ctx: InferContext) -> TensorType:
+    x = ctx.input(0)
+    cond = ctx.input(1)
+    axis = ctx.attrs["axis"]
+    if cond.shape is not None and len(cond.shape) != 1:
+        ctx.fail(f"condition must be a 1-D bool tensor, got shape {list(cond.shape)}")
+    if x.shape == ():
+        ctx.fail("input must have rank >= 1, got a scalar")
+    if x.shape is None:
+        return TensorType(x.dtype, (None,) if axis is None else None)
+    if axis is None:
+        n = dim_product(x.shape)
+    else:
+        axis = check_axis(ctx, axis, len(x.shape))
+        n = x.shape[axis]
+    count: Dim = None  # data-dependent, unless the condition is a constant
+    c = ctx.const(1)
+    if c is not None:
+        picks = np.flatnonzero(c)
+        if isinstance(n, int) and picks.size and int(picks[-1]) >= n:
+            where = "elements in the flattened input" if axis is None else f"slices along axis {axis}"
+            ctx.fail(f"condition selects position {int(picks[-1])}, but there are only {n} {where}")
+        count = int(picks.size)
+    elif cond.shape == (0,):
+        count = 0
+    if axis is None:
+        return TensorType(x.dtype, (count,))
+    return TensorType(x.dtype, tuple(x.shape[:axis]) + (count,) + tuple(x.shape[axis + 1:]))
+
+
+@op("Compress", inputs=[In("input", ALL), In("condition", BOOL, rank=1)], outputs=["output"],
+    attrs=[Attr("axis", AttrKind.INT, None)], infer=_infer_compress)
+def compress(x, condition, *, axis=None):
+    """The slices along axis (without axis: the elements of the flattened input) whose condition
+    is True, as numpy.compress (Compress-11). A condition shorter than the axis drops the rest;
+    one longer may only hold False past the end (a True there is an error). The output size
+    depends on the condition's values."""
+    if x.ndim < 1:
+        raise ValueError("Compress takes an input of rank >= 1, got a scalar")
+    n = x.size if axis is None else x.shape[normalize_axis(axis, x.ndim)]
+    picks = np.flatnonzero(condition)
+    if picks.size and int(picks[-1]) >= n:
+        raise IndexError(f"condition selects position {int(picks[-1])}, but there are only {n} "
+                         f"{'elements' if axis is None else f'slices along axis {axis}'}")
+    if axis is None:
+        return x.reshape(-1)[picks]
+    return np.take(x, picks, axis=axis)
 
 
 # --------------------------------------------------------------------------- Trilu

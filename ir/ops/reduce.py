@@ -1,5 +1,5 @@
 """Reductions and their relatives (ONNX semantics at opset 18): ReduceSum/Mean/Max/Min/Prod/L2
-(axes as an optional input), ArgMax/ArgMin, TopK and CumSum."""
+(axes as an optional input), ArgMax/ArgMin, TopK, CumSum and CumProd (ai.onnx opset 26)."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -275,10 +275,11 @@ def infer_cumsum(ctx: InferContext) -> TensorType:
     return x
 
 
-def _shift_forward(y: np.ndarray, axis: int) -> np.ndarray:
-    """Position i along axis gets the value of position i - 1; position 0 gets zero (this
-    turns an inclusive running sum into an exclusive one without subtracting)."""
-    out = np.zeros_like(y)
+def _shift_forward(y: np.ndarray, axis: int, first: int = 0) -> np.ndarray:
+    """Position i along axis gets the value of position i - 1; position 0 gets ``first`` (this
+    turns an inclusive running sum (product: first=1) into an exclusive one without subtracting
+    or dividing)."""
+    out = np.full_like(y, first)
     dst = [slice(None)] * y.ndim
     src = [slice(None)] * y.ndim
     dst[axis] = slice(1, None)
@@ -297,5 +298,21 @@ def cumsum(x, axis, *, exclusive, reverse):
     y = np.cumsum(xs.astype(compute_dtype(x.dtype)), axis=axis)
     if exclusive:
         y = _shift_forward(y, axis)
+    y = np.flip(y, axis) if reverse else y
+    return y.astype(x.dtype)
+
+
+@op("CumProd", inputs=[In("x", REDUCE_T), In("axis", INDEX, max_elements=1)], outputs=["y"],
+    attrs=[Attr("exclusive", AttrKind.INT, 0), Attr("reverse", AttrKind.INT, 0)],
+    infer=infer_cumsum)
+def cumprod(x, axis, *, exclusive, reverse):
+    """Running product along axis (ai.onnx CumProd-26); exclusive leaves out the element itself (the
+    first gets 1), reverse runs from the end. Half types multiply in float32 and round once, as
+    CumSum; integers wrap on overflow."""
+    axis = normalize_axis(int(np.asarray(axis).reshape(-1)[0]), x.ndim)
+    xs = np.flip(x, axis) if reverse else x
+    y = np.cumprod(xs.astype(compute_dtype(x.dtype)), axis=axis)
+    if exclusive:
+        y = _shift_forward(y, axis, first=1)
     y = np.flip(y, axis) if reverse else y
     return y.astype(x.dtype)

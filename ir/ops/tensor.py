@@ -1,4 +1,4 @@
-"""Tensor-creation ops: Identity, Constant, ConstantOfShape, Range, Dropout (ONNX opset 18).
+"""Tensor-creation ops: Identity, Constant, ConstantOfShape, EyeLike, Range, Dropout (ONNX opset 18).
 
 Cast lives in ``logic.py``.
 """
@@ -89,6 +89,42 @@ def _infer_constant_of_shape(ctx: InferContext) -> TensorType:
 def constant_of_shape(shape, *, value=None):
     fill = _fill_value(value)
     return np.full([int(d) for d in shape], fill[0], dtype=fill.dtype)
+
+
+# --------------------------------------------------------------------------- EyeLike
+
+
+def _eye_dtype(code: Optional[int], like: DType) -> DType:
+    """The output dtype: ONNX TensorProto code ``code``, else the input's; ValueError if kiln lacks it."""
+    if code is None:
+        return like
+    try:
+        return DType(int(code))
+    except ValueError:
+        known = ", ".join(f"{d.value} ({d})" for d in DType)
+        raise ValueError(f"dtype={code} is not a dtype kiln supports; known codes: {known}") from None
+
+
+def _infer_eye_like(ctx: InferContext) -> TensorType:
+    x = ctx.input(0)
+    if x.shape is not None and len(x.shape) != 2:
+        ctx.fail(f"input must be a 2-D tensor, got {x}")
+    try:
+        dtype = _eye_dtype(ctx.attrs["dtype"], x.dtype)
+    except ValueError as e:
+        ctx.fail(str(e))
+    return TensorType(dtype, (None, None) if x.shape is None else x.shape)
+
+
+@op("EyeLike", inputs=[In("input", ALL, rank=2)], outputs=["output"],
+    attrs=[Attr("dtype", AttrKind.INT, None), Attr("k", AttrKind.INT, 0)], infer=_infer_eye_like)
+def eye_like(x, *, dtype=None, k=0):
+    """A matrix of the input's shape (its values are not read) with ones on diagonal k (k > 0 above
+    the main one, k < 0 below) and zeros elsewhere, of dtype ``dtype`` (default: the input's)."""
+    if x.ndim != 2:
+        raise ValueError(f"EyeLike takes a 2-D input, got shape {list(x.shape)}")
+    target = x.dtype if dtype is None else _eye_dtype(dtype, DType.FLOAT32).numpy
+    return np.eye(x.shape[0], x.shape[1], k=int(k), dtype=target)
 
 
 # --------------------------------------------------------------------------- Range

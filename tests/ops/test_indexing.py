@@ -271,3 +271,353 @@ def test_slice_and_gather_propagate_shape_values():
     outs = evaluate(g, [feed])
     np.testing.assert_array_equal(outs[0], feed.reshape(8, 3, 2))
     np.testing.assert_array_equal(outs[1], feed.reshape(8, 2, 3))
+
+
+# --------------------------------------------------------------------------- ONNX's reference evaluator
+
+
+def onnx_reference(op: str, inputs: list, attrs: dict, opset: int = 18) -> np.ndarray:
+    """The output of ONNX's reference evaluator (onnx.reference) on a one-node model."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import helper
+    from onnx.reference import ReferenceEvaluator
+    names = [f"i{k}" for k in range(len(inputs))]
+    node = helper.make_node(op, names, ["y"], **attrs)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype),
+                                                                          a.shape) for n, a in zip(names, inputs)],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.UNDEFINED, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return ReferenceEvaluator(model).run(None, dict(zip(names, inputs)))[0]
+
+
+def runtime_refuses(op: str, inputs: list, attrs: dict, match: str) -> None:
+    """Both the evaluator and the CPU runtime stop with a kiln error naming the node."""
+    import kiln
+    g, feeds = build_single(op, inputs, attrs)
+    with pytest.raises(EvaluationError, match=match):
+        evaluate(g, feeds)
+    with pytest.raises(kiln.KilnError, match=match):
+        kiln.load(g).run(feeds, as_list=True)
+
+
+# --------------------------------------------------------------------------- GatherND
+
+
+def gather_nd_loops(data, indices, batch_dims=0) -> np.ndarray:
+    """ONNX's definition one index tuple at a time: Python indexing wraps negatives as ONNX does."""
+    b = batch_dims
+    k = indices.shape[-1]
+    out = np.empty(indices.shape[:-1] + data.shape[b + k:], data.dtype)
+    for pos in np.ndindex(*indices.shape[:-1]):
+        out[pos] = data[pos[:b] + tuple(int(i) for i in indices[pos])]
+    return out
+
+
+GATHER_ND_CASES = [  # data shape, indices, batch_dims: the five examples of ONNX's documentation first
+    ((2, 2), [[0, 0], [1, 1]], 0),
+    ((2, 2), [[1], [0]], 0),
+    ((2, 2, 2), [[0, 1], [1, 0]], 0),
+    ((2, 2, 2), [[[0, 1]], [[1, 0]]], 0),
+    ((2, 2, 2), [[1], [0]], 1),
+    ((3, 4, 5), [[-1, 2, -5], [0, -4, 4]], 0),
+    ((3, 4, 5), [[[2], [-1]], [[0], [3]], [[1], [1]]], 1),
+    ((2, 3, 4, 5), [[[1, -1], [0, 0]], [[2, 3], [-3, 2]]], 1),
+    ((2, 3, 4, 5), [[[3], [-1], [0]], [[2], [1], [-4]]], 2),
+    ((2, 3, 4), np.zeros((0, 2), np.int64), 0),
+]
+
+
+@pytest.mark.parametrize("shape, idx, batch_dims", GATHER_ND_CASES)
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.bool_, np.float16])
+def test_gather_nd(shape, idx, batch_dims, dtype):
+    x = (arange(shape, np.int64) % 7).astype(dtype)
+    idx = np.asarray(idx, np.int64)
+    check_op("GatherND", [x, idx], gather_nd_loops(x, idx, batch_dims), {"batch_dims": batch_dims},
+             symbolic_batch=batch_dims > 0)
+    check_op("GatherND", [x, idx], gather_nd_loops(x, idx, batch_dims), {"batch_dims": batch_dims}, const_inputs=[1])
+
+
+@pytest.mark.parametrize("shape, idx, batch_dims", GATHER_ND_CASES[:-1])
+def test_gather_nd_matches_onnx_reference(shape, idx, batch_dims):
+    x = arange(shape)
+    idx = np.asarray(idx, np.int64)
+    check_op("GatherND", [x, idx], onnx_reference("GatherND", [x, idx], {"batch_dims": batch_dims}, 13),
+             {"batch_dims": batch_dims})
+
+
+def test_gather_nd_last_token_pooling():
+    """What the dynamo exporter writes for hidden[arange(b), lengths - 1]: one (batch, position) tuple per row."""
+    hidden = arange((3, 5, 4))
+    rows = i64(0, 1, 2)
+    last = i64(4, 1, -1)
+    check_op("GatherND", [hidden, np.stack([rows, last], axis=1)], hidden[rows, last])
+    check_op("GatherND", [hidden, last.reshape(3, 1)], hidden[rows, last], {"batch_dims": 1}, symbolic_batch=True)
+
+
+def test_gather_nd_inference():
+    x = arange((3, 4, 5))
+    assert inferred("GatherND", [x, np.zeros((3, 2, 1), np.int64)], {"batch_dims": 1}) == [("batch", 2, 5)]
+    assert inferred("GatherND", [x, np.zeros((3, 2), np.int64)], {"batch_dims": 1}) == [(3,)]  # the int beats "batch"
+    assert inferred("GatherND", [x, np.zeros((6, 3), np.int64)], symbolic_batch=False) == [(6,)]
+    assert inferred("GatherND", [x, np.zeros((2, 7, 1), np.int64)], symbolic_batch=False) == [(2, 7, 4, 5)]
+    g = Graph("g")  # the tuple length unknown: so is the output's rank
+    v = g.add_input("x", "float32", [3, 4])
+    g.outputs = [g.op("GatherND", v, g.add_input("i", "int64", [2, "k"]))]
+    infer_shapes(g)
+    assert g.outputs[0].type.shape is None
+
+
+@pytest.mark.parametrize("shape, idx, attrs, match", [
+    ((3, 4), np.zeros((2, 3), np.int64), {}, r"index tuples have 3 elements .* 1 to 2"),
+    ((3, 4), np.zeros((3, 2), np.int64), {"batch_dims": 1}, r"1 to 1 \(data rank 2 less batch_dims 1\)"),
+    ((3, 4), np.zeros((2, 0), np.int64), {}, "index tuples have 0 elements"),
+    ((3, 4), np.zeros((3, 1), np.int64), {"batch_dims": 2}, "batch_dims 2 must be less than the ranks"),
+    ((3, 4), np.zeros((3, 1), np.int64), {"batch_dims": -1}, "batch_dims must be >= 0"),
+    ((3, 4), np.zeros((2, 1), np.int64), {"batch_dims": 1}, "first batch_dims=1 dims of data"),
+    ((3, 4), np.array(1, np.int64), {}, "indices must have rank >= 1"),
+    ((), np.zeros((1, 1), np.int64), {}, "data must have rank >= 1"),
+])
+def test_gather_nd_inference_errors(shape, idx, attrs, match):
+    with pytest.raises(ShapeInferenceError, match=r"node 'gathernd' \(GatherND\).*" + match):
+        build_single("GatherND", [arange(shape), idx], attrs)
+
+
+def test_gather_nd_refuses_an_index_out_of_range():
+    x = arange((3, 4))
+    with pytest.raises(ShapeInferenceError, match=r"\(GatherND\).*index 4 is out of range \[-4, 4\) for axis 1"):
+        build_single("GatherND", [x, i64(0, 4).reshape(1, 2)], const_inputs=[1])
+    with pytest.raises(ShapeInferenceError, match=r"index -4 is out of range \[-3, 3\) for axis 0"):
+        build_single("GatherND", [x, i64(-4).reshape(1, 1)], const_inputs=[1])
+    runtime_refuses("GatherND", [x, i64(1, 0, 2, 4).reshape(2, 2)], {}, "node 'gathernd'.*outside data")
+    runtime_refuses("GatherND", [x, i64(-4, 0).reshape(1, 2)], {}, "outside data")
+    runtime_refuses("GatherND", [arange((2, 3, 4)), i64(1, 3).reshape(2, 1)], {"batch_dims": 1}, "outside data")
+
+
+# --------------------------------------------------------------------------- ScatterElements
+
+
+def torch_scatter(torch, data, indices, updates, axis, reduction):
+    """torch's scatter/scatter_reduce (include_self: the data takes part, as in ONNX); indices made >= 0."""
+    t = torch.from_numpy(data.copy())
+    idx = torch.from_numpy(np.where(indices < 0, indices + data.shape[axis], indices).astype(np.int64))
+    src = torch.from_numpy(updates)
+    if reduction == "none":
+        return t.scatter(axis, idx, src).numpy()
+    how = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}[reduction]
+    return t.scatter_reduce(axis, idx, src, how, include_self=True).numpy()
+
+
+@pytest.mark.parametrize("reduction", ["none", "add", "mul", "max", "min"])
+@pytest.mark.parametrize("axis", [0, 1, -1])
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.int32])
+def test_scatter_elements_matches_torch(torch, rng, reduction, axis, dtype):
+    data = rng.integers(-5, 6, size=(4, 5, 3)).astype(dtype)
+    shape = [3, 4, 2]
+    n = data.shape[axis]
+    if reduction == "none":  # distinct targets: duplicates are undefined without a reduction
+        shape[axis] = 2
+        idx = np.moveaxis(np.broadcast_to(i64(n - 1, -n).reshape(2, 1, 1), [2] + [s for i, s in enumerate(shape)
+                                                                                 if i != axis % 3]), 0, axis)
+    else:
+        idx = rng.integers(-n, n, size=shape)
+    idx = np.ascontiguousarray(idx).astype(np.int32 if dtype == np.int32 else np.int64)
+    upd = rng.integers(-5, 6, size=idx.shape).astype(dtype)
+    want = torch_scatter(torch, data, idx, upd, axis, reduction)
+    attrs = {"axis": axis, "reduction": reduction}
+    check_op("ScatterElements", [data, idx, upd], want, attrs)
+    check_op("ScatterElements", [data, idx, upd], onnx_reference("ScatterElements", [data, idx, upd], attrs), attrs)
+
+
+def test_scatter_elements_documented_examples_and_duplicates():
+    data = np.zeros((3, 3), np.float32)
+    idx = i64(1, 0, 2, 0, 2, 1).reshape(2, 3)
+    upd = np.array([[1.0, 1.1, 1.2], [2.0, 2.1, 2.2]], np.float32)
+    check_op("ScatterElements", [data, idx, upd], np.array([[2.0, 1.1, 0.0], [1.0, 0.0, 2.2], [0.0, 2.1, 1.2]]))
+    row = np.array([[1.0, 2.0, 3.0, 4.0, 5.0]], np.float32)
+    check_op("ScatterElements", [row, i64(1, 3).reshape(1, 2), np.array([[1.1, 2.1]], np.float32)],
+             np.array([[1.0, 1.1, 3.0, 2.1, 5.0]]), {"axis": 1})
+    check_op("ScatterElements", [row, i64(1, -1).reshape(1, 2), np.array([[1.1, 2.1]], np.float32)],
+             np.array([[1.0, 1.1, 3.0, 4.0, 2.1]]), {"axis": 1})
+    dup = i64(1, 1).reshape(1, 2)  # duplicates combine in order
+    two = np.array([[1.1, 2.1]], np.float32)
+    check_op("ScatterElements", [row, dup, two], np.array([[1.0, 5.2, 3.0, 4.0, 5.0]]),
+             {"axis": 1, "reduction": "add"})
+    check_op("ScatterElements", [row, dup, two], np.array([[1.0, 2 * 1.1 * 2.1, 3.0, 4.0, 5.0]]),
+             {"axis": 1, "reduction": "mul"}, rtol=1e-6)
+    flags = np.array([[False, True, False]])
+    check_op("ScatterElements", [flags, i64(0, 2).reshape(1, 2), np.array([[True, True]])],
+             np.array([[True, True, True]]), {"axis": 1, "reduction": "max"})
+
+
+def test_scatter_elements_keeps_symbolic_dims():
+    data = arange((3, 4))
+    idx = np.zeros((3, 2), np.int64)
+    assert inferred("ScatterElements", [data, idx, arange((3, 2))], {"axis": 1}) == [("batch", 4)]
+
+
+@pytest.mark.parametrize("inputs, attrs, match", [
+    ([arange((3, 4)), np.zeros((2, 2), np.int64), arange((2, 2))], {"reduction": "sum"}, "reduction 'sum'"),
+    ([arange((3, 4)), np.zeros((2, 2), np.int64), np.zeros((2, 2), np.int64)], {},
+     "updates are int64, data is float32"),
+    ([arange((3, 4)), np.zeros(2, np.int64), arange((2,))], {}, "must have the same rank"),
+    ([arange((3, 4)), np.zeros((2, 2), np.int64), arange((2, 3))], {}, "must have the shape of indices"),
+    ([arange((3, 4)), np.zeros((2, 2), np.int64), arange((2, 2))], {"axis": 2}, "axis 2 is out of range for rank 2"),
+    ([arange((3, 4)), np.zeros((2, 5), np.int64), arange((2, 5))], {}, "larger than data .* on axis 1"),
+    ([arange(()), np.zeros((), np.int64), arange(())], {}, "data must have rank >= 1"),
+])
+def test_scatter_elements_inference_errors(inputs, attrs, match):
+    with pytest.raises(ShapeInferenceError, match=r"node 'scatterelements' \(ScatterElements\).*" + match):
+        build_single("ScatterElements", inputs, attrs)
+
+
+def test_scatter_elements_refuses_an_index_out_of_range():
+    data = arange((3, 4))
+    with pytest.raises(ShapeInferenceError, match=r"index 4 is out of range \[-4, 4\) for axis 1"):
+        build_single("ScatterElements", [data, i64(0, 4).reshape(1, 2), arange((1, 2))], {"axis": 1}, const_inputs=[1])
+    runtime_refuses("ScatterElements", [data, i64(0, 4).reshape(1, 2), arange((1, 2))], {"axis": 1},
+                    r"node 'scatterelements'.*out of range \[-4, 4\) on axis 1")
+    runtime_refuses("ScatterElements", [data, i64(-4, 0).reshape(2, 1), arange((2, 1))], {"reduction": "add"},
+                    r"out of range \[-3, 3\) on axis 0")
+
+
+# --------------------------------------------------------------------------- OneHot
+
+
+def one_hot_loops(indices, depth, values, axis) -> np.ndarray:
+    """on_value at each in-range index (negatives from the back) on a last axis, then moved to ``axis``."""
+    out = np.full(indices.shape + (depth,), values[0], values.dtype)
+    for pos in np.ndindex(*indices.shape):
+        i = int(indices[pos])
+        i = i + depth if i < 0 else i
+        if 0 <= i < depth:
+            out[pos + (i,)] = values[1]
+    return np.moveaxis(out, -1, axis % (indices.ndim + 1))
+
+
+ONE_HOT_INDICES = np.array([[1, 9, -1], [0, -10, 3], [12, -11, 4]], np.int64)  # in range, negative, outside
+
+
+@pytest.mark.parametrize("axis", [-1, 0, 1, 2, -2, -3])
+@pytest.mark.parametrize("values", [np.array([0, 1], np.float32), np.array([-2, 5], np.int64),
+                                    np.array([False, True]), np.array([0.5, 3], np.float16)])
+def test_one_hot(axis, values):
+    want = one_hot_loops(ONE_HOT_INDICES, 10, values, axis)
+    args = [ONE_HOT_INDICES, np.array(10, np.int64), values]
+    check_op("OneHot", args, want, {"axis": axis}, const_inputs=[1, 2], symbolic_batch=axis != 0)
+    check_op("OneHot", args, want, {"axis": axis})
+
+
+@pytest.mark.parametrize("indices, depth, axis", [
+    (ONE_HOT_INDICES, np.array(10, np.int64), -1),
+    (ONE_HOT_INDICES.astype(np.int32), np.array([7], np.int32), 0),
+    (np.array([[1.0, 9.0], [2.0, -4.0]], np.float32), np.array(10.0, np.float32), 1),
+    (np.array([0, 2, -3, 5], np.int8), np.array(3.0, np.float64), -1),
+])
+def test_one_hot_matches_onnx_reference(indices, depth, axis):
+    values = np.array([1, 3], np.float32)
+    # onnx.reference takes depth as a scalar only (ONNX also allows a 1-element tensor)
+    want = onnx_reference("OneHot", [indices, depth.reshape(()), values], {"axis": axis}, 11)
+    check_op("OneHot", [indices, depth, values], want, {"axis": axis}, const_inputs=[1])
+    loops = one_hot_loops(indices.astype(np.int64), int(depth.reshape(-1)[0]), values, axis)
+    np.testing.assert_array_equal(want, loops)
+
+
+def test_one_hot_truncates_float_indices_and_depth():
+    values = np.array([0, 1], np.int64)
+    got = check_op("OneHot", [np.array([1.7, -0.5, -1.2], np.float32), np.array(3.9, np.float32), values],
+                   None, const_inputs=[1])[0]
+    np.testing.assert_array_equal(got, [[0, 1, 0], [1, 0, 0], [0, 0, 1]])  # 1, 0 and -1 (the last) after truncation
+
+
+def test_one_hot_inference():
+    idx = np.zeros((3, 4), np.int64)
+    values = np.array([0, 1], np.float32)
+    assert inferred("OneHot", [idx, np.array(5, np.int64), values], {"axis": 1}, const_inputs=[1]) == [("batch", 5, 4)]
+    assert inferred("OneHot", [idx, np.array(5, np.int64), values], {}) == [("batch", 4, None)]  # depth at run time
+    g = Graph("g")  # depth read off a shape keeps its symbol
+    x = g.add_input("x", "float32", ["batch", "classes"])
+    labels = g.add_input("labels", "int64", ["batch"])
+    depth = g.op("Gather", g.op("Shape", x), g.add_initializer("one", i64(1)))
+    g.outputs = [g.op("OneHot", labels, depth, g.add_initializer("v", values))]
+    infer_shapes(g)
+    assert g.outputs[0].type.shape == ("batch", "classes")
+
+
+@pytest.mark.parametrize("depth, values, attrs, match", [
+    (np.array(5, np.int64), np.array([0, 1, 2], np.float32), {}, "values must be a 1-D tensor of two elements"),
+    (np.array(5, np.int64), np.array([[0, 1]], np.float32), {}, "values must be a 1-D tensor of two elements"),
+    (np.array([5, 6], np.int64), np.array([0, 1], np.float32), {}, "depth must be a scalar"),
+    (np.array(-2, np.int64), np.array([0, 1], np.float32), {}, "depth must be >= 0, got -2"),
+    (np.array(np.nan, np.float32), np.array([0, 1], np.float32), {}, "depth nan is not a finite number"),
+    (np.array(5, np.int64), np.array([0, 1], np.float32), {"axis": 3}, "axis 3 is out of range for rank 3"),
+    (np.array(5, np.int64), np.array([0, 1], np.float32), {"axis": -4}, "axis -4 is out of range for rank 3"),
+])
+def test_one_hot_inference_errors(depth, values, attrs, match):
+    with pytest.raises(ShapeInferenceError, match=r"node 'onehot' \(OneHot\).*" + match):
+        build_single("OneHot", [np.zeros((2, 3), np.int64), depth, values], attrs, const_inputs=[1])
+
+
+def test_one_hot_refuses_a_negative_depth_at_run_time():
+    runtime_refuses("OneHot", [i64(0, 1), np.array(-1, np.int64), np.array([0, 1], np.float32)], {},
+                    "node 'onehot'.*depth must be >= 0")
+
+
+# --------------------------------------------------------------------------- Compress
+
+
+COMPRESS_CASES = [  # condition, axis: shorter than the axis, longer with False past the end, none selected
+    ([False, True, True], 0), ([True, False, True, True], 1), ([True, False], -1), ([False, True, False, False], 2),
+    ([False, False, False], 0), ([], 1), ([False, True, False, False, False, True, True], None),
+    ([True] * 24 + [False] * 3, None),
+]
+
+
+@pytest.mark.parametrize("cond, axis", COMPRESS_CASES)
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, np.bool_])
+def test_compress_matches_numpy(cond, axis, dtype):
+    x = (arange((3, 4, 2), np.int64) % 5).astype(dtype)
+    cond = np.array(cond, np.bool_)
+    attrs = {} if axis is None else {"axis": axis}
+    want = np.compress(cond, x, axis=axis)
+    check_op("Compress", [x, cond], want, attrs, symbolic_batch=axis not in (0, None))
+    got = check_op("Compress", [x, cond], want, attrs, const_inputs=[1])
+    if axis is None:  # without an axis the flattened elements, by mask indexing
+        np.testing.assert_array_equal(got[0], x.reshape(-1)[:len(cond)][cond[:x.size]])
+
+
+@pytest.mark.parametrize("cond, axis", COMPRESS_CASES[:-2])
+def test_compress_matches_onnx_reference(cond, axis):
+    x = arange((3, 4, 2))
+    cond = np.array(cond, np.bool_)
+    attrs = {} if axis is None else {"axis": axis}
+    check_op("Compress", [x, cond], onnx_reference("Compress", [x, cond], attrs, 11), attrs)
+
+
+def test_compress_inference():
+    x = arange((3, 4, 2))
+    cond = np.array([True, False, True])
+    assert inferred("Compress", [x, cond], {"axis": 1}) == [("batch", None, 2)]  # a size the condition's values give
+    assert inferred("Compress", [x, cond], {"axis": 1}, const_inputs=[1]) == [("batch", 2, 2)]
+    assert inferred("Compress", [x, cond], {}) == [(None,)]
+    assert inferred("Compress", [x, cond], {}, const_inputs=[1], symbolic_batch=False) == [(2,)]
+    assert inferred("Compress", [x, np.zeros(0, np.bool_)], {"axis": 2}) == [("batch", 4, 0)]
+
+
+@pytest.mark.parametrize("x, cond, attrs, match", [
+    (arange((3, 4)), np.ones((2, 2), np.bool_), {}, "condition must be a 1-D bool tensor"),
+    (arange((3, 4)), np.ones(2, np.bool_), {"axis": 2}, "axis 2 is out of range for rank 2"),
+    (arange(()), np.ones(1, np.bool_), {}, "input must have rank >= 1"),
+])
+def test_compress_inference_errors(x, cond, attrs, match):
+    with pytest.raises(ShapeInferenceError, match=r"node 'compress' \(Compress\).*" + match):
+        build_single("Compress", [x, cond], attrs)
+
+
+def test_compress_refuses_a_selection_past_the_end():
+    x = arange((3, 4))
+    long = np.array([False, True, False, True, True])
+    with pytest.raises(ShapeInferenceError, match="selects position 4, but there are only 4 slices along axis 1"):
+        build_single("Compress", [x, long], {"axis": 1}, const_inputs=[1])
+    with pytest.raises(ShapeInferenceError, match="position 12, but there are only 12 elements"):
+        build_single("Compress", [x, np.ones(13, np.bool_)], {}, const_inputs=[1])
+    runtime_refuses("Compress", [x, long], {"axis": -1}, "node 'compress'.*selects position 4")

@@ -1,4 +1,4 @@
-"""Reduce*, ArgMax/ArgMin, TopK and CumSum: references against numpy written another way
+"""Reduce*, ArgMax/ArgMin, TopK, CumSum and CumProd: references against numpy written another way
 (transpose-and-flatten reductions), torch and hand-computed values; inference and failures."""
 import numpy as np
 import pytest
@@ -231,3 +231,79 @@ def test_cumsum_hand_computed(exclusive, reverse, expected):
 def test_cumsum_bad_axis_fails(axis, match):
     with pytest.raises(ShapeInferenceError, match=rf"\(CumSum\).*{match}"):
         build_single("CumSum", [np.zeros((2, 3), np.float32), axis.astype(np.int64)], const_inputs=[1])
+
+
+# --------------------------------------------------------------------------- CumProd
+
+def onnx_reference(op: str, inputs: list, attrs: dict, opset: int) -> np.ndarray:
+    """The output of ONNX's reference evaluator (onnx.reference) on a one-node model."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import helper
+    from onnx.reference import ReferenceEvaluator
+    names = [f"i{k}" for k in range(len(inputs))]
+    graph = helper.make_graph([helper.make_node(op, names, ["y"], **attrs)], "g",
+                              [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+                               for n, a in zip(names, inputs)],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.UNDEFINED, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return ReferenceEvaluator(model).run(None, dict(zip(names, inputs)))[0]
+
+
+def torch_cumprod(x, axis, exclusive, reverse):
+    """torch.cumprod in float64; exclusive: the inclusive product shifted one step, 1 in front."""
+    t = torch.from_numpy(x.astype(np.float64))
+    if reverse:
+        t = torch.flip(t, [axis])
+    y = torch.cumprod(t, dim=axis)
+    if exclusive:
+        y = torch.cat([torch.ones_like(y.narrow(axis, 0, 1)), y.narrow(axis, 0, y.shape[axis] - 1)], dim=axis)
+    if reverse:
+        y = torch.flip(y, [axis])
+    return y.numpy()
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+@pytest.mark.parametrize("exclusive", [0, 1])
+@pytest.mark.parametrize("reverse", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, np.int32, np.int64])
+def test_cumprod_matches_torch(rng, axis, exclusive, reverse, dtype):
+    x = rand(rng, (3, 4, 5), dtype)
+    if np.dtype(dtype).kind == "f":
+        x = (np.sign(x) * (0.5 + np.abs(x))).astype(dtype)  # products neither vanish nor explode
+    expected = torch_cumprod(x, axis, exclusive, reverse).astype(dtype)
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == np.float16 else dict(rtol=1e-5, atol=1e-6)
+    check_op("CumProd", [x, np.array(axis, np.int32)], expected, dict(exclusive=exclusive, reverse=reverse),
+             const_inputs=[1], symbolic_batch=True, **tol)
+
+
+@pytest.mark.parametrize("exclusive,reverse,expected", [(0, 0, [1, 2, 6, 24]), (1, 0, [1, 1, 2, 6]),
+                                                        (0, 1, [24, 24, 12, 4]), (1, 1, [24, 12, 4, 1])])
+def test_cumprod_hand_computed(exclusive, reverse, expected):
+    x = np.array([1, 2, 3, 4], np.int64)
+    check_op("CumProd", [x, np.array([0], np.int64)], np.array(expected, np.int64),
+             dict(exclusive=exclusive, reverse=reverse), const_inputs=[1])
+    check_op("CumProd", [x, np.array(-1, np.int64)], np.array(expected, np.int64),
+             dict(exclusive=exclusive, reverse=reverse))  # the axis a run-time value
+
+
+def test_cumprod_integers_wrap_as_int32_arithmetic():
+    x = np.array([65536, 65536, 3, 0, 5], np.int32)
+    check_op("CumProd", [x, np.array(0, np.int64)], np.array([65536, 0, 0, 0, 0], np.int32))
+
+
+@pytest.mark.parametrize("exclusive", [0, 1])
+@pytest.mark.parametrize("reverse", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.int64])
+def test_cumprod_matches_onnx_reference(rng, exclusive, reverse, dtype):
+    x = rand(rng, (3, 4), dtype)
+    for axis in (0, -1):
+        attrs = dict(exclusive=exclusive, reverse=reverse)
+        want = onnx_reference("CumProd", [x, np.array(axis % 2, np.int64)], attrs, 26)
+        check_op("CumProd", [x, np.array(axis, np.int64)], want, attrs, const_inputs=[1])
+
+
+@pytest.mark.parametrize("axis,match", [(np.array(3), "axis 3 is out of range for rank 2"),
+                                        (np.array([0, 1]), "axis must be a scalar or a 1-element tensor")])
+def test_cumprod_bad_axis_fails(axis, match):
+    with pytest.raises(ShapeInferenceError, match=rf"\(CumProd\).*{match}"):
+        build_single("CumProd", [np.zeros((2, 3), np.float32), axis.astype(np.int64)], const_inputs=[1])

@@ -1,4 +1,4 @@
-"""Identity, Constant, ConstantOfShape, Range and Dropout against torch and hand values."""
+"""Identity, Constant, ConstantOfShape, EyeLike, Range and Dropout against torch and hand values."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -7,7 +7,7 @@ import pytest
 from op_harness import build_single, check_op, i64
 
 from kiln.errors import ShapeInferenceError
-from kiln.ir import Graph, evaluate, verify
+from kiln.ir import DType, Graph, evaluate, verify
 from kiln.ir.evaluator import EvaluationError
 from kiln.ir.passes import infer_shapes
 
@@ -77,6 +77,61 @@ def test_constant_of_shape_inference():
         build_single("ConstantOfShape", [i64(2)], {"value": np.array([1, 2], np.int64)}, const_inputs=[0])
     with pytest.raises(ShapeInferenceError, match="negative dim"):
         build_single("ConstantOfShape", [i64(2, -1)], const_inputs=[0])
+
+
+# --------------------------------------------------------------------------- EyeLike
+
+
+def onnx_reference(op: str, inputs: list, attrs: dict, opset: int) -> np.ndarray:
+    """The output of ONNX's reference evaluator (onnx.reference) on a one-node model."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import helper
+    from onnx.reference import ReferenceEvaluator
+    names = [f"i{k}" for k in range(len(inputs))]
+    graph = helper.make_graph([helper.make_node(op, names, ["y"], **attrs)], "g",
+                              [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+                               for n, a in zip(names, inputs)],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.UNDEFINED, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return ReferenceEvaluator(model).run(None, dict(zip(names, inputs)))[0]
+
+
+def diagonal(rows: int, cols: int, k: int, dtype) -> np.ndarray:
+    """Ones where column - row == k."""
+    return (np.arange(cols)[None, :] - np.arange(rows)[:, None] == k).astype(dtype)
+
+
+@pytest.mark.parametrize("shape", [(3, 3), (2, 5), (5, 2), (0, 3)])
+@pytest.mark.parametrize("k", [0, 1, -1, 3, -7])
+@pytest.mark.parametrize("dtype, to", [(np.float32, None), (np.int64, None), (np.bool_, None),
+                                       (np.float32, DType.INT32), (np.int8, DType.FLOAT16),
+                                       (np.float16, DType.BFLOAT16), (np.int32, DType.BOOL)])
+def test_eye_like(shape, k, dtype, to):
+    x = np.full(shape, 7).astype(dtype)  # the input's values are not read
+    out_dtype = dtype if to is None else to.numpy
+    attrs = {"k": k} if to is None else {"k": k, "dtype": to.value}
+    out = check_op("EyeLike", [x], diagonal(*shape, k, out_dtype), attrs, symbolic_batch=True)[0]
+    assert out.dtype == out_dtype
+
+
+@pytest.mark.parametrize("k, to", [(0, None), (2, 6), (-1, 11)])
+def test_eye_like_matches_onnx_reference(k, to):
+    x = np.zeros((3, 4), np.float32)
+    attrs = {"k": k} if to is None else {"k": k, "dtype": to}
+    want = onnx_reference("EyeLike", [x], attrs, 22)
+    out = check_op("EyeLike", [x], want, attrs)[0]
+    assert out.dtype == want.dtype
+
+
+def test_eye_like_inference():
+    g, _ = build_single("EyeLike", [np.zeros((4, 6), np.float16)], {"dtype": DType.INT64.value}, symbolic_batch=True)
+    assert (g.outputs[0].type.dtype, g.outputs[0].type.shape) == (DType.INT64, ("batch", 6))
+    with pytest.raises(ShapeInferenceError, match=r"node 'eyelike' \(EyeLike\).*must be a 2-D tensor"):
+        build_single("EyeLike", [np.zeros((2, 3, 4), np.float32)])
+    with pytest.raises(ShapeInferenceError, match=r"node 'eyelike' \(EyeLike\).*must be a 2-D tensor"):
+        build_single("EyeLike", [np.zeros(3, np.float32)])
+    with pytest.raises(ShapeInferenceError, match="dtype=8 is not a dtype kiln supports"):
+        build_single("EyeLike", [np.zeros((2, 2), np.float32)], {"dtype": 8})  # string
 
 
 # --------------------------------------------------------------------------- Range
