@@ -127,6 +127,8 @@ SAME_SEMANTICS_AS_18 = {
     "Acos": 22, "Acosh": 22, "Asin": 22, "Asinh": 22, "Atan": 22, "Atanh": 22, "Cosh": 22, "Sinh": 22, "Tan": 22,
     "Round": 22, "EyeLike": 22, "LpNormalization": 22, "ThresholdedRelu": 22, "LpPool": 22,
     "NegativeLogLikelihoodLoss": 22, "OneHot": 28, "Compress": 28, "Celu": 28,
+    # 22: bfloat16 added (LSTM/GRU/RNN-14 otherwise).
+    "LSTM": 22, "GRU": 22, "RNN": 22,
     # 28: same attributes, types and documentation (a revised function body).
     "ReduceLogSumExp": 28, "ReduceLogSum": 28,
 }

@@ -11,3 +11,4 @@ from kiln.ir.ops import attention  # noqa: F401,E402  (Attention: ai.onnx's Atte
 from kiln.ir.ops import loss  # noqa: F401,E402  (SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss)
 from kiln.ir.ops import rotary  # noqa: F401,E402  (RotaryEmbedding-23)
 from kiln.ir.ops import grid_sample  # noqa: F401,E402  (GridSample-20/22)
+from kiln.ir.ops import rnn  # noqa: F401,E402  (LSTM, GRU, RNN)
