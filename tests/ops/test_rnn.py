@@ -316,7 +316,18 @@ def test_torch_exported_lstm_imports_and_matches(tmp_path, dynamo):
         from kiln.serializer import onnx_import
         if "LSTM" not in onnx_import.SAME_SEMANTICS_AS_18:
             pytest.skip(f"opset {opset} LSTM import awaits SAME_SEMANTICS_AS_18")
-    prog = kiln.load(kiln.import_onnx(model))
+    try:
+        prog = kiln.load(kiln.import_onnx(model))
+    except kiln.ShapeInferenceError as e:
+        # Some torch versions' dynamo exporter declares Y_h/Y_c as [layers*dirs, 1, batch, hidden] while the
+        # graph computes [layers*dirs, batch, hidden] (onnxruntime warns and runs the real shape). kiln refuses a
+        # declaration its inference contradicts; that is this test's subject only if the declaration was right.
+        ort = pytest.importorskip("onnxruntime")
+        real = [o.shape for o in ort.InferenceSession(str(path)).run(None, {"x": x.numpy()})]
+        declared = [tuple(d.dim_value for d in o.type.tensor_type.shape.dim) for o in model.graph.output]
+        if "is declared" in str(e) and real != declared:
+            pytest.skip(f"the exporter declared outputs {declared}, the graph computes {real}: kiln refuses it: {e}")
+        raise
     got = prog.run([x.numpy()], as_list=True)
     with torch.no_grad():
         want = m(x)
