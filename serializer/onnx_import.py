@@ -87,13 +87,15 @@ ModelLike = Union[str, os.PathLike, bytes, bytearray, "onnx.ModelProto"]
 # Ops whose kiln implementation follows a later ai.onnx version than the base opset. (Resize-19:
 # every Resize/Upsample version is translated at import, see serializer/onnx_resize.py.)
 KILN_ONNX_VERSION = {"Gelu": 20, "Resize": 19, "Attention": 25, "Mod": 28, "RMSNormalization": 23,
-                     "RotaryEmbedding": 23, "CumProd": 26, "BitShift": 28, "GridSample": 22}
+                     "RotaryEmbedding": 23, "CumProd": 26, "BitShift": 28, "GridSample": 22, "QLinearMatMul": 21}
 # Older versions of such ops that kiln's implementation covers as they are (no upgrade through the version
 # converter, which knows nothing past opset 18's ops): Attention-23/24 are Attention-25 without its new
 # optional input and attributes (kiln.ir.ops.attention); Mod-10/13 are Mod-28 restricted to fmod=0 for integers
 # and fmod=1 for floats (28 defines both for both); BitShift-11 is BitShift-28 on unsigned types only;
-# GridSample-16 is 20's 4-D form with the modes spelled bilinear/bicubic (kiln takes both spellings), 22 adds types.
-IMPORTED_AS_IS = {"Attention": (23, 24), "Mod": (10, 13), "BitShift": (11,), "GridSample": (16, 20)}
+# GridSample-16 is 20's 4-D form with the modes spelled bilinear/bicubic (kiln takes both spellings), 22 adds types;
+# QLinearMatMul-21 adds half scales and float8 (which kiln lacks) to 10.
+IMPORTED_AS_IS = {"Attention": (23, 24), "Mod": (10, 13), "BitShift": (11,), "GridSample": (16, 20),
+                  "QLinearMatMul": (10,)}
 
 # Ops whose versions after opset 18 keep opset-18 semantics for everything kiln can express,
 # with the newest version checked (a later version is rejected until reviewed). Reviewed

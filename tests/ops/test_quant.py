@@ -108,3 +108,40 @@ def test_not_folded_on_constant_inputs(rng):
 def test_inference_failures(inputs, attrs, match):
     with pytest.raises(ShapeInferenceError, match=match):
         build_single("DequantizeLinear", inputs, attrs, const_inputs=tuple(range(1, len(inputs))))
+
+
+# --------------------------------------------------------------------------- QuantizeLinear, DynamicQuantizeLinear, QLinearMatMul
+
+def test_quantize_linear_rounds_half_to_even_and_saturates():
+    x = np.array([-300.0, -2.5, -0.5, 0.5, 1.5, 2.5, 300.0], np.float32)
+    check_op("QuantizeLinear", [x, np.array(1.0, np.float32), np.array(0, np.int8)],
+             np.array([-128, -2, 0, 0, 2, 2, 127], np.int8))
+    check_op("QuantizeLinear", [x, np.array(2.0, np.float32), np.array(128, np.uint8)],
+             np.array([0, 127, 128, 128, 129, 129, 255], np.uint8))
+    per_axis = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
+    check_op("QuantizeLinear", [per_axis, np.array([1.0, 2.0], np.float32), np.array([0, 10], np.uint8)],
+             np.array([[1, 2], [12, 12]], np.uint8), {"axis": 0})
+
+
+def test_dynamic_quantize_linear_matches_onnx_reference():
+    ref = pytest.importorskip("onnx.reference.ops.op_dynamic_quantize_linear")
+    for x in (np.array([0, 2, -3, -2.5, 1.34, 0.5], np.float32), np.array([-1.0, -2.1, -1.3], np.float32),
+              np.array([1.0, 2.1, 1.3], np.float32), np.zeros(3, np.float32)):
+        want = ref.DynamicQuantizeLinear._run(None, x)
+        check_op("DynamicQuantizeLinear", [x], list(want), num_outputs=3)
+
+
+def test_qlinear_matmul_is_the_requantized_integer_product():
+    rng = np.random.default_rng(10)
+    a = rng.integers(0, 255, (2, 4), dtype=np.uint8)
+    b = rng.integers(0, 255, (4, 3), dtype=np.uint8)
+    consts = [np.array(0.05, np.float32), np.array(113, np.uint8), b, np.array(0.02, np.float32),
+              np.array(114, np.uint8), np.array(0.1, np.float32), np.array(118, np.uint8)]
+    exact = (a.astype(np.int64) - 113) @ (b.astype(np.int64) - 114) * (0.05 * 0.02 / 0.1) + 118
+    want = np.clip(np.rint(exact), 0, 255).astype(np.uint8)
+    check_op("QLinearMatMul", [a, *consts], want)
+    s8 = [np.array(0.05, np.float32), np.array(-3, np.int8), rng.integers(-128, 127, (4, 3), dtype=np.int8),
+          np.array(0.02, np.float32), np.array(2, np.int8), np.array(0.01, np.float32), np.array(1, np.int8)]
+    a8 = rng.integers(-128, 127, (3, 2, 4), dtype=np.int8)
+    exact = (a8.astype(np.int64) + 3) @ (s8[2].astype(np.int64) - 2) * (0.05 * 0.02 / 0.01) + 1
+    check_op("QLinearMatMul", [a8, *s8], np.clip(np.rint(exact), -128, 127).astype(np.int8))
