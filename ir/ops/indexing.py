@@ -475,3 +475,25 @@ def trilu(x, k=None, *, upper=1):
     k = 0 if k is None else int(np.asarray(k).reshape(-1)[0])
     return np.triu(x, k) if upper else np.tril(x, k)
 
+
+
+# --------------------------------------------------------------------------- NonZero
+
+
+def _infer_nonzero(ctx: InferContext) -> TensorType:
+    x = ctx.input(0)
+    rank = None if x.shape is None else max(len(x.shape), 1)
+    # The count of nonzero elements is data: the second dim is known only for a constant input.
+    c = ctx.const(0)
+    count = None if c is None else int(np.count_nonzero(c))
+    return TensorType(DType.INT64, None if rank is None else (rank, count))
+
+
+@op("NonZero", inputs=[In("X", ALL)], outputs=["Y"], infer=_infer_nonzero)
+def nonzero(x):
+    """The indices of the nonzero elements, [rank, count] int64, in row-major order (a 0-d input counts as
+    rank 1, as numpy and ONNX's reference do)."""
+    x = np.asarray(x)
+    if x.ndim == 0:
+        x = x.reshape(1)
+    return np.array(np.nonzero(x), dtype=np.int64).reshape(x.ndim, -1)

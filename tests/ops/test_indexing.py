@@ -621,3 +621,10 @@ def test_compress_refuses_a_selection_past_the_end():
     with pytest.raises(ShapeInferenceError, match="position 12, but there are only 12 elements"):
         build_single("Compress", [x, np.ones(13, np.bool_)], {}, const_inputs=[1])
     runtime_refuses("Compress", [x, long], {"axis": -1}, "node 'compress'.*selects position 4")
+
+
+def test_nonzero_lists_indices_row_major():
+    x = np.array([[1, 0, 3], [0, 0, 5]], np.float32)
+    check_op("NonZero", [x], np.array([[0, 0, 1], [0, 2, 2]], np.int64))
+    check_op("NonZero", [np.zeros((2, 3), bool)], np.zeros((2, 0), np.int64))
+    check_op("NonZero", [np.array(3, np.int32)], np.zeros((1, 1), np.int64))

@@ -477,6 +477,7 @@ CASES.update({
                  ([X, np.array([False, True, True, False, True])], {}, (), None)],
     "EyeLike": [([_f(3, 4)], {"k": 1, "dtype": DType.INT32.value}, (), None)],
     "CumProd": [([X, np.array(1, I64)], {"exclusive": 1, "reverse": 1}, (1,), None)],
+    "NonZero": [([np.array([[1, 0, 3], [0, 0, 5]], np.float32)], {}, (), None)],
     "QuantizeLinear": [([X, np.array(0.05, np.float32), np.array(10, np.uint8)], {}, (1, 2), None)],
     "DynamicQuantizeLinear": [([X], {}, (), 3)],
     "QLinearMatMul": [([np.arange(8, dtype=np.uint8).reshape(2, 4), np.array(0.05, np.float32), np.array(3, np.uint8),
