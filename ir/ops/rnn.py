@@ -21,8 +21,6 @@ Narrow floats (float16, bfloat16) compute in float32 and round once on the way o
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 from kiln.ir.dtypes import DType

@@ -126,7 +126,6 @@ def test_inference_names_what_is_wrong(inputs, attrs, match):
 
 
 def _onnx_attention(opset: int, **attrs):
-    import onnx
     from onnx import TensorProto, helper
     q = helper.make_tensor_value_info("q", TensorProto.FLOAT, [1, 2, 3, 4])
     k = helper.make_tensor_value_info("k", TensorProto.FLOAT, [1, 2, 5, 4])
