@@ -181,3 +181,22 @@ def inferred(op: str, inputs: Sequence[Optional[np.ndarray]], attrs: Optional[di
     kw.setdefault("symbolic_batch", True)
     g, _ = build_single(op, inputs, attrs, **kw)
     return [v.type.shape for v in g.outputs]
+
+
+def onnx_reference(op: str, inputs: Sequence[Optional[np.ndarray]], attrs: dict, opset: int = 18) -> np.ndarray:
+    """The output of ONNX's reference evaluator (onnx.reference) on a one-node ``op`` model at ``opset`` (None
+    inputs are omitted optional inputs); skips the test where onnx is not installed."""
+    import pytest
+    onnx = pytest.importorskip("onnx")
+    from onnx import helper
+    from onnx.reference import ReferenceEvaluator
+    names = [f"i{k}" if a is not None else "" for k, a in enumerate(inputs)]
+    while names and names[-1] == "":
+        names.pop()
+    node = helper.make_node(op, names, ["y"], **attrs)
+    given = [(n, a) for n, a in zip(names, inputs) if n]
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype),
+                                                                          a.shape) for n, a in given],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.UNDEFINED, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return ReferenceEvaluator(model).run(None, dict(given))[0]

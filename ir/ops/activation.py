@@ -13,6 +13,7 @@ import numpy as np
 from kiln.ir.dtypes import DType
 from kiln.ir.ops._common import FLOAT, NUMERIC, SIGNED_NUMERIC, infer_same
 from kiln.ir.ops.elementwise import erf64, float_map
+from kiln.ir.ops.normalization import infer_softmax
 from kiln.ir.registry import Attr, AttrKind, In, InferContext, op
 from kiln.ir.types import TensorType, dims_compatible, merge_dim, normalize_axis
 
@@ -157,18 +158,8 @@ def shrink(x, lambd=0.5, bias=0.0):
     return np.where(v < -lambd, v + bias, np.where(v > lambd, v - bias, 0.0)).astype(x.dtype)
 
 
-def _infer_hardmax(ctx: InferContext) -> TensorType:
-    x = ctx.input(0)
-    if x.shape is not None:
-        try:
-            normalize_axis(ctx.attrs["axis"], len(x.shape))
-        except ValueError as e:
-            ctx.fail(str(e))
-    return x
-
-
 @op("Hardmax", inputs=[In("input", FLOAT)], outputs=["output"], attrs=[Attr("axis", AttrKind.INT, -1)],
-    infer=_infer_hardmax)
+    infer=infer_softmax)
 def hardmax(x, *, axis=-1):
     """1 at the first maximum along ``axis``, 0 elsewhere."""
     ax = normalize_axis(axis, x.ndim)

@@ -162,7 +162,8 @@ _SCATTER_REDUCTIONS = {
 }
 
 
-def _infer_scatter_nd(ctx: InferContext) -> TensorType:
+def _scatter_inputs(ctx: InferContext) -> tuple:
+    """(data, indices, updates) types, with the checks ScatterND and ScatterElements share."""
     x = ctx.input(0)
     idx = ctx.input(1)
     upd = ctx.input(2)
@@ -170,6 +171,11 @@ def _infer_scatter_nd(ctx: InferContext) -> TensorType:
         ctx.fail(f"reduction '{ctx.attrs['reduction']}' is not one of {', '.join(_SCATTER_REDUCTIONS)}")
     if upd.dtype is not x.dtype:
         ctx.fail(f"updates are {upd.dtype}, data is {x.dtype}")
+    return x, idx, upd
+
+
+def _infer_scatter_nd(ctx: InferContext) -> TensorType:
+    x, idx, upd = _scatter_inputs(ctx)
     if idx.shape == ():
         ctx.fail("indices must have rank >= 1 (the last axis holds the index tuples)")
     if x.shape is None or idx.shape is None or upd.shape is None or not isinstance(idx.shape[-1], int):
@@ -284,13 +290,7 @@ def gather_nd(data, indices, *, batch_dims=0):
 
 
 def _infer_scatter_elements(ctx: InferContext) -> TensorType:
-    x = ctx.input(0)
-    idx = ctx.input(1)
-    upd = ctx.input(2)
-    if ctx.attrs["reduction"] not in _SCATTER_REDUCTIONS:
-        ctx.fail(f"reduction '{ctx.attrs['reduction']}' is not one of {', '.join(_SCATTER_REDUCTIONS)}")
-    if upd.dtype is not x.dtype:
-        ctx.fail(f"updates are {upd.dtype}, data is {x.dtype}")
+    x, idx, upd = _scatter_inputs(ctx)
     for name, t in (("data", x), ("indices", idx), ("updates", upd)):
         if t.shape == ():
             ctx.fail(f"{name} must have rank >= 1, got a scalar")

@@ -31,23 +31,29 @@ def _is_per_tensor(shape: tuple) -> bool:
     return len(shape) == 0 or (len(shape) == 1 and shape[0] == 1)
 
 
-def infer_dequantize_linear(ctx: InferContext) -> TensorType:
-    x, scale = ctx.input(0), ctx.input(1)
-    s = scale.shape
+def _check_scale(ctx: InferContext, scale_name: str, zp_name: str) -> None:
+    """The rules Quantize/DequantizeLinear share: a scalar or 1-D scale (input 1), a zero point (input 2) of its
+    shape, and a per-axis scale as long as x (input 0) along ``axis``."""
+    x, s = ctx.input(0), ctx.input(1).shape
     if s is not None and len(s) > 1:
-        ctx.fail(f"x_scale must be a scalar or 1-D, got shape {list(s)}")
+        ctx.fail(f"{scale_name} must be a scalar or 1-D, got shape {list(s)}")
     if ctx.has_input(2):
         zp = ctx.input(2)
-        if zp.dtype is not x.dtype:
-            ctx.fail(f"x_zero_point is {zp.dtype} but x is {x.dtype}; they must match")
         if zp.shape is not None and s is not None and (
                 len(zp.shape) != len(s) or not all(dims_compatible(a, b) for a, b in zip(zp.shape, s))):
-            ctx.fail(f"x_zero_point has shape {list(zp.shape)} but x_scale has {list(s)}; they must match")
+            ctx.fail(f"{zp_name} has shape {list(zp.shape)} but {scale_name} has {list(s)}; they must match")
     if s is not None and x.shape is not None and not _is_per_tensor(s):
         axis = check_axis(ctx, ctx.attrs["axis"], len(x.shape))
         if not dims_compatible(s[0], x.shape[axis]):
-            ctx.fail(f"per-axis x_scale has {s[0]} elements but x has {x.shape[axis]} along axis {axis} "
+            ctx.fail(f"per-axis {scale_name} has {s[0]} elements but x has {x.shape[axis]} along axis {axis} "
                      f"(shape {list(x.shape)})")
+
+
+def infer_dequantize_linear(ctx: InferContext) -> TensorType:
+    x, scale = ctx.input(0), ctx.input(1)
+    if ctx.has_input(2) and ctx.input(2).dtype is not x.dtype:
+        ctx.fail(f"x_zero_point is {ctx.input(2).dtype} but x is {x.dtype}; they must match")
+    _check_scale(ctx, "x_scale", "x_zero_point")
     return TensorType(scale.dtype if scale.dtype is not None else DType.FLOAT32, x.shape)
 
 
@@ -84,23 +90,12 @@ def _infer_quantize_linear(ctx: InferContext) -> TensorType:
     x, scale = ctx.input(0), ctx.input(1)
     if scale.dtype is not x.dtype and not (x.dtype is DType.FLOAT32 and scale.dtype is DType.FLOAT32):
         ctx.fail(f"y_scale is {scale.dtype} but x is {x.dtype}; they must match")
-    s = scale.shape
-    if s is not None and len(s) > 1:
-        ctx.fail(f"y_scale must be a scalar or 1-D, got shape {list(s)}")
     out = DType.UINT8
     if ctx.has_input(2):
-        zp = ctx.input(2)
-        out = zp.dtype
-        if zp.dtype not in (DType.INT8, DType.UINT8):
-            ctx.fail(f"y_zero_point must be int8 or uint8 (the output type), not {zp.dtype}")
-        if zp.shape is not None and s is not None and (
-                len(zp.shape) != len(s) or not all(dims_compatible(a, b) for a, b in zip(zp.shape, s))):
-            ctx.fail(f"y_zero_point has shape {list(zp.shape)} but y_scale has {list(s)}; they must match")
-    if s is not None and x.shape is not None and not _is_per_tensor(s):
-        axis = check_axis(ctx, ctx.attrs["axis"], len(x.shape))
-        if not dims_compatible(s[0], x.shape[axis]):
-            ctx.fail(f"per-axis y_scale has {s[0]} elements but x has {x.shape[axis]} along axis {axis} "
-                     f"(shape {list(x.shape)})")
+        out = ctx.input(2).dtype
+        if out not in (DType.INT8, DType.UINT8):
+            ctx.fail(f"y_zero_point must be int8 or uint8 (the output type), not {out}")
+    _check_scale(ctx, "y_scale", "y_zero_point")
     return TensorType(out, x.shape)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from op_harness import build_single, check_op, i64, inferred
+from op_harness import build_single, check_op, i64, inferred, onnx_reference
 
 from kiln.errors import ShapeInferenceError
 from kiln.ir import Graph, evaluate, verify
@@ -274,20 +274,6 @@ def test_slice_and_gather_propagate_shape_values():
 
 
 # --------------------------------------------------------------------------- ONNX's reference evaluator
-
-
-def onnx_reference(op: str, inputs: list, attrs: dict, opset: int = 18) -> np.ndarray:
-    """The output of ONNX's reference evaluator (onnx.reference) on a one-node model."""
-    onnx = pytest.importorskip("onnx")
-    from onnx import helper
-    from onnx.reference import ReferenceEvaluator
-    names = [f"i{k}" for k in range(len(inputs))]
-    node = helper.make_node(op, names, ["y"], **attrs)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype),
-                                                                          a.shape) for n, a in zip(names, inputs)],
-                              [helper.make_tensor_value_info("y", onnx.TensorProto.UNDEFINED, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    return ReferenceEvaluator(model).run(None, dict(zip(names, inputs)))[0]
 
 
 def runtime_refuses(op: str, inputs: list, attrs: dict, match: str) -> None:

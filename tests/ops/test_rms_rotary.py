@@ -12,30 +12,13 @@ import pytest
 
 from kiln.errors import ShapeInferenceError
 from kiln.ir import Graph, evaluate
-from op_harness import build_single, check_op
+from op_harness import build_single, check_op, onnx_reference
 
 RNG = np.random.default_rng(2023)
 
 
 def rand(*shape, dtype=np.float32):
     return RNG.standard_normal(shape).astype(dtype)
-
-
-def onnx_reference(op: str, inputs: list, attrs: dict, opset: int) -> np.ndarray:
-    """The output of ONNX's reference evaluator on a one-node model (None inputs omitted)."""
-    onnx = pytest.importorskip("onnx")
-    from onnx import helper
-    from onnx.reference import ReferenceEvaluator
-    names = [f"i{k}" if a is not None else "" for k, a in enumerate(inputs)]
-    while names and names[-1] == "":
-        names.pop()
-    node = helper.make_node(op, names, ["y"], **attrs)
-    given = [(n, a) for n, a in zip(names, inputs) if n]
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype),
-                                                                          a.shape) for n, a in given],
-                              [helper.make_tensor_value_info("y", onnx.TensorProto.UNDEFINED, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    return ReferenceEvaluator(model).run(None, dict(given))[0]
 
 
 def inference_fails(op: str, inputs: list, attrs: dict, match: str, **kw) -> None:

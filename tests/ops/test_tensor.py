@@ -4,7 +4,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from op_harness import build_single, check_op, i64
+from op_harness import build_single, check_op, i64, onnx_reference
 
 from kiln.errors import ShapeInferenceError
 from kiln.ir import DType, Graph, evaluate, verify
@@ -80,20 +80,6 @@ def test_constant_of_shape_inference():
 
 
 # --------------------------------------------------------------------------- EyeLike
-
-
-def onnx_reference(op: str, inputs: list, attrs: dict, opset: int) -> np.ndarray:
-    """The output of ONNX's reference evaluator (onnx.reference) on a one-node model."""
-    onnx = pytest.importorskip("onnx")
-    from onnx import helper
-    from onnx.reference import ReferenceEvaluator
-    names = [f"i{k}" for k in range(len(inputs))]
-    graph = helper.make_graph([helper.make_node(op, names, ["y"], **attrs)], "g",
-                              [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
-                               for n, a in zip(names, inputs)],
-                              [helper.make_tensor_value_info("y", onnx.TensorProto.UNDEFINED, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    return ReferenceEvaluator(model).run(None, dict(zip(names, inputs)))[0]
 
 
 def diagonal(rows: int, cols: int, k: int, dtype) -> np.ndarray:
