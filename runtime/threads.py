@@ -48,6 +48,9 @@ class Blas:
         self._get = getter
         self._lock = threading.Lock()
         self.current = int(getter())
+        # The count the process started with (OPENBLAS_NUM_THREADS, else the cores): a program's default cap,
+        # whatever count an earlier program's run left set.
+        self.default = self.current
 
     def get(self) -> int:
         return int(self._get())
@@ -133,7 +136,7 @@ class ThreadPolicy:
 
     def __init__(self, max_threads: Optional[int] = None, *, adaptive: bool = True):
         b = blas()
-        default = b.current if b is not None else 1
+        default = b.default if b is not None else 1
         self.max_threads = max(1, int(max_threads)) if max_threads is not None else max(1, default)
         self.adaptive = adaptive and self.max_threads > 1 and b is not None
         self.cores = usable_cores()

@@ -112,3 +112,10 @@ def test_usable_cores_is_positive_and_at_most_the_affinity():
     import os
     n = threads.usable_cores()
     assert 1 <= n <= len(os.sched_getaffinity(0))
+
+
+@needs_blas
+def test_the_default_cap_is_the_process_start_count_not_the_last_run_s(restore_blas):
+    kiln.load(mlp(), threads=1).run({"x": np.ones((2, 64), np.float32)})
+    assert BLAS.get() == 1
+    assert kiln.load(mlp()).threads.max_threads == BLAS.default
