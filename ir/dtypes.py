@@ -19,12 +19,15 @@ class DType(enum.Enum):
     FLOAT32 = 1
     UINT8 = 2
     INT8 = 3
+    UINT16 = 4
     INT16 = 5
     INT32 = 6
     INT64 = 7
     BOOL = 9
     FLOAT16 = 10
     FLOAT64 = 11
+    UINT32 = 12
+    UINT64 = 13
     BFLOAT16 = 16
 
     @property
@@ -73,7 +76,8 @@ _BY_SHORT.update({"float": DType.FLOAT32, "double": DType.FLOAT64, "half": DType
                   "long": DType.INT64, "int": DType.INT32, "bool_": DType.BOOL})
 
 FLOAT_TYPES = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64})
-INT_TYPES = frozenset({DType.INT8, DType.INT16, DType.INT32, DType.INT64, DType.UINT8})
+INT_TYPES = frozenset({DType.INT8, DType.INT16, DType.INT32, DType.INT64,
+                       DType.UINT8, DType.UINT16, DType.UINT32, DType.UINT64})
 NUMERIC_TYPES = FLOAT_TYPES | INT_TYPES
 ALL_TYPES = frozenset(DType)
 

@@ -35,8 +35,8 @@ from kiln.serializer.fbread import read_flatbuffer
 from kiln.serializer.format import TENSOR_ALIGNMENT, parse_header
 
 # The schema's DataType codes (serializer/fb/DataType.py) as numpy dtypes.
-DTYPES = {1: np.float32, 2: np.uint8, 3: np.int8, 5: np.int16, 6: np.int32, 7: np.int64, 9: np.bool_,
-          10: np.float16, 11: np.float64}
+DTYPES = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64, 9: np.bool_,
+          10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64}
 # The schema's AttrKind codes (serializer/fb/AttrKind.py) -> the decoded field holding the value.
 ATTR_FIELDS = {1: "i", 2: "f", 3: "s", 4: "ints", 5: "floats", 6: "strings", 7: "tensor"}
 QUANT_CONSUMERS = {"Conv", "Gemm", "MatMul"}  # ops whose kernels take a QWeight as input 1

@@ -42,7 +42,8 @@ _INLINE_LIMIT = 2 ** 31 - 2 ** 26
 
 # ORT's NodeArg.type strings for the element types kiln has.
 _ORT_TYPES = {"tensor(float)": DType.FLOAT32, "tensor(uint8)": DType.UINT8, "tensor(int8)": DType.INT8,
-              "tensor(int16)": DType.INT16, "tensor(int32)": DType.INT32, "tensor(int64)": DType.INT64,
+              "tensor(int16)": DType.INT16, "tensor(uint16)": DType.UINT16,
+              "tensor(uint32)": DType.UINT32, "tensor(uint64)": DType.UINT64, "tensor(int32)": DType.INT32, "tensor(int64)": DType.INT64,
               "tensor(bool)": DType.BOOL, "tensor(float16)": DType.FLOAT16, "tensor(double)": DType.FLOAT64,
               "tensor(bfloat16)": DType.BFLOAT16}
 

@@ -398,6 +398,10 @@ def _load(model, device: str, *, optimize: bool, backend: str, threads: Optional
     if threads is not None and device == "cuda":
         raise KilnError("threads= caps the CPU runtime's BLAS threads; device='cuda' does not take it")
     if isinstance(model, Graph):
+        from kiln.ir.verifier import verify
+        # A graph built in memory has had no reader's checks: verify it as a file would be (op types, arities,
+        # dtypes against each op's type constraints), so a Neg of uint32 is refused here, not answered by numpy.
+        verify(model)
         graph = model.copy()
     elif is_onnx_path(model):
         if not os.path.isfile(model):

@@ -11,7 +11,8 @@ import numpy as np
 from kiln import checks
 from kiln.errors import ExecutionError
 
-_ALL = {"float32", "float16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool"}
+_ALL = {"float32", "float16", "float64", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+        "bool"}
 
 
 class AssertionFailed(ExecutionError, AssertionError):

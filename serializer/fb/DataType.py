@@ -7,10 +7,13 @@ class DataType(object):
     FLOAT32 = 1
     UINT8 = 2
     INT8 = 3
+    UINT16 = 4
     INT16 = 5
     INT32 = 6
     INT64 = 7
     BOOL = 9
     FLOAT16 = 10
     FLOAT64 = 11
+    UINT32 = 12
+    UINT64 = 13
     BFLOAT16 = 16

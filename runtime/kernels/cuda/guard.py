@@ -26,6 +26,8 @@ from kiln.runtime.kernels.cuda.codegen import compile_kernel
 
 _CTYPE = {np.dtype(np.float32): "float", np.dtype(np.float64): "double", np.dtype(np.float16): "__half",
           np.dtype(np.int8): "signed char", np.dtype(np.uint8): "unsigned char", np.dtype(np.int16): "short",
+          np.dtype(np.uint16): "unsigned short", np.dtype(np.uint32): "unsigned int",
+          np.dtype(np.uint64): "unsigned long long",
           np.dtype(np.int32): "int", np.dtype(np.int64): "long long", np.dtype(np.bool_): "bool"}
 _MODES = {"bool": 0, "int": 1, "float": 2, "item": 3, "value": 3}
 
