@@ -2,6 +2,12 @@
 
 bfloat16 comes from ``ml_dtypes`` (the numpy extension types JAX and ONNX use); it is
 imported only when a bfloat16 tensor is actually touched, so the core install needs only numpy.
+
+*Storage types* (issue 22): the float8 formats, float4e2m1, float8e8m0 and the 4- and 2-bit integers, as
+quantized models store weights and scales. kiln holds them one element per byte as ml_dtypes does (ONNX packs
+the sub-byte integers in its files; the importer unpacks them). They are neither ``is_float`` nor ``is_int``:
+only ops that convert or move values (Cast, CastLike, Quantize/DequantizeLinear, the shape-only ops) take them,
+so no arithmetic kernel ever sees one; ``ALL_TYPES`` excludes them, ``ANY_TYPES`` includes them.
 """
 from __future__ import annotations
 
@@ -29,6 +35,16 @@ class DType(enum.Enum):
     UINT32 = 12
     UINT64 = 13
     BFLOAT16 = 16
+    FLOAT8E4M3FN = 17
+    FLOAT8E4M3FNUZ = 18
+    FLOAT8E5M2 = 19
+    FLOAT8E5M2FNUZ = 20
+    UINT4 = 21
+    INT4 = 22
+    FLOAT4E2M1 = 23
+    FLOAT8E8M0 = 24
+    UINT2 = 25
+    INT2 = 26
 
     @property
     def short(self) -> str:
@@ -45,7 +61,20 @@ class DType(enum.Enum):
 
     @property
     def itemsize(self) -> int:
-        return 2 if self is DType.BFLOAT16 else self.numpy.itemsize
+        """Bytes per element as kiln holds it (storage types: one byte, as ml_dtypes)."""
+        if self is DType.BFLOAT16:
+            return 2
+        return 1 if self in STORAGE_TYPES else self.numpy.itemsize
+
+    @property
+    def bits(self) -> int:
+        """Bits per element in an ONNX file (4 and 2 for the sub-byte integers and float4, which ONNX packs)."""
+        return _PACKED_BITS.get(self, 8 * self.itemsize)
+
+    @property
+    def is_storage(self) -> bool:
+        """A storage type (float8, float4, float8e8m0, 4/2-bit integers): converted or moved, never computed on."""
+        return self in STORAGE_TYPES
 
     @property
     def is_float(self) -> bool:
@@ -57,7 +86,7 @@ class DType(enum.Enum):
 
     @property
     def is_signed(self) -> bool:
-        return self in FLOAT_TYPES or self in (DType.INT8, DType.INT16, DType.INT32, DType.INT64)
+        return self in _SIGNED
 
     def __str__(self) -> str:
         return self.short
@@ -75,25 +104,44 @@ _BY_SHORT = {v: k for k, v in _SHORT.items()}
 _BY_SHORT.update({"float": DType.FLOAT32, "double": DType.FLOAT64, "half": DType.FLOAT16,
                   "long": DType.INT64, "int": DType.INT32, "bool_": DType.BOOL})
 
+# The storage types and their ml_dtypes names (numpy's name for the dtype).
+_ML_DTYPES = {DType.BFLOAT16: "bfloat16", DType.FLOAT8E4M3FN: "float8_e4m3fn", DType.FLOAT8E4M3FNUZ: "float8_e4m3fnuz",
+              DType.FLOAT8E5M2: "float8_e5m2", DType.FLOAT8E5M2FNUZ: "float8_e5m2fnuz", DType.UINT4: "uint4",
+              DType.INT4: "int4", DType.FLOAT4E2M1: "float4_e2m1fn", DType.FLOAT8E8M0: "float8_e8m0fnu",
+              DType.UINT2: "uint2", DType.INT2: "int2"}
+_BY_SHORT.update({v: k for k, v in _ML_DTYPES.items()})
+_PACKED_BITS = {DType.UINT4: 4, DType.INT4: 4, DType.FLOAT4E2M1: 4, DType.UINT2: 2, DType.INT2: 2}
+
+FLOAT8_TYPES = frozenset({DType.FLOAT8E4M3FN, DType.FLOAT8E4M3FNUZ, DType.FLOAT8E5M2, DType.FLOAT8E5M2FNUZ})
+STORAGE_TYPES = FLOAT8_TYPES | frozenset({DType.FLOAT4E2M1, DType.FLOAT8E8M0, DType.UINT4, DType.INT4,
+                                          DType.UINT2, DType.INT2})
 FLOAT_TYPES = frozenset({DType.FLOAT16, DType.BFLOAT16, DType.FLOAT32, DType.FLOAT64})
 INT_TYPES = frozenset({DType.INT8, DType.INT16, DType.INT32, DType.INT64,
                        DType.UINT8, DType.UINT16, DType.UINT32, DType.UINT64})
 NUMERIC_TYPES = FLOAT_TYPES | INT_TYPES
-ALL_TYPES = frozenset(DType)
+_SIGNED = FLOAT_TYPES | FLOAT8_TYPES | frozenset({DType.INT8, DType.INT16, DType.INT32, DType.INT64, DType.INT4,
+                                                  DType.INT2, DType.FLOAT4E2M1})
+ALL_TYPES = frozenset(DType) - STORAGE_TYPES  # what "all types" means for an op that computes
+ANY_TYPES = frozenset(DType)  # ... and for one that only converts or moves values
 
 
 @cache
-def _bfloat16() -> np.dtype:
+def _ml_dtype(name: str) -> np.dtype:
     try:
         import ml_dtypes
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise KilnError("bfloat16 tensors need the 'ml_dtypes' package: pip install ml_dtypes") from e
-    return np.dtype(ml_dtypes.bfloat16)
+        raise KilnError(f"{name} tensors need the 'ml_dtypes' package: pip install ml_dtypes") from e
+    t = getattr(ml_dtypes, name, None)
+    if t is None:  # pragma: no cover - an ml_dtypes older than 0.5
+        raise KilnError(f"{name} tensors need ml_dtypes >= 0.5 (this is {ml_dtypes.__version__}): "
+                        "pip install -U ml_dtypes")
+    return np.dtype(t)
 
 
 def _numpy_dtype(d: DType) -> np.dtype:
-    if d is DType.BFLOAT16:
-        return _bfloat16()
+    ml = _ML_DTYPES.get(d)
+    if ml is not None:
+        return _ml_dtype(ml)
     return np.dtype(_SHORT[d])
 
 
@@ -115,7 +163,7 @@ def dtype(x: "DType | str | np.dtype | type") -> DType:
         npd = np.dtype(x)
     except TypeError:
         raise KilnError(f"unknown dtype {x!r}; kiln supports {', '.join(sorted(_SHORT.values()))}") from None
-    name = "bfloat16" if npd.name == "bfloat16" else npd.name
+    name = npd.name
     if name not in _BY_SHORT:
         raise KilnError(f"unsupported dtype {npd}; kiln supports {', '.join(sorted(_SHORT.values()))}")
     result = _BY_SHORT[name]

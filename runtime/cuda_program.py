@@ -155,6 +155,7 @@ class CudaProgram:
         builder.template.append(None)
         self.plan: Plan = builder.build(graph, inplace=False)
         self._check_bfloat16()
+        self._check_storage_types()
         self._template = self._upload_constants(builder)
         self.inputs = [TensorSpec(v.name, v.type) for v in graph.inputs]
         self.outputs = [TensorSpec(v.name, v.type) for v in graph.outputs]
@@ -200,6 +201,15 @@ class CudaProgram:
         k = self._adapt(node, k)
         self._kernels.append((node, k))
         return k
+
+    def _check_storage_types(self) -> None:
+        """float8, float4 and the sub-byte integers (issue 22) have no CuPy type: a model holding them runs on the
+        CPU runtime only, refused here by name rather than failing in an upload."""
+        for g in self.graph.all_graphs():
+            for v in [*g.inputs, *g.initializers.values(), *(o for n in g.nodes for o in n.outputs)]:
+                if v.type is not None and v.type.dtype.is_storage:
+                    raise KilnError(f"value '{v.name}' is {v.type.dtype}, which the GPU runtime does not take yet "
+                                    f"(CuPy has no {v.type.dtype} type): run this model on the CPU (device='cpu')")
 
     def _check_bfloat16(self) -> None:
         """bfloat16 lives on the device as uint16 words (CuPy has no bfloat16): only kernels written for it

@@ -125,6 +125,7 @@ class ThreadExecutor:
         self.program = load(self.path, backend=self.backend, **_budget(self.backend, self.memory_budget),
                             **_precision(self.precision))
         self.inputs, self.outputs = list(self.program.inputs), list(self.program.outputs)
+        check_servable(self.path, self.inputs + self.outputs)
         self.batch_analysis = batch_analysis(self.program)
         self._pool = ThreadPoolExecutor(self.instances, thread_name_prefix="kiln-run")
 
@@ -193,6 +194,19 @@ def _portable(e: BaseException) -> BaseException:
         return e
     except Exception:  # noqa: BLE001 - any unpicklable exception becomes a plain message
         return ExecutionError(f"{type(e).__name__}: {e}")
+
+
+def check_servable(path: Any, specs: Sequence[Any]) -> None:
+    """Refuse, at load, a model whose inputs or outputs have no V2 datatype (float8, int4... : the protocol has
+    none), rather than answering 500 to every metadata and inference request."""
+    from kiln.server.protocol import ProtocolError, v2_datatype
+    for s in specs:
+        try:
+            v2_datatype(s.dtype)
+        except ProtocolError:
+            raise KilnError(f"{path}: {s.name} is {s.dtype}, which the V2 inference protocol has no "
+                            f"datatype for; serve a model that takes and returns it as another type (a Cast "
+                            f"inside the model)") from None
 
 
 def _budget(backend: str, memory_budget: Any) -> dict:
@@ -546,6 +560,7 @@ class ProcessExecutor:
                 raise msg[1]
             _, pid, inputs, outputs, *rest = msg
             if not self.inputs and not self.outputs:
+                check_servable(self.path, inputs + outputs)
                 self.inputs, self.outputs = inputs, outputs
                 self.batch_analysis = rest[0] if rest else None
             return _Worker(process, conn, pid)

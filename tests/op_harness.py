@@ -138,6 +138,9 @@ def check_backends(g: Graph, feeds: list, want: list) -> None:
                 np.testing.assert_allclose(o.astype(np.float64), w.astype(np.float64), rtol=tol,
                                            atol=tol / 10 * scale, equal_nan=True,
                                            err_msg=f"{label} disagrees on {v.name}")
+            elif dtype(w.dtype).is_storage:  # float8/int4...: conversions are exact, so the same bits (NaN too)
+                np.testing.assert_array_equal(o.view(np.uint8), w.view(np.uint8),
+                                              err_msg=f"{label} disagrees on {v.name}")
             else:
                 np.testing.assert_array_equal(o, w, err_msg=f"{label} disagrees on {v.name}")
 

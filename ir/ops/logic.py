@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.ir.dtypes import DType
+from kiln.ir.dtypes import ANY_TYPES as ANY
+from kiln.ir.dtypes import FLOAT8_TYPES, DType, dtype
 from kiln.ir.ops._common import ALL, BOOL, FLOAT, INT, NUMERIC, infer_broadcast, infer_broadcast_bool, infer_same, \
     same_shape
 from kiln.ir.registry import REQUIRED, Attr, AttrKind, In, InferContext, op
@@ -149,7 +150,21 @@ def _target(code: int) -> DType:
         raise ValueError(f"to={code} is not a dtype kiln supports; known codes: {known}") from None
 
 
+def _propagate_cast(ctx: InferContext):
+    """Shape values survive a cast between integer types (Shape -> Cast(int32) -> Reshape)."""
+    return ctx.symbolic(0) if _target(ctx.attrs["to"]).is_int else None
+
+
+_ROUND_MODES = ("up", "down", "nearest")
+
+
+def _check_round_mode(ctx: InferContext) -> None:
+    if ctx.attrs["round_mode"] not in _ROUND_MODES:
+        ctx.fail(f"round_mode must be one of {list(_ROUND_MODES)}, not {ctx.attrs['round_mode']!r}")
+
+
 def _infer_cast(ctx: InferContext) -> TensorType:
+    _check_round_mode(ctx)
     try:
         target = _target(ctx.attrs["to"])
     except ValueError as e:
@@ -157,36 +172,78 @@ def _infer_cast(ctx: InferContext) -> TensorType:
     return same_shape(ctx, target)
 
 
-# ``saturate`` (Cast-19) only changes float8 conversions, which kiln does not have; it is
-# accepted so opset-19 models load, and ignored.
-def _propagate_cast(ctx: InferContext):
-    """Shape values survive a cast between integer types (Shape -> Cast(int32) -> Reshape)."""
-    return ctx.symbolic(0) if _target(ctx.attrs["to"]).is_int else None
-
-
-@op("Cast", traits=("elementwise",), inputs=[In("input", ALL)], outputs=["output"],
-    attrs=[Attr("to", AttrKind.INT, REQUIRED), Attr("saturate", AttrKind.INT, 1)], infer=_infer_cast,
-    propagate=_propagate_cast)
-def cast(x, to=REQUIRED, saturate=1):
-    """Convert to dtype code ``to``. Float to int truncates toward zero (out of range: undefined);
-    anything nonzero (NaN included) becomes True."""
-    target = _target(to).numpy
-    # NaN/inf/out-of-range float -> int is undefined in ONNX; numpy's result is kept, quietly.
+def cast_array(x: np.ndarray, target: DType, saturate: int = 1, round_mode: str = "up") -> np.ndarray:
+    """``x`` converted to ``target`` as ONNX's Cast-25 defines it. Between the ordinary types: numpy's
+    conversion (float to int truncates toward zero; NaN, inf and out-of-range values are undefined in ONNX and
+    numpy's result is kept quietly; anything nonzero, NaN included, becomes True). To a float8 type with
+    ``saturate`` (the default): out-of-range values and infinities clamp to the largest finite value, NaN stays
+    NaN; without it they become NaN (inf where the type has one). To float8e8m0: the exponent of x's float32
+    value, rounded by ``round_mode`` (see ``to_float8e8m0``). The sub-byte integers and float4 convert as
+    ml_dtypes does, which is what ONNX's reference does."""
+    x = np.asarray(x)
+    dt = target.numpy
     with np.errstate(invalid="ignore", over="ignore"):
-        return np.asarray(x).astype(target)
+        if target is DType.FLOAT8E8M0:
+            return to_float8e8m0(x, bool(saturate), round_mode)
+        if target in FLOAT8_TYPES and saturate:
+            import ml_dtypes
+            info = ml_dtypes.finfo(dt)
+            src = x if x.dtype.kind == "f" or dtype(x.dtype).is_float else x.astype(np.float32)
+            return np.clip(src, info.min, info.max).astype(dt)
+        return x.astype(dt)
+
+
+def to_float8e8m0(x: np.ndarray, saturate: bool = True, round_mode: str = "up") -> np.ndarray:
+    """float8e8m0 (an 8-bit power-of-two exponent, no sign or mantissa: the MX formats' shared scale) of ``x``'s
+    float32 value: the float32 exponent bits, rounded up when a mantissa bit is set ('up'), kept ('down'), or
+    rounded to nearest-even on the guard/round/sticky bits ('nearest'); NaN and inf give 0xFF (NaN), and
+    ``saturate`` keeps a rounding from stepping past the largest finite value. Bit for bit as ONNX's
+    reference (onnx.numpy_helper.to_float8e8m0)."""
+    import ml_dtypes
+    if round_mode not in _ROUND_MODES:
+        raise ValueError(f"round_mode must be one of {list(_ROUND_MODES)}, not {round_mode!r}")
+    bits = np.asarray(x, dtype=np.float32).view(np.uint32)
+    exponent = ((bits >> 23) & 0xFF).astype(np.uint16)
+    special = exponent == 0xFF
+    normal = ~special
+    if round_mode == "nearest":
+        g = (bits & 0x400000) > 0
+        r = (bits & 0x200000) > 0
+        st = (bits & 0x1FFFFF) > 0
+        up = g & (r | st | (exponent > 0)) & normal
+    elif round_mode == "up":
+        up = ((bits & 0x7FFFFF) > 0) & normal
+    else:
+        up = np.zeros(bits.shape, bool)
+    if saturate:
+        up &= exponent != 0xFE
+    exponent = (exponent + up).astype(np.uint8)
+    out = np.where(special, np.uint8(0xFF), exponent).astype(np.uint8)
+    return out.view(ml_dtypes.float8_e8m0fnu)
+
+
+@op("Cast", traits=("elementwise",), inputs=[In("input", ANY)], outputs=["output"],
+    attrs=[Attr("to", AttrKind.INT, REQUIRED), Attr("saturate", AttrKind.INT, 1),
+           Attr("round_mode", AttrKind.STRING, "up")], infer=_infer_cast,
+    propagate=_propagate_cast)
+def cast(x, to=REQUIRED, saturate=1, round_mode="up"):
+    """Convert to dtype code ``to`` (``cast_array``). ``saturate`` (Cast-19) and ``round_mode`` (Cast-24) only
+    change conversions to the float8 types and float8e8m0."""
+    return cast_array(x, _target(to), saturate, round_mode)
 
 
 def _infer_cast_like(ctx: InferContext) -> TensorType:
+    _check_round_mode(ctx)
     return same_shape(ctx, ctx.input(1).dtype)
 
 
-@op("CastLike", inputs=[In("input", ALL), In("target_type", ALL)], outputs=["output"],
-    attrs=[Attr("saturate", AttrKind.INT, 1)], infer=_infer_cast_like, since_version=1)
-def cast_like(x, target_type, saturate=1):
+@op("CastLike", inputs=[In("input", ANY), In("target_type", ANY)], outputs=["output"],
+    attrs=[Attr("saturate", AttrKind.INT, 1), Attr("round_mode", AttrKind.STRING, "up")],
+    infer=_infer_cast_like, since_version=1)
+def cast_like(x, target_type, saturate=1, round_mode="up"):
     """Cast to the dtype of ``target_type`` (its values are not read); as Cast otherwise. ONNX
     function bodies (the expanded forms of many activations) use it to type their constants."""
-    with np.errstate(invalid="ignore", over="ignore"):
-        return np.asarray(x).astype(np.asarray(target_type).dtype)
+    return cast_array(x, dtype(np.asarray(target_type).dtype), saturate, round_mode)
 
 
 # --------------------------------------------------------------------------- float classification

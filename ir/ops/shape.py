@@ -13,6 +13,7 @@ from typing import Optional
 
 import numpy as np
 
+from kiln.ir.dtypes import ANY_TYPES as ANY
 from kiln.ir.dtypes import DType
 from kiln.ir.ops import indexing, layout  # noqa: F401  (register the rest of the family)
 from kiln.ir.ops._common import ALL
@@ -84,7 +85,7 @@ def _infer_reshape(ctx: InferContext) -> TensorType:
     return TensorType(x.dtype, out)
 
 
-@op("Reshape", inputs=[In("data", ALL), In("shape", INT64, rank=1)], outputs=["reshaped"],
+@op("Reshape", inputs=[In("data", ANY), In("shape", INT64, rank=1)], outputs=["reshaped"],
     attrs=[Attr("allowzero", AttrKind.INT, 0)], infer=_infer_reshape, propagate=same_values(_infer_reshape))
 def reshape(data, shape, *, allowzero=0):
     target = [int(s) for s in shape]
@@ -108,7 +109,7 @@ def _infer_flatten(ctx: InferContext) -> TensorType:
     return TensorType(x.dtype, (dim_product(x.shape[:axis]), dim_product(x.shape[axis:])))
 
 
-@op("Flatten", inputs=[In("input", ALL)], outputs=["output"], attrs=[Attr("axis", AttrKind.INT, 1)],
+@op("Flatten", inputs=[In("input", ANY)], outputs=["output"], attrs=[Attr("axis", AttrKind.INT, 1)],
     infer=_infer_flatten)
 def flatten(x, *, axis=1):
     axis = axis + x.ndim if axis < 0 else axis
@@ -133,7 +134,7 @@ def _infer_transpose(ctx: InferContext) -> TensorType:
     return TensorType(x.dtype, [x.shape[p] for p in perm])
 
 
-@op("Transpose", inputs=[In("data", ALL)], outputs=["transposed"], attrs=[Attr("perm", AttrKind.INTS, None)],
+@op("Transpose", inputs=[In("data", ANY)], outputs=["transposed"], attrs=[Attr("perm", AttrKind.INTS, None)],
     infer=_infer_transpose)
 def transpose(x, *, perm=None):
     return np.transpose(x, perm)
@@ -162,7 +163,7 @@ def _infer_squeeze(ctx: InferContext) -> TensorType:
     return TensorType(x.dtype, [d for i, d in enumerate(x.shape) if i not in axes])
 
 
-@op("Squeeze", inputs=[In("data", ALL), In("axes", INT64, optional=True, rank=(0, 1))], outputs=["squeezed"],
+@op("Squeeze", inputs=[In("data", ANY), In("axes", INT64, optional=True, rank=(0, 1))], outputs=["squeezed"],
     infer=_infer_squeeze, propagate=same_values(_infer_squeeze))
 def squeeze(data, axes=None):
     if axes is None:
@@ -184,7 +185,7 @@ def _infer_unsqueeze(ctx: InferContext) -> TensorType:
     return TensorType(x.dtype, [1 if i in axes else next(rest) for i in range(rank)])
 
 
-@op("Unsqueeze", inputs=[In("data", ALL), In("axes", INT64, rank=(0, 1))], outputs=["expanded"],
+@op("Unsqueeze", inputs=[In("data", ANY), In("axes", INT64, rank=(0, 1))], outputs=["expanded"],
     infer=_infer_unsqueeze, propagate=same_values(_infer_unsqueeze))
 def unsqueeze(data, axes):
     return np.expand_dims(data, tuple(int(a) for a in axes.reshape(-1)))
@@ -303,7 +304,7 @@ def _infer_shape(ctx: InferContext) -> TensorType:
     return TensorType(DType.INT64, (None if dims is None else len(dims),))
 
 
-@op("Shape", inputs=[In("data", ALL)], outputs=["shape"],
+@op("Shape", inputs=[In("data", ANY)], outputs=["shape"],
     attrs=[Attr("start", AttrKind.INT, 0), Attr("end", AttrKind.INT, None)], infer=_infer_shape,
     propagate=_shape_dims)
 def shape(x, *, start=0, end=None):
@@ -315,7 +316,7 @@ def _propagate_size(ctx: InferContext) -> Optional[tuple]:
     return None if x.shape is None else (dim_product(x.shape),)
 
 
-@op("Size", inputs=[In("data", ALL)], outputs=["size"], infer=lambda ctx: TensorType(DType.INT64, ()),
+@op("Size", inputs=[In("data", ANY)], outputs=["size"], infer=lambda ctx: TensorType(DType.INT64, ()),
     propagate=_propagate_size)
 def size(x):
     return np.array(x.size, dtype=np.int64)
