@@ -354,6 +354,8 @@ class Worker:
                       time.perf_counter() - t)
             return
         res = self._sets_result(lambda s: ort_run(sess, self.inputs[s]))
+        sess = None  # its weights: the largest models cannot hold torch's, ORT's and kiln's at once
+        gc.collect()
         if res["status"] == "ok":
             self.peer_onnx[column] = path
         self._put(column, res, time.perf_counter() - t)

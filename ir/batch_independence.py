@@ -1235,6 +1235,8 @@ def _dequantize(ctx: _Ctx) -> list:
     ctx.only_const(1, 2, what="scale/zero point")
     if isinstance(s, Rows) and _norm(ctx.attrs["axis"], ctx.rank(0)) == s.axis and _numel(ctx, 1) != 1:
         raise Dependent("its per-axis scale runs along the batch axis")
+    if isinstance(s, Rows) and ctx.attrs.get("block_size", 0) and _numel(ctx, 1) != 1:
+        raise Dependent("its blocked scale has x's shape, the batch axis included")
     return [s]
 
 

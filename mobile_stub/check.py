@@ -45,6 +45,8 @@ class Problem:
 STUB_DTYPES = {np.dtype(t).name for t in DTYPES.values()}
 # - convolutions and pools over more than two spatial dims (the kernels run 1-D and 2-D).
 SPATIAL_2D_OPS = {"Conv", "MaxPool", "AveragePool"}
+# - optional outputs past the first (MaxPool's Indices).
+OUTPUT_0_ONLY_OPS = {"MaxPool"}
 
 
 def check_graph(graph) -> list[Problem]:
@@ -68,6 +70,15 @@ def check_graph(graph) -> list[Problem]:
             problems.append(Problem(node.name, op, dtype, scope,
                                     f"the mobile {op} kernel runs 1-D and 2-D {op.lower()}s, not "
                                     f"{len(node.inputs[0].type.shape) - 2}-D"))
+        elif op in OUTPUT_0_ONLY_OPS and len(node.outputs) > 1:
+            problems.append(Problem(node.name, op, dtype, scope, f"the mobile {op} kernel writes its first output "
+                                    f"only, not {', '.join(v.name for v in node.outputs[1:])}"))
+        elif op == "BatchNormalization" and node.attrs.get("training_mode", 0):
+            problems.append(Problem(node.name, op, dtype, scope, "the mobile BatchNormalization kernel runs "
+                                    "inference mode only (training_mode=0)"))
+        elif op == "DequantizeLinear" and node.attrs.get("block_size", 0):
+            problems.append(Problem(node.name, op, dtype, scope, "the mobile DequantizeLinear kernel takes "
+                                    "per-tensor and per-axis scales, not blocked ones (block_size)"))
     return problems
 
 

@@ -74,12 +74,15 @@ import kiln.ir.ops  # noqa: F401  (registers every op)
 from kiln.errors import FormatError, KilnError, UnsupportedOpError
 from kiln.ir.dtypes import DType
 from kiln.ir.graph import Graph, Value
+from kiln.ir.ops.tensor import dropout_ratio
 from kiln.ir.passes.shape_inference import infer_node
 from kiln.ir.registry import KILN_DOMAIN, ONNX_DOMAIN, all_op_names, get_schema, has_op
 from kiln.ir.types import TensorType
 from kiln.ir.verifier import verify
 from kiln.ir.versions import ONNX_OPSET_BASE
 from kiln.serializer import onnx_resize
+from kiln.serializer import onnx_scan
+from kiln.serializer import onnx_sequences
 from kiln.serializer.format import MAX_SUBGRAPH_NESTING
 
 ModelLike = Union[str, os.PathLike, bytes, bytearray, "onnx.ModelProto"]
@@ -87,7 +90,11 @@ ModelLike = Union[str, os.PathLike, bytes, bytearray, "onnx.ModelProto"]
 # Ops whose kiln implementation follows a later ai.onnx version than the base opset. (Resize-19:
 # every Resize/Upsample version is translated at import, see serializer/onnx_resize.py.)
 KILN_ONNX_VERSION = {"Gelu": 20, "Resize": 19, "Attention": 25, "Mod": 28, "RMSNormalization": 23,
-                     "RotaryEmbedding": 23, "CumProd": 26, "BitShift": 28, "GridSample": 22, "QLinearMatMul": 21}
+                     "RotaryEmbedding": 23, "CumProd": 26, "BitShift": 28, "GridSample": 22, "QLinearMatMul": 21,
+                     # issue 22, second round (each op module says what its version covers):
+                     "LinearAttention": 27, "CausalConvWithState": 27, "TensorScatter": 24, "SwiGLU": 28, "Swish": 24,
+                     "AffineGrid": 20, "BitCast": 26}
+KILN_ONNX_VERSION["DFT"] = 20  # axis as an optional input (kiln.ir.ops.signal); DFT-17 is rewritten at import
 # Older versions of such ops that kiln's implementation covers as they are (no upgrade through the version
 # converter, which knows nothing past opset 18's ops): Attention-23/24 are Attention-25 without its new
 # optional input and attributes (kiln.ir.ops.attention); Mod-10/13 are Mod-28 restricted to fmod=0 for integers
@@ -96,6 +103,26 @@ KILN_ONNX_VERSION = {"Gelu": 20, "Resize": 19, "Attention": 25, "Mod": 28, "RMSN
 # QLinearMatMul-21 adds half scales and float8 (which kiln lacks) to 10.
 IMPORTED_AS_IS = {"Attention": (23, 24), "Mod": (10, 13), "BitShift": (11,), "GridSample": (16, 20),
                   "QLinearMatMul": (10,)}
+# DFT-17 is DFT-20 with `axis` an attribute (default 1) instead of an optional input (default -2), same range and
+# semantics otherwise: _dft_axis_as_input moves the attribute (or 1) into a constant axis input.
+IMPORTED_AS_IS["DFT"] = (17,)
+# GroupNormalization-21 (kiln.ir.ops.normalization) takes scale and bias per channel; 18 took them per group and
+# computed in X's type: _group_norm_18_as_21 repeats them per channel and sets stash_type to X's type.
+KILN_ONNX_VERSION["GroupNormalization"] = 21
+IMPORTED_AS_IS["GroupNormalization"] = (18,)
+# QuantizeLinear/DequantizeLinear (kiln.ir.ops.quant) are version 28 over kiln's dtypes; each older version is 28
+# with fewer types, or attributes whose defaults keep its meaning (checked against the onnx 1.23 schemas and
+# reference evaluator): 13 added `axis` (10's scalar scale is per-tensor under any axis); 19 float16/bfloat16 x and
+# scales, float8 and `saturate` (float8 only); 21 int16/uint16, int4/uint4, `block_size` (0: not blocked) and
+# QuantizeLinear's `output_dtype` (0: the zero point's type); 23 DequantizeLinear's `output_dtype` (0: the scale's
+# type) and QuantizeLinear's `precision` (0: the division in x's and y_scale's type, which were one type before),
+# a y_scale type apart from x's and float4e2m1; 24 float8e8m0 scales; 25 int2/uint2; 28 float6. The types kiln
+# lacks (float6) are refused by element type, output_dtype/precision naming one by _refuse_unsupported_modes.
+KILN_ONNX_VERSION["QuantizeLinear"] = KILN_ONNX_VERSION["DequantizeLinear"] = 28
+IMPORTED_AS_IS["QuantizeLinear"] = IMPORTED_AS_IS["DequantizeLinear"] = (10, 13, 19, 21, 23, 24, 25)
+# Deprecated ai.onnx ops imported as the op that replaced them: Scatter-9/11 is ScatterElements (Scatter-11's
+# documentation says so; same inputs, types and `axis`), i.e. ScatterElements-18 with reduction 'none'.
+IMPORTED_AS = {"Scatter": "ScatterElements"}
 
 # Ops whose versions after opset 18 keep opset-18 semantics for everything kiln can express,
 # with the newest version checked (a later version is rejected until reviewed). Reviewed
@@ -112,9 +139,9 @@ SAME_SEMANTICS_AS_18 = {
     # New element types only (int4/uint4, float4, float8e8m0, int2/uint2...).
     "Constant": 25, "ConstantOfShape": 25, "Flatten": 25, "Identity": 25, "If": 25, "Loop": 25,
     "Reshape": 25, "Shape": 25, "Size": 25, "Squeeze": 25, "Transpose": 25, "Unsqueeze": 25,
-    # 19 adds mode 'wrap' (rejected by _version_condition), later versions types only.
+    # 19 adds mode 'wrap' (kiln.ir.ops.layout implements it), later versions types only.
     "Pad": 25,
-    # 19: string inputs. 20: float8 inputs. 20: bool inputs (False < True).
+    # 19: string inputs. 20: float8 inputs. 20: bool inputs (False < True; kiln's ReduceMax/Min take them).
     "Equal": 19, "IsInf": 20, "IsNaN": 20, "ReduceMax": 20, "ReduceMin": 20,
     # 22: bfloat16 added.
     "Conv": 22, "ConvTranspose": 22, "Cos": 22, "Sin": 22, "Dropout": 22, "Elu": 22,
@@ -122,7 +149,7 @@ SAME_SEMANTICS_AS_18 = {
     "InstanceNormalization": 22, "Mish": 22, "Selu": 22, "Softplus": 22, "Softsign": 22,
     # 24/28: bfloat16 added; DepthToSpace-28's schema is identical to 13's.
     "TopK": 24, "Einsum": 28, "DepthToSpace": 28,
-    # 28 adds `mode` whose default (DCR) is the old behaviour (kiln rejects the attribute).
+    # 28 adds `mode` whose default (DCR) is 13's behaviour; kiln's SpaceToDepth has it (DCR and CRD).
     "SpaceToDepth": 28,
     # Element types only (bfloat16; float16/double for Celu), reviewed against onnx 1.23's schemas: same
     # attributes and documentation.
@@ -134,7 +161,33 @@ SAME_SEMANTICS_AS_18 = {
     # 28: same attributes, types and documentation (a revised function body).
     "ReduceLogSumExp": 28, "ReduceLogSum": 28,
 }
-# Not listed on purpose: Range-27 (stash_type changes float16/bfloat16 results).
+# bfloat16 added, nothing else (attributes, inputs, outputs and documentation identical in onnx 1.23's schemas):
+# Unique-28 (11), ReverseSequence-28 (10), Det-22 (11).
+SAME_SEMANTICS_AS_18.update({"Unique": 28, "ReverseSequence": 28, "Det": 22})
+# RoiAlign-22 adds bfloat16 to 16, nothing else (same attributes, defaults, inputs and documentation in onnx 1.23);
+# RoiAlign-10 (no coordinate_transformation_mode: output_half_pixel) is upgraded by onnx.version_converter, which
+# sets that mode (kiln.ir.ops.detection).
+SAME_SEMANTICS_AS_18["RoiAlign"] = 22
+# DeformConv (kiln.ir.ops.detection) implements 22; 19 is 22 without bfloat16 (same attributes, defaults, inputs
+# and documentation in onnx 1.23), imported as it is.
+KILN_ONNX_VERSION["DeformConv"] = 22
+IMPORTED_AS_IS["DeformConv"] = (19,)
+# MaxUnpool (kiln.ir.ops.image) implements 11, the version in effect at opset 18. 22 adds bfloat16, nothing else
+# (same attributes, inputs and documentation in onnx 1.23); 9 differs from 11 only in that 11 documents strides'
+# default of 1, which kiln uses (onnx's version converter upgrades 10 -> 11 with a CompatibleAdapter).
+SAME_SEMANTICS_AS_18["MaxUnpool"] = 22
+IMPORTED_AS_IS["MaxUnpool"] = (9,)
+# Range (kiln.ir.ops.tensor) implements 27, which adds float16/bfloat16 and `stash_type` (the type those two are
+# computed in; no effect on the others): Range-11 (same inputs) is 27 on its types, imported as it is.
+KILN_ONNX_VERSION["Range"] = 27
+IMPORTED_AS_IS["Range"] = (11,)
+# Scan is built as a Loop (serializer/onnx_scan.py, from the version in effect at opset 18, 16); 19/21/23/24/25 add
+# element types only (float8, int4, float4, float8e8m0, int2: same attributes, inputs and documentation in onnx
+# 1.23). Scan-8 (batch axis, sequence_lens) is refused by onnx_scan.check_version.
+SAME_SEMANTICS_AS_18["Scan"] = 25
+# GlobalLpPool-22 (2 otherwise) and MaxRoiPool-22 (1 otherwise) add bfloat16, nothing else: same attributes,
+# defaults, inputs and documentation in onnx 1.23 (kiln.ir.ops.pool).
+SAME_SEMANTICS_AS_18.update({"GlobalLpPool": 22, "MaxRoiPool": 22})
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 _MAX_OPSET_VERSION = 1000  # far past any released opset; keeps onnx.defs lookups in C int range
@@ -325,7 +378,15 @@ def _check_ops(g, opset: Optional[int], imports: dict, where: str = "") -> bool:
                 f"supported: kiln implements ai.onnx ops only")
         if opset is None:
             raise FormatError(f"{label} uses ai.onnx op '{n.op_type}', but the model imports no ai.onnx opset")
-        if not has_op(n.op_type, ONNX_DOMAIN):
+        if n.op_type in IMPORTED_AS:
+            if _onnx_since(n.op_type, opset) is None:
+                raise UnsupportedOpError(f"op '{n.op_type}' in {label} is not defined in ai.onnx opset {opset}")
+            continue  # built as IMPORTED_AS[op] by _Importer._node, every version alike
+        if domain == "" and (n.op_type in onnx_sequences.SEQUENCE_OPS or n.op_type in onnx_sequences.OPTIONAL_OPS):
+            continue  # lowered to tensors when static (serializer/onnx_sequences.py), else refused by name there
+        if onnx_scan.handles(n, domain):
+            onnx_scan.check_version(n, opset, label)  # Scan-8 refused; 9+ is built as a Loop, its body checked below
+        elif not has_op(n.op_type, ONNX_DOMAIN):
             raise UnsupportedOpError(
                 f"op '{n.op_type}' (domain ai.onnx, opset {opset}) in {label} is not supported by kiln "
                 f"(kiln's ops: kiln.ir.registry.all_op_names(), {len(all_op_names())} of them)")
@@ -348,33 +409,96 @@ def _check_ops(g, opset: Optional[int], imports: dict, where: str = "") -> bool:
     return needs_upgrade
 
 
+def _dft_axis_as_input(imp: "_Importer", kg: Graph, n, inputs: list, label: str) -> tuple:
+    """A DFT-17 node (opsets 17..19) as kiln's DFT-20: its `axis` attribute (DFT-17's default 1 when absent; DFT-20's
+    default is -2) becomes a constant int64 `axis` input, inputs and other attributes unchanged."""
+    axis = 1
+    for a in n.attribute:
+        if a.name != "axis":
+            continue
+        if a.ref_attr_name:
+            raise UnsupportedOpError(f"{label} (DFT): attribute 'axis' refers to function attribute "
+                                     f"'{a.ref_attr_name}'; kiln imports only concrete attribute values")
+        if a.type != AttributeProto.INT:
+            raise FormatError(f"{label} (DFT-17): attribute 'axis' must be an int")
+        axis = int(a.i)
+    if len(inputs) > 2:
+        raise FormatError(f"{label} (DFT-17) has {len(inputs)} inputs; DFT-17 takes input and dft_length")
+    node = onnx.NodeProto()
+    node.CopyFrom(n)
+    del node.attribute[:]
+    node.attribute.extend(a for a in n.attribute if a.name != "axis")
+    value = kg.add_initializer(imp._pick("", f"{n.name or 'dft'}_axis"), np.array(axis, np.int64))
+    return node, (inputs + [None])[:2] + [value]
+
+
+def _group_norm_18_as_21(imp: "_Importer", kg: Graph, n, inputs: list, attrs: dict, label: str) -> tuple:
+    """A GroupNormalization-18 node (opsets 18..20) as kiln's GroupNormalization-21: 18's scale and bias hold one
+    value per group, 21's one per channel, so each is repeated over its group's channels (a constant here, a
+    computed one by a Gather of constant indices); 18's function body computes in X's type, so stash_type is X's
+    type. Needs X's channel count."""
+    what = f"{label} (GroupNormalization-18)"
+    groups = attrs.get("num_groups")
+    if len(inputs) != 3 or any(v is None for v in inputs) or not isinstance(groups, int) or groups < 1:
+        raise FormatError(f"{what} needs inputs X, scale, bias and num_groups >= 1")
+    x = inputs[0]
+    shape = x.type.shape if x.type is not None else None
+    channels = shape[1] if shape is not None and len(shape) >= 2 else None
+    if not isinstance(channels, int):
+        raise UnsupportedOpError(f"{what}: X's channel count (dim 1) is not known at import; kiln imports 18's "
+                                 f"per-group scale and bias as 21's per-channel ones, which needs it")
+    if channels % groups:
+        raise FormatError(f"{what}: num_groups {groups} does not divide X's {channels} channels")
+    index = np.arange(channels, dtype=np.int64) // (channels // groups)
+    hint = n.name or "group_norm"
+    per_channel = []
+    for v, name in zip(inputs[1:], ("scale", "bias")):
+        s = v.type.shape if v.type is not None else None
+        if s is not None and (len(s) != 1 or s[0] not in (groups, None) and not isinstance(s[0], str)):
+            raise FormatError(f"{what}: {name} must hold one value per group, [{groups}], got {list(s)}")
+        if v.const is not None:
+            if np.shape(v.const) != (groups,):
+                raise FormatError(f"{what}: {name} must hold one value per group, [{groups}], got "
+                                  f"{list(np.shape(v.const))}")
+            per_channel.append(kg.add_initializer(imp._pick("", f"{hint}_{name}"), np.asarray(v.const)[index]))
+            continue
+        idx = kg.add_initializer(imp._pick("", f"{hint}_{name}_channels"), index)
+        gather = kg.add_node("Gather", [v, idx], {"axis": 0}, output_names=[imp._pick("", f"{hint}_{name}")])
+        infer_node(gather, imp.symbols)
+        per_channel.append(gather.outputs[0])
+    return [x, *per_channel], {**attrs, "stash_type": x.type.dtype.value}
+
+
 def _refuse_unsupported_modes(n, inputs: list, attrs: dict, out_names: list, label: str) -> None:
     """Uses of an op kiln registers that its inference-only kernels do not implement: refused
     by name here rather than failing later in shape inference or at run time (a refusal, not
     a wrong graph)."""
-    if n.op_type == "Dropout" and len(inputs) > 2 and inputs[2] is not None:
-        mode = inputs[2].const
-        if mode is None or bool(np.asarray(mode).reshape(-1)[0]):
-            what = "True" if mode is not None else "a computed value"
-            raise UnsupportedOpError(f"{label} (Dropout): training_mode is {what}; kiln runs inference only "
-                                     f"(Dropout with training_mode absent or a constant False)")
-    if n.op_type == "BatchNormalization" and attrs.get("training_mode", 0):
-        raise UnsupportedOpError(f"{label} (BatchNormalization): training_mode=1 (batch statistics and running "
-                                 f"mean/var outputs) is not supported; kiln implements inference mode only")
-    if n.op_type == "MaxPool" and len(out_names) > 1 and out_names[1]:
-        raise UnsupportedOpError(f"{label} (MaxPool): the Indices output is not supported; kiln's MaxPool "
-                                 f"returns the pooled values only")
+    if n.op_type == "Dropout" and len(inputs) > 2 and inputs[2] is not None and inputs[2].const is not None:
+        # A constant True: exact only with a ratio known to be 0 (the identity). A computed training_mode (or
+        # ratio) is checked when the run meets it: kiln's Dropout refuses True with a ratio other than 0.
+        ratio_v = inputs[1] if len(inputs) > 1 else None
+        ratio = dropout_ratio(None if ratio_v is None else ratio_v.const)
+        if bool(np.asarray(inputs[2].const).reshape(-1)[0]) and (ratio_v is None or ratio_v.const is not None) \
+                and ratio != 0:
+            raise UnsupportedOpError(f"{label} (Dropout): training_mode is True with ratio {ratio}; kiln runs inference "
+                                     f"only (training mode is exact only with ratio 0, where it is the identity)")
+    for name in _DTYPE_ATTRS.get(n.op_type, ()):
+        code = attrs.get(name)
+        if code and code not in _KILN_DTYPES:
+            kind = TensorProto.DataType.Name(code) if code in TensorProto.DataType.values() else str(code)
+            raise UnsupportedOpError(f"{label} ({n.op_type}): {name}={kind} is an element type kiln does not support "
+                                     f"({', '.join(d.short for d in DType)})")
+
+
+# Attributes naming an element type (a TensorProto.DataType code; 0: unset) of ops whose inputs do not show it.
+_DTYPE_ATTRS = {"BitCast": ("to",), "QuantizeLinear": ("output_dtype", "precision"),
+                "DequantizeLinear": ("output_dtype",)}
 
 
 def _same_semantics(n, since: int, label: str) -> bool:
     newest = SAME_SEMANTICS_AS_18.get(n.op_type)
     if newest is None or since > newest:
         return False
-    if n.op_type == "Pad":
-        mode = next((a.s for a in n.attribute if a.name == "mode"), b"constant")
-        if mode == b"wrap":
-            raise UnsupportedOpError(f"op 'Pad' (domain ai.onnx) in {label}: mode 'wrap' (added in Pad-19) is not "
-                                     f"supported; kiln implements Pad-18 (modes constant, reflect, edge)")
     return True
 
 
@@ -461,6 +585,24 @@ def _dims(dims, what: str) -> tuple[tuple[int, ...], int]:
     return out, count
 
 
+def _file_bytes(dt: DType, count: int) -> int:
+    """Bytes ``count`` values of ``dt`` take in an ONNX file: the 4- and 2-bit types are packed, two or four to
+    a byte, the first value in the low bits."""
+    return -(-count * dt.bits // 8)
+
+
+def _unpack(raw: np.ndarray, dt: DType, count: int) -> np.ndarray:
+    """ONNX's packed 4- or 2-bit values (``raw``, uint8) as one ml_dtypes element per byte: each value's bits
+    in the low bits of its byte, which is how ml_dtypes holds int4/uint4/int2/uint2/float4e2m1."""
+    bits = dt.bits
+    per = 8 // bits
+    mask = np.uint8((1 << bits) - 1)
+    out = np.empty((raw.size, per), np.uint8)
+    for k in range(per):
+        out[:, k] = (raw >> np.uint8(k * bits)) & mask
+    return out.reshape(-1)[:count].view(dt.numpy)
+
+
 class _Tensors:
     """Reads TensorProtos (inline or external) into numpy arrays of kiln dtypes. Every size comes from
     the data actually present: declared dims are checked against it before anything is allocated."""
@@ -478,19 +620,22 @@ class _Tensors:
         if t.data_location != TensorProto.DEFAULT:
             raise FormatError(f"{what}: unknown data_location {t.data_location}")
         if t.HasField("raw_data"):
-            have, unit = len(t.raw_data), dt.itemsize
-            if have != count * unit:
+            have, need = len(t.raw_data), _file_bytes(dt, count)
+            if have != need:
                 raise FormatError(f"{what}: raw_data holds {have} bytes, a {dt} tensor of dims {list(dims)} "
-                                  f"needs {count * unit}")
+                                  f"needs {need}")
+            if dt.bits < 8:
+                return _unpack(np.frombuffer(t.raw_data, np.uint8), dt, count).reshape(dims)
         else:
             field = onnx.helper.tensor_dtype_to_field(t.data_type)
             have = len(getattr(t, field))
             for other in _TYPED_FIELDS:
                 if other != field and len(getattr(t, other)):
                     raise FormatError(f"{what}: a {dt} tensor keeps its values in {field}, but {other} is set")
-            if have != count:
-                raise FormatError(f"{what}: {field} holds {have} values, a tensor of dims {list(dims)} "
-                                  f"needs {count}")
+            need = -(-count * dt.bits // 8) if dt.bits < 8 else count  # sub-byte values are packed there too
+            if have != need:
+                raise FormatError(f"{what}: {field} holds {have} values, a {dt} tensor of dims {list(dims)} "
+                                  f"needs {need}")
         try:
             arr = numpy_helper.to_array(t)
         except Exception as e:  # noqa: BLE001
@@ -518,19 +663,23 @@ class _Tensors:
         except ValueError as e:
             raise FormatError(f"{what}: external data offset/length must be integers (offset "
                               f"{info.get('offset')!r}, length {info.get('length')!r})") from e
-        want = count * dt.itemsize
+        want = _file_bytes(dt, count)
         if offset < 0 or length < 0 or offset + length > size:
             raise FormatError(f"{what}: external data [{offset}, {offset + length}) lies outside "
                               f"{location!r} ({size} bytes)")
         if length != want:
             raise FormatError(f"{what}: external data holds {length} bytes, a {dt} tensor of dims "
                               f"{list(dims)} needs {want}")
+        packed = dt.bits < 8
         try:
-            arr = np.fromfile(path, dtype=dt.numpy, count=count, offset=offset)
+            arr = np.fromfile(path, dtype=np.uint8 if packed else dt.numpy, count=want if packed else count,
+                              offset=offset)
         except OSError as e:
             raise FormatError(f"{what}: cannot read external data file {location!r}: {e.strerror or e}") from e
-        if arr.size != count:
+        if arr.size != (want if packed else count):
             raise FormatError(f"{what}: external data file {location!r} changed while it was read")
+        if packed:
+            return _unpack(arr, dt, count).reshape(dims)
         if sys.byteorder == "big" and dt.itemsize > 1:
             arr = arr.byteswap()
         return arr.reshape(dims)
@@ -624,6 +773,11 @@ class _Importer:
         return root
 
     # ---- names
+    def fresh_onnx_name(self, hint: str) -> str:
+        """An ONNX value name no model value has, for nodes the importer builds itself (sequence lowering)."""
+        self._fresh = getattr(self, "_fresh", 0) + 1
+        return f"__kiln_{hint}_{self._fresh}"
+
     def _pick(self, name: str, hint: str, exact: bool = False) -> str:
         """A graph-unique kiln name for ONNX ``name``: itself when possible (always for ``exact``
         names: the main graph's interface and initializers), else ``base_N``."""
@@ -674,6 +828,7 @@ class _Importer:
                 declared[vi.name] = t
         for n in g.node:
             self._node(kg, n, scope, declared, where)
+        onnx_sequences.check_outputs(g, scope, what_g)
         outs = []
         for vi in g.output:
             v = scope.lookup(vi.name)
@@ -707,6 +862,15 @@ class _Importer:
         if n.op_type == "Constant" and domain == "":
             self._constant(kg, n, scope, label, declared)
             return
+        if onnx_sequences.handles(n, domain, inputs):
+            onnx_sequences.build(self, kg, n, inputs, scope, where, label)  # a list at import, tensors in the graph
+            return
+        onnx_sequences.check_inputs(n, inputs, label)
+        if onnx_scan.handles(n, domain):
+            onnx_scan.build(self, kg, n, scope, declared, where, label)  # as a Loop
+            return
+        if n.op_type == "DFT" and domain == "" and _onnx_since("DFT", self.opset) == 17:
+            n, inputs = _dft_axis_as_input(self, kg, n, inputs, label)
         op_type = n.op_type
         if onnx_resize.handles(n, domain):
             op_type, domain = "Resize", ""
@@ -716,7 +880,9 @@ class _Importer:
             for i, v in enumerate(inputs):
                 self._check_input_type(n, schema, i, v, label)
         else:
-            schema = get_schema(n.op_type, domain)
+            if domain == "" and op_type in IMPORTED_AS:
+                op_type = IMPORTED_AS[op_type]
+            schema = get_schema(op_type, domain)
             for i, v in enumerate(inputs):
                 self._check_input_type(n, schema, i, v, label)
             attrs: dict[str, Any] = {}
@@ -726,6 +892,8 @@ class _Importer:
         while len(out_names) > 1 and not out_names[-1]:
             out_names.pop()  # trailing unused optional outputs
         _refuse_unsupported_modes(n, inputs, attrs, out_names, label)
+        if op_type == "GroupNormalization" and domain == "" and _onnx_since(op_type, self.opset) == 18:
+            inputs, attrs = _group_norm_18_as_21(self, kg, n, inputs, attrs, label)
         hint = n.name or n.op_type.lower()
         top = kg.parent is None
         names = [self._pick(o, f"{hint}_unused" if not o else hint, exact=top and o in self.outputs)

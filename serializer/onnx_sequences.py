@@ -15,6 +15,10 @@ sequence is a Python list of tensors the importer can track, exactly, while it b
 - a ``Loop`` that carries a sequence, with a constant trip count and a condition that stays constant True, is
   unrolled: its body is built once per iteration, in the graph the Loop sat in.
 
+Optional values likewise (``Optional``, ``OptionalHasElement``, ``OptionalGetElement``): inside a graph whether an
+optional holds a value is known at import, so ``OptionalHasElement`` is a constant and ``OptionalGetElement`` the
+value itself (an empty one is refused by name).
+
 The tensors this makes are ONNX nodes handed to the importer's usual node path (types, names and checks are the
 importer's own). Everything else refuses by name: a sequence at a graph's interface (kiln's IR cannot type it),
 a position or trip count computed at run time, a Loop that may exit early or would unroll past
@@ -33,6 +37,7 @@ from kiln.errors import UnsupportedOpError
 # The ops this module builds (lists at import time), and Loop/Identity when they carry a sequence.
 SEQUENCE_OPS = frozenset({"SequenceEmpty", "SequenceConstruct", "SequenceInsert", "SequenceErase", "SequenceAt",
                           "SequenceLength", "ConcatFromSequence", "SplitToSequence"})
+OPTIONAL_OPS = frozenset({"Optional", "OptionalHasElement", "OptionalGetElement"})
 # An unrolled Loop adds (iterations x body nodes) nodes; past this the model is refused rather than bloated.
 MAX_UNROLLED_NODES = 100_000
 
@@ -45,11 +50,22 @@ class StaticSequence:
     elem_type: int  # the ONNX TensorProto element type (of an empty sequence too)
 
 
+@dataclass(frozen=True)
+class StaticOptional:
+    """An optional value known at import: its value (a kiln Value or a StaticSequence), or None when empty."""
+
+    value: Any
+    elem_type: Optional[int] = None
+
+
+_STATIC = (StaticSequence, StaticOptional)
+
+
 def handles(n, domain: str, inputs: list) -> bool:
-    """Whether ``n`` is built here: a sequence op, or a Loop/Identity reading a static sequence."""
+    """Whether ``n`` is built here: a sequence or optional op, or a Loop/Identity reading a static sequence."""
     if domain != "":
         return False
-    if n.op_type in SEQUENCE_OPS:
+    if n.op_type in SEQUENCE_OPS or n.op_type in OPTIONAL_OPS:
         return True
     return n.op_type in ("Loop", "Identity") and any(isinstance(v, StaticSequence) for v in inputs)
 
@@ -57,6 +73,9 @@ def handles(n, domain: str, inputs: list) -> bool:
 def check_inputs(n, inputs: list, label: str) -> None:
     """Any other op reading a static sequence: refused by name (kiln ops take tensors)."""
     for name, v in zip(n.input, inputs):
+        if isinstance(v, StaticOptional):
+            raise UnsupportedOpError(f"{label} ({n.op_type}) reads '{name}', an optional value; only "
+                                     f"OptionalHasElement and OptionalGetElement take one")
         if isinstance(v, StaticSequence):
             raise UnsupportedOpError(
                 f"{label} ({n.op_type}) reads '{name}', a sequence; kiln lowers sequences to tensors only where "
@@ -67,7 +86,7 @@ def check_inputs(n, inputs: list, label: str) -> None:
 def check_outputs(g, scope: Any, what: str) -> None:
     """A graph output that is a sequence cannot be typed in kiln's IR: refused by name."""
     for vi in g.output:
-        if isinstance(scope.lookup(vi.name), StaticSequence):
+        if isinstance(scope.lookup(vi.name), _STATIC):
             raise UnsupportedOpError(f"output '{vi.name}' of {what} is a sequence; kiln's IR has tensors only "
                                      f"(a sequence inside a model is lowered to tensors, one at its interface is not)")
 
@@ -188,6 +207,25 @@ def build(imp: Any, kg: Any, n, inputs: list, scope: Any, where: str, label: str
         b.seq_out(0, b.seq_in(inputs, 0))
     elif op == "Loop":
         _unroll_loop(b, inputs)
+    elif op == "Optional":
+        v = inputs[0] if inputs else None
+        b.seq_out(0, StaticOptional(v, None if v is None else getattr(v, "elem_type", None) or _elem_type(v)))
+    elif op == "OptionalHasElement":
+        v = inputs[0] if inputs else None
+        has = v is not None and not (isinstance(v, StaticOptional) and v.value is None)
+        b.node("Constant", [], [n.output[0]], value=helper.make_tensor("v", TensorProto.BOOL, [], [has]))
+    elif op == "OptionalGetElement":
+        v = inputs[0] if inputs else None
+        if isinstance(v, StaticOptional):
+            v = v.value
+            if v is None:
+                b.fail("reads an empty optional value (an error at run time in ONNX)")
+        if v is None:
+            b.fail("has no input")
+        if isinstance(v, StaticSequence):
+            b.seq_out(0, v)
+        else:
+            b.tensor_out(0, v)
     else:  # pragma: no cover - handles() admits only the ops above
         b.fail("is not a sequence op")
 

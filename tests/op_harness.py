@@ -115,7 +115,10 @@ def check_backends(g: Graph, feeds: list, want: list) -> None:
     # The GPU takes bfloat16 inside a model only (CuPy has no bfloat16 arrays; a bf16 input or output is
     # refused at load with the way out, tested in tests/runtime/test_cuda_half.py): such graphs are CPU-only here.
     bf16_io = any(v.dtype is DType.BFLOAT16 for v in [*g.inputs, *g.outputs])
-    if _gpu_present() and not bf16_io:
+    # float8/int4...: the GPU runtime refuses them at load by design (tests/runtime/test_cuda_storage_types.py).
+    storage = any(v.type is not None and v.type.dtype.is_storage
+                  for v in [*g.inputs, *g.outputs, *(o for n in g.nodes for o in n.outputs)])
+    if _gpu_present() and not bf16_io and not storage:
         backends.append(("CUDA runtime", lambda: _run_cuda(g, feeds), 1e-4))
     backends.append(("mobile stub", lambda: _run_mobile(g, feeds), 1e-4))
     backends.append(("onnxruntime backend", lambda: _run_ort(g, feeds), 1e-5))

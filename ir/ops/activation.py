@@ -1,4 +1,5 @@
-"""Activation functions (ONNX opset-18 semantics, plus Gelu from ONNX opset 20).
+"""Activation functions (ONNX opset-18 semantics, plus Gelu from ONNX opset 20, Swish from 24 and SwiGLU
+from 28).
 
 Float formulas are evaluated in float64 and rounded once to the input dtype (see
 :func:`kiln.ir.ops.elementwise.float_map`), written in forms that cannot overflow
@@ -12,7 +13,7 @@ import numpy as np
 
 from kiln.ir.dtypes import DType
 from kiln.ir.ops._common import FLOAT, NUMERIC, SIGNED_NUMERIC, infer_same
-from kiln.ir.ops.elementwise import erf64, float_map
+from kiln.ir.ops.elementwise import erf64, float_map, sigmoid64
 from kiln.ir.ops.normalization import infer_softmax
 from kiln.ir.registry import Attr, AttrKind, In, InferContext, op
 from kiln.ir.types import TensorType, dims_compatible, merge_dim, normalize_axis
@@ -20,7 +21,7 @@ from kiln.ir.types import TensorType, dims_compatible, merge_dim, normalize_axis
 # ONNX Selu defaults: the constants of Klambauer et al. rounded to float32.
 SELU_ALPHA = 1.67326319217681884765625
 SELU_GAMMA = 1.05070102214813232421875
-PRELU_TYPES = FLOAT | {DType.INT32, DType.INT64}
+PRELU_TYPES = FLOAT | {DType.INT32, DType.INT64, DType.UINT32, DType.UINT64}
 GELU_APPROXIMATIONS = ("none", "tanh")
 
 
@@ -167,3 +168,41 @@ def hardmax(x, *, axis=-1):
     if x.size:
         np.put_along_axis(out, np.expand_dims(np.argmax(x, axis=ax), ax), 1, axis=ax)
     return out
+
+
+def _alpha_as(alpha: float, dt: np.dtype) -> float:
+    """Swish's ``alpha`` as its ONNX function body uses it: the float attribute (float32) cast to X's type
+    (``CastLike``), then widened for the float64 math."""
+    return float(np.asarray(np.float32(alpha)).astype(dt))
+
+
+# Swish (ai.onnx 24) and SwiGLU (ai.onnx 28) are newer than the opsets kiln writes: the ONNX export spells them
+# with Sigmoid and Mul (kiln.serializer.onnx).
+@op("Swish", traits=("elementwise",), inputs=[In("X", FLOAT)], outputs=["Y"],
+    attrs=[Attr("alpha", AttrKind.FLOAT, 1.0)], infer=infer_same)
+def swish(x, alpha=1.0):
+    """x * Sigmoid(alpha * x), alpha cast to X's type as the function body does; one rounding at the end."""
+    a = _alpha_as(alpha, x.dtype)
+    return float_map(lambda v: v * sigmoid64(a * v), x)
+
+
+def _infer_swiglu(ctx: InferContext) -> TensorType:
+    """A and B of one float type and one shape (SwiGLU does not broadcast); Y is that type."""
+    a, b = ctx.input(0), ctx.input(1)
+    if b.dtype is not a.dtype:
+        ctx.fail(f"B is {b.dtype} but A is {a.dtype}; SwiGLU takes one type for both")
+    if a.shape is None or b.shape is None:
+        return TensorType(a.dtype, a.shape if a.shape is not None else b.shape)
+    if len(a.shape) != len(b.shape) or not all(dims_compatible(p, q) for p, q in zip(a.shape, b.shape)):
+        ctx.fail(f"A {list(a.shape)} and B {list(b.shape)} must have the same shape (SwiGLU does not broadcast)")
+    return TensorType(a.dtype, tuple(merge_dim(p, q) for p, q in zip(a.shape, b.shape)))
+
+
+@op("SwiGLU", traits=("elementwise",), inputs=[In("A", FLOAT), In("B", FLOAT)], outputs=["Y"],
+    attrs=[Attr("alpha", AttrKind.FLOAT, 1.0)], infer=_infer_swiglu)
+def swiglu(a, b, alpha=1.0):
+    """Swish_alpha(A) * B (the gate A, the value B, of one shape); one rounding at the end."""
+    if a.shape != b.shape:
+        raise ValueError(f"SwiGLU takes A and B of one shape (no broadcasting), got {a.shape} and {b.shape}")
+    k = _alpha_as(alpha, a.dtype)
+    return float_map(lambda u, v: u * sigmoid64(k * u) * v, a, b)

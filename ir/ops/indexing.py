@@ -1,6 +1,6 @@
 """Indexing ops of the shape family: Slice, Gather, GatherElements, GatherND, ScatterND,
-ScatterElements, OneHot, Compress and Trilu (ONNX opset 18 semantics). Padding and block
-rearrangement live in ``layout.py``."""
+ScatterElements, OneHot, Compress, Trilu, NonZero and ReverseSequence (ONNX opset 18 semantics; the
+deprecated Scatter is imported as ScatterElements). Padding and block rearrangement live in ``layout.py``."""
 from __future__ import annotations
 
 import math
@@ -497,3 +497,45 @@ def nonzero(x):
     if x.ndim == 0:
         x = x.reshape(1)
     return np.array(np.nonzero(x), dtype=np.int64).reshape(x.ndim, -1)
+
+
+# --------------------------------------------------------------------------- ReverseSequence
+
+
+def _infer_reverse_sequence(ctx: InferContext) -> TensorType:
+    x = ctx.input(0)
+    lens = ctx.input(1)
+    b, t = ctx.attrs["batch_axis"], ctx.attrs["time_axis"]
+    if {b, t} != {0, 1}:
+        ctx.fail(f"batch_axis and time_axis must be 0 and 1 (either way round), got {b} and {t}")
+    if x.shape is None:
+        return x
+    if len(x.shape) < 2:
+        ctx.fail(f"input must have rank >= 2 (a batch axis and a time axis), got shape {list(x.shape)}")
+    if lens.shape is not None and not dims_compatible(lens.shape[0], x.shape[b]):
+        ctx.fail(f"sequence_lens has {lens.shape[0]} lengths, but the batch axis {b} of input has {x.shape[b]}")
+    values = int_values(ctx, 1)
+    steps = x.shape[t]
+    if values is not None and isinstance(steps, int) and any(not 0 <= v <= steps for v in values):
+        ctx.fail(f"sequence_lens {values} must lie in [0, {steps}] (the time axis {t} has {steps} steps)")
+    return x
+
+
+@op("ReverseSequence", inputs=[In("input", ALL), In("sequence_lens", INT64, rank=1)], outputs=["Y"],
+    attrs=[Attr("batch_axis", AttrKind.INT, 1), Attr("time_axis", AttrKind.INT, 0)],
+    infer=_infer_reverse_sequence)
+def reverse_sequence(x, sequence_lens, *, batch_axis=1, time_axis=0):
+    """For each batch entry b, its first sequence_lens[b] steps along time_axis reversed, the rest copied
+    (ReverseSequence-10; 28 adds bfloat16). Axes 0 and 1 are the batch and time axes; a length outside
+    [0, steps] is an error."""
+    steps, batch = x.shape[time_axis], x.shape[batch_axis]
+    lens = np.asarray(sequence_lens, np.int64).reshape(-1)
+    if lens.shape != (batch,):
+        raise ValueError(f"sequence_lens has {lens.size} lengths for a batch of {batch}")
+    if np.any((lens < 0) | (lens > steps)):
+        raise IndexError(f"sequence_lens {lens.tolist()} must lie in [0, {steps}]")
+    t = np.arange(steps, dtype=np.int64)
+    source = np.where(t < lens[:, None], lens[:, None] - 1 - t, t)  # [batch, steps]: the step each one reads
+    if time_axis == 0:
+        source = source.T
+    return np.take_along_axis(x, source.reshape(source.shape + (1,) * (x.ndim - 2)), axis=time_axis)

@@ -1,4 +1,5 @@
-"""Layout ops of the shape family: Pad, DepthToSpace and SpaceToDepth (ONNX opset 18)."""
+"""Layout ops of the shape family: Pad (Pad-19: modes constant, reflect, edge and wrap), DepthToSpace and
+SpaceToDepth (SpaceToDepth-28: modes DCR and CRD)."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,7 @@ from kiln.ir.types import Dim, TensorType
 
 # --------------------------------------------------------------------------- Pad
 
-_PAD_MODES = ("constant", "reflect", "edge")
+_PAD_MODES = ("constant", "reflect", "edge", "wrap")
 
 
 def _padded_dim(ctx: InferContext, d: Dim, begin: int, end: int) -> Dim:
@@ -48,6 +49,9 @@ def _infer_pad(ctx: InferContext) -> TensorType:
                    In("axes", INDEX, optional=True, rank=1)], outputs=["output"],
     attrs=[Attr("mode", AttrKind.STRING, "constant")], infer=_infer_pad)
 def pad(data, pads, constant_value=None, axes=None, *, mode="constant"):
+    """Pad-19. Negative pads crop. For ``wrap`` (the data as a torus: an axis continues with its first
+    elements) the crop comes first and the cropped data is what wraps, as onnxruntime does; the other modes
+    read only the edge they pad, so the order does not matter there."""
     rank = data.ndim
     axes = list(range(rank)) if axes is None else [a + rank if a < 0 else a for a in as_int_list(axes)]
     pads = as_int_list(pads)
@@ -57,6 +61,18 @@ def pad(data, pads, constant_value=None, axes=None, *, mode="constant"):
     # Positive pads grow the axis (numpy's "constant", "reflect" and "edge" match ONNX's);
     # negative ones crop it afterwards.
     grow = [(max(b, 0), max(e, 0)) for b, e in widths]
+    if mode == "wrap":
+        # Output position i of a padded axis reads (i - begin) mod n: pads longer than the axis wrap more than
+        # once (as numpy's pad does; CuPy's pad does not, so the indices are spelled out).
+        out = data[tuple(slice(-min(b, 0), n + min(e, 0)) for n, (b, e) in zip(data.shape, widths))]
+        for a, (b, e) in enumerate(grow):
+            if b or e:
+                n = out.shape[a]
+                if n == 0:
+                    raise ValueError(f"mode 'wrap' cannot pad axis {a} by ({b}, {e}): the axis holds no elements "
+                                     f"(after cropping) to wrap around")
+                out = np.take(out, np.arange(-b, n + e) % n, axis=a)
+        return out
     if mode == "constant":
         value = 0 if constant_value is None else np.asarray(constant_value).reshape(-1)[0]
         out = np.pad(data, grow, mode="constant", constant_values=value)
@@ -115,16 +131,22 @@ def depth_to_space(x, *, blocksize, mode="DCR"):
 def _infer_space_to_depth(ctx: InferContext) -> TensorType:
     x = _nchw(ctx)
     b = ctx.attrs["blocksize"]
+    if ctx.attrs["mode"] not in ("DCR", "CRD"):
+        ctx.fail(f"mode '{ctx.attrs['mode']}' is not DCR or CRD")
     if x.shape is None:
         return TensorType(x.dtype, (None,) * 4)
     n, c, h, w = x.shape
     return TensorType(x.dtype, (n, dim_mul(c, b * b), _divided(ctx, h, b, "height"), _divided(ctx, w, b, "width")))
 
 
-@op("SpaceToDepth", inputs=[In("input", ALL)], outputs=["output"], attrs=[Attr("blocksize", AttrKind.INT)],
-    infer=_infer_space_to_depth)
-def space_to_depth(x, *, blocksize):
+@op("SpaceToDepth", inputs=[In("input", ALL)], outputs=["output"],
+    attrs=[Attr("blocksize", AttrKind.INT), Attr("mode", AttrKind.STRING, "DCR")], infer=_infer_space_to_depth)
+def space_to_depth(x, *, blocksize, mode="DCR"):
+    """SpaceToDepth-28: each b x b block of the spatial dims moves into the channel axis, which reads
+    (block row, block col, depth) for DCR (the default, SpaceToDepth-13's only order) and (depth, block
+    row, block col) for CRD; each mode inverts DepthToSpace of the same mode."""
     n, c, h, w = x.shape
     b = blocksize
-    t = x.reshape(n, c, h // b, b, w // b, b).transpose(0, 3, 5, 1, 2, 4)
+    t = x.reshape(n, c, h // b, b, w // b, b)
+    t = t.transpose(0, 3, 5, 1, 2, 4) if mode == "DCR" else t.transpose(0, 1, 3, 5, 2, 4)
     return t.reshape(n, c * b * b, h // b, w // b)

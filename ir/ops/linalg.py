@@ -1,4 +1,4 @@
-"""Matrix products: MatMul, Gemm and Einsum (ONNX semantics)."""
+"""Matrix products: MatMul, Gemm and Einsum (ONNX semantics), and Det."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +9,7 @@ from kiln.ir.registry import Attr, AttrKind, In, InferContext, op
 from kiln.ir.types import Dim, TensorType, broadcast_shapes, dims_compatible, merge_dim
 
 # MatMul/Gemm take floats and the wide ints (ONNX also lists uint32/uint64, which kiln lacks).
-MATMUL_T = FLOAT | frozenset({DType.INT32, DType.INT64})
+MATMUL_T = FLOAT | frozenset({DType.INT32, DType.INT64, DType.UINT32, DType.UINT64})
 
 
 def _same_dtype(ctx: InferContext, *indices: int) -> DType:
@@ -217,3 +217,25 @@ def einsum(*inputs, equation: str):
     result = np.einsum(equation.replace(" ", ""), *(x.astype(acc, copy=False) for x in inputs))
     return np.asarray(result).astype(dtype)
 
+
+
+# --------------------------------------------------------------------------- Det
+
+
+def infer_det(ctx: InferContext) -> TensorType:
+    x = ctx.input(0)
+    if x.shape is None:
+        return TensorType(x.dtype, None)
+    if len(x.shape) < 2:
+        ctx.fail(f"X must have rank >= 2 ([*, M, M]), got shape {list(x.shape)}")
+    if not dims_compatible(x.shape[-2], x.shape[-1]):
+        ctx.fail(f"the last two dims of X must be equal (square matrices), got shape {list(x.shape)}")
+    return TensorType(x.dtype, x.shape[:-2])
+
+
+@op("Det", inputs=[In("X", FLOAT)], infer=infer_det)
+def det(x):
+    """The determinants of the square matrices on X's last two dims, shape X.shape[:-2] (Det-11; 22 adds bfloat16),
+    by LU factorization (numpy.linalg.det) in float32 or wider; a 0x0 matrix has determinant 1."""
+    acc = compute_dtype(x.dtype)
+    return np.asarray(np.linalg.det(x.astype(acc, copy=False))).astype(x.dtype)

@@ -1,6 +1,7 @@
-"""Normalizations: BatchNormalization (inference), LayerNormalization, RMSNormalization (opset 23),
-InstanceNormalization, LpNormalization, MeanVarianceNormalization, Softmax and LogSoftmax (ONNX
-semantics). Narrow floats compute in float32 and round once (RMSNormalization: in its stash_type)."""
+"""Normalizations: BatchNormalization (inference and training mode), LayerNormalization, RMSNormalization
+(opset 23), InstanceNormalization, GroupNormalization (opset 21), LRN, LpNormalization,
+MeanVarianceNormalization, Softmax and LogSoftmax (ONNX semantics). Narrow floats compute in float32 and round
+once (RMSNormalization and GroupNormalization: their normalization in stash_type)."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,18 +35,35 @@ def _channel_shape(x: np.ndarray) -> tuple:
 # --------------------------------------------------------------------------- BatchNormalization
 
 
-def infer_batch_norm(ctx: InferContext) -> TensorType:
-    if ctx.attrs["training_mode"] != 0:
-        ctx.fail("training_mode=1 is not supported: kiln runs BatchNormalization in inference mode")
-    if ctx.num_outputs > 1:
-        ctx.fail("running_mean/running_var outputs exist only in training mode; use only output Y")
+def infer_batch_norm(ctx: InferContext) -> "TensorType | list":
+    training = ctx.attrs["training_mode"]
+    if training not in (0, 1):
+        ctx.fail(f"training_mode must be 0 or 1, got {training}")
+    if ctx.num_outputs > 1 and not training:
+        ctx.fail("running_mean/running_var outputs exist only in training mode (training_mode=1); use only output Y")
     x = ctx.input(0)
     if x.shape is not None and len(x.shape) < 2:
         ctx.fail(f"X must have rank >= 2 ([N, C, ...]), got shape {list(x.shape)}")
     channels = x.shape[1] if x.shape is not None else None
     for i, name in enumerate(("scale", "B", "input_mean", "input_var"), start=1):
         _check_per_channel(ctx, i, name, channels)
-    return x
+    if ctx.num_outputs == 1:
+        return x
+    if channels is None:
+        channels = next((ctx.input(i).shape[0] for i in (3, 4) if ctx.input(i).shape is not None), None)
+    running = [TensorType(ctx.input(i).dtype, (channels,)) for i in (3, 4)]
+    return [x] + running[:ctx.num_outputs - 1]
+
+
+def _batch_norm_apply(x: np.ndarray, scale, b, mean, var, epsilon: float, acc: np.dtype) -> np.ndarray:
+    """(X - mean) / sqrt(var + epsilon) * scale + B in ``acc``, the statistics per channel."""
+    shape = _channel_shape(x)
+
+    def per_channel(v):
+        return np.asarray(v).astype(acc).reshape(shape)
+
+    inv = 1.0 / np.sqrt(per_channel(var) + acc.type(epsilon))
+    return (x.astype(acc) - per_channel(mean)) * inv * per_channel(scale) + per_channel(b)
 
 
 @op("BatchNormalization",
@@ -55,19 +73,32 @@ def infer_batch_norm(ctx: InferContext) -> TensorType:
            Attr("training_mode", AttrKind.INT, 0)],
     infer=infer_batch_norm)
 def batch_normalization(x, scale, b, mean, var, *, epsilon, momentum, training_mode):
-    """Y = (X - mean) / sqrt(var + epsilon) * scale + B with the stored statistics
-    (momentum only matters in training mode)."""
-    if training_mode:
-        raise ValueError("training_mode=1 is not supported")
+    """Inference mode: Y = (X - input_mean) / sqrt(input_var + epsilon) * scale + B.
+
+    Training mode (BatchNormalization-15): Y normalizes with the batch's own statistics, the mean and the
+    population variance (divided by the count, not count - 1) of each channel over every axis but 1, computed
+    in float32 or wider; the other outputs are running_mean = input_mean * momentum + mean * (1 - momentum)
+    and running_var likewise from input_var and the variance, in input_mean's (input_var's) type. An empty
+    batch has NaN statistics."""
     acc = compute_dtype(x.dtype)
-    shape = _channel_shape(x)
+    if not training_mode:
+        return _batch_norm_apply(x, scale, b, mean, var, epsilon, acc).astype(x.dtype)
+    axes = (0,) + tuple(range(2, x.ndim))
+    xa = x.astype(acc)
+    count = x.size // max(x.shape[1], 1)
+    if count:
+        cur_mean = xa.mean(axis=axes)
+        cur_var = np.square(xa - cur_mean.reshape(_channel_shape(x))).mean(axis=axes)
+    else:
+        cur_mean = cur_var = np.full(x.shape[1], np.nan, acc)
+    y = _batch_norm_apply(x, scale, b, cur_mean, cur_var, epsilon, acc).astype(x.dtype)
 
-    def per_channel(v):
-        return v.astype(acc).reshape(shape)
+    def running(stored, current):
+        wide = compute_dtype(stored.dtype)
+        return (stored.astype(wide) * wide.type(momentum) + current.astype(wide) * wide.type(1 - momentum)
+                ).astype(stored.dtype)
 
-    inv = 1.0 / np.sqrt(per_channel(var) + acc.type(epsilon))
-    y = (x.astype(acc) - per_channel(mean)) * inv * per_channel(scale) + per_channel(b)
-    return y.astype(x.dtype)
+    return y, running(mean, cur_mean), running(var, cur_var)
 
 
 # --------------------------------------------------------------------------- LayerNormalization
@@ -159,6 +190,92 @@ def instance_normalization(x, scale, b, *, epsilon):
     shape = _channel_shape(x)
     y = (xa - mean) / np.sqrt(var + acc.type(epsilon)) * scale.astype(acc).reshape(shape)
     return (y + b.astype(acc).reshape(shape)).astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- GroupNormalization
+
+
+def infer_group_norm(ctx: InferContext) -> TensorType:
+    _check_dtypes(ctx, 1, 2)
+    _stash_dtype(ctx)
+    groups = ctx.attrs["num_groups"]
+    if groups < 1:
+        ctx.fail(f"num_groups must be >= 1, got {groups}")
+    x = ctx.input(0)
+    if x.shape is None:
+        return x
+    if len(x.shape) < 2:
+        ctx.fail(f"X must have rank >= 2 ([N, C, ...]), got shape {list(x.shape)}")
+    channels = x.shape[1]
+    if isinstance(channels, int) and channels % groups:
+        ctx.fail(f"num_groups {groups} does not divide the {channels} channels of X")
+    _check_per_channel(ctx, 1, "scale", channels)
+    _check_per_channel(ctx, 2, "bias", channels)
+    return x
+
+
+@op("GroupNormalization", inputs=[In("X", FLOAT), In("scale", FLOAT), In("bias", FLOAT)], outputs=["Y"],
+    attrs=[Attr("num_groups", AttrKind.INT), Attr("epsilon", AttrKind.FLOAT, 1e-5),
+           Attr("stash_type", AttrKind.INT, 1)],
+    infer=infer_group_norm)
+def group_normalization(x, scale, bias, *, num_groups, epsilon, stash_type):
+    """GroupNormalization-21: the channels of X [N, C, ...] split into num_groups groups of C / num_groups; each
+    (sample, group) normalized by its mean and population variance, (X - mean) / sqrt(var + epsilon), then scaled
+    and shifted per channel. The normalization runs in stash_type (X cast to it, epsilon a float32 cast to it,
+    statistics accumulated in float32 or wider, the result rounded to stash_type and cast to X's type), the scale
+    and shift in X's type (one rounding), as ONNX's function body. The variance is taken of X - mean, not as
+    E[X^2] - mean^2 (the body's form), which is the same number but can round below zero (a NaN from sqrt)
+    where a group is nearly constant."""
+    if x.size == 0:
+        return x.copy()
+    stash = DType(stash_type).numpy
+    wide = compute_dtype(stash)
+    n = x.shape[0]
+    xg = x.astype(stash).astype(wide).reshape(n, num_groups, -1)
+    centered = xg - xg.mean(axis=2, keepdims=True)
+    var = np.square(centered).mean(axis=2, keepdims=True)
+    eps = np.asarray(np.float32(epsilon)).astype(stash).astype(wide)
+    normalized = (centered / np.sqrt(var + eps)).astype(stash).astype(x.dtype).reshape(x.shape)
+    acc = compute_dtype(x.dtype)
+    shape = _channel_shape(x)
+    y = normalized.astype(acc) * scale.astype(acc).reshape(shape) + bias.astype(acc).reshape(shape)
+    return y.astype(x.dtype)
+
+
+# --------------------------------------------------------------------------- LRN
+
+
+def infer_lrn(ctx: InferContext) -> TensorType:
+    size = ctx.attrs["size"]
+    if size < 1:
+        ctx.fail(f"size must be >= 1 (channels summed over), got {size}")
+    x = ctx.input(0)
+    if x.shape is not None and len(x.shape) < 2:
+        ctx.fail(f"X must have rank >= 2 ([N, C, ...]), got shape {list(x.shape)}")
+    return x
+
+
+@op("LRN", inputs=[In("X", FLOAT)], outputs=["Y"],
+    attrs=[Attr("size", AttrKind.INT), Attr("alpha", AttrKind.FLOAT, 1e-4), Attr("beta", AttrKind.FLOAT, 0.75),
+           Attr("bias", AttrKind.FLOAT, 1.0)],
+    infer=infer_lrn)
+def lrn(x, *, size, alpha, beta, bias):
+    """Local response normalization across channels (LRN-13): Y = X / (bias + alpha / size * square_sum) ^ beta,
+    square_sum[n, c, ...] the sum of X[n, i, ...]^2 over max(0, c - floor((size-1)/2)) <= i <=
+    min(C-1, c + ceil((size-1)/2)). (ONNX's reference evaluator walks the window over the batch axis instead of
+    the channels, so it agrees with this only where N = C; ONNX Runtime follows the definition.)"""
+    acc = compute_dtype(x.dtype)
+    sq = np.square(x.astype(acc))
+    channels = x.shape[1]
+    before = (size - 1) // 2
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (before, size - 1 - before)
+    padded = np.pad(sq, pad)
+    square_sum = np.zeros_like(sq)
+    for k in range(size):  # one shifted slice per window position: size is small (3 or 5 in practice)
+        square_sum += padded[:, k:k + channels]
+    y = x.astype(acc) / np.power(acc.type(bias) + acc.type(alpha / size) * square_sum, acc.type(beta))
+    return y.astype(x.dtype)
 
 
 # --------------------------------------------------------------------------- Softmax, LogSoftmax

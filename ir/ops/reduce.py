@@ -1,5 +1,6 @@
 """Reductions and their relatives (ONNX semantics at opset 18): ReduceSum/Mean/Max/Min/Prod/L2
-(axes as an optional input), ArgMax/ArgMin, TopK, CumSum and CumProd (ai.onnx opset 26)."""
+(axes as an optional input; ReduceMax/ReduceMin-20 also on bool), ArgMax/ArgMin, TopK, CumSum and
+CumProd (ai.onnx opset 26)."""
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -12,9 +13,11 @@ from kiln.ir.registry import Attr, AttrKind, In, InferContext, Out, op
 from kiln.ir.types import TensorType, normalize_axis
 
 INT64 = frozenset({DType.INT64})
-# ONNX also lists uint32/uint64, which kiln lacks; ReduceMax/Min also take the 8-bit ints.
-REDUCE_T = FLOAT | frozenset({DType.INT32, DType.INT64})
+# ReduceMax/Min also take the 8-bit ints (MINMAX_T, the numeric types ArgMax/ArgMin share) and, from opset
+# 20, bool (False < True: max is any, min is all).
+REDUCE_T = FLOAT | frozenset({DType.INT32, DType.INT64, DType.UINT32, DType.UINT64})
 MINMAX_T = REDUCE_T | frozenset({DType.INT8, DType.UINT8})
+EXTREME_T = MINMAX_T | frozenset({DType.BOOL})
 
 
 def _axis(ctx: InferContext, axis: int, rank: int) -> int:
@@ -93,7 +96,10 @@ def _mean(x, axes):
 
 
 def _extreme(x: np.ndarray, largest: bool) -> float:
-    """The identity of max (min): what a reduction over no elements gives."""
+    """The identity of max (min): what a reduction over no elements gives (bool: False for max, True for min,
+    as ReduceMax-20/ReduceMin-20 define)."""
+    if x.dtype.kind == "b":
+        return not largest
     if x.dtype.kind in "iu":
         info = np.iinfo(x.dtype)
         return info.min if largest else info.max
@@ -133,8 +139,10 @@ def _register_reduce(name: str, types: frozenset, compute: Callable, doc: str) -
 
 _register_reduce("ReduceSum", REDUCE_T, _sum, "Sum over axes (all axes when none are given).")
 _register_reduce("ReduceMean", REDUCE_T, _mean, "Mean over axes; integers truncate.")
-_register_reduce("ReduceMax", MINMAX_T, _max, "Max over axes; over no elements, the lowest value.")
-_register_reduce("ReduceMin", MINMAX_T, _min, "Min over axes; over no elements, the highest value.")
+_register_reduce("ReduceMax", EXTREME_T, _max, "Max over axes (bool: any); over no elements, the lowest value "
+                 "(bool: False).")
+_register_reduce("ReduceMin", EXTREME_T, _min, "Min over axes (bool: all); over no elements, the highest value "
+                 "(bool: True).")
 _register_reduce("ReduceProd", REDUCE_T, _prod, "Product over axes.")
 _register_reduce("ReduceL2", REDUCE_T, _l2, "sqrt(sum(x^2)) over axes.")
 

@@ -1,4 +1,5 @@
-"""Tensor-creation ops: Identity, Constant, ConstantOfShape, EyeLike, Range, Dropout (ONNX opset 18).
+"""Tensor-creation ops: Identity, Constant, ConstantOfShape, EyeLike, Range (Range-27), Dropout (ONNX opset 18;
+inference only: training mode is exact only with ratio 0).
 
 Cast lives in ``logic.py``.
 """
@@ -9,15 +10,17 @@ from typing import Optional
 
 import numpy as np
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, UnsupportedOpError
+from kiln.ir.dtypes import ANY_TYPES as ANY
 from kiln.ir.dtypes import DType
+from kiln.ir.dtypes import dtype as as_dtype
 from kiln.ir.ops._common import ALL, BOOL, FLOAT, infer_same
 from kiln.ir.ops._dims import INT64, same_values, scalar_input, unknown_dims
 from kiln.ir.registry import Attr, AttrKind, In, InferContext, op
 from kiln.ir.types import TensorType
 
 
-@op("Identity", inputs=[In("input", ALL)], outputs=["output"], infer=infer_same, propagate=same_values(infer_same))
+@op("Identity", inputs=[In("input", ANY)], outputs=["output"], infer=infer_same, propagate=same_values(infer_same))
 def identity(x):
     return x
 
@@ -129,7 +132,11 @@ def eye_like(x, *, dtype=None, k=0):
 
 # --------------------------------------------------------------------------- Range
 
-_RANGE_TYPES = frozenset({DType.FLOAT32, DType.FLOAT64, DType.INT16, DType.INT32, DType.INT64})
+_RANGE_TYPES = frozenset({DType.FLOAT32, DType.FLOAT64, DType.INT16, DType.INT32, DType.INT64, DType.FLOAT16,
+                          DType.BFLOAT16})
+_HALF = frozenset({DType.FLOAT16, DType.BFLOAT16})
+# Range-27's stash_type (a TensorProto code): the type a float16/bfloat16 range is computed in.
+_STASH_TYPES = {DType.FLOAT32.value: np.float32, DType.FLOAT64.value: np.float64}
 
 
 def range_length(start: float, limit: float, delta: float) -> int:
@@ -167,22 +174,42 @@ def _infer_range(ctx: InferContext) -> TensorType:
     dtype = types[0].dtype
     if any(t.dtype is not dtype for t in types):
         ctx.fail(f"start, limit and delta must share a dtype, got {', '.join(str(t.dtype) for t in types)}")
+    stash = ctx.attrs["stash_type"]
+    if dtype in _HALF and stash not in _STASH_TYPES:
+        ctx.fail(f"stash_type {stash} is not 1 (float) or 11 (double), the types a {dtype} range is computed in")
     return TensorType(dtype, (_range_dim(ctx, dtype),))
 
 
 @op("Range", inputs=[In("start", _RANGE_TYPES, max_elements=1), In("limit", _RANGE_TYPES, max_elements=1),
                     In("delta", _RANGE_TYPES, max_elements=1)],
-    outputs=["output"], infer=_infer_range)
-def range_(start, limit, delta):
+    outputs=["output"], attrs=[Attr("stash_type", AttrKind.INT, DType.FLOAT32.value)], infer=_infer_range)
+def range_(start, limit, delta, *, stash_type=DType.FLOAT32.value):
+    """Range-27: start + i * delta for i in [0, max(ceil((limit - start) / delta), 0)). Integers exactly;
+    float and double as ONNX's reference computes them (in double, then rounded). float16/bfloat16 (new in 27)
+    are computed in stash_type (float by default, or double) and rounded once: start cast to it, the steps
+    taken there (numpy's arange in that type, as ONNX's reference does), the result cast back. stash_type has
+    no effect on the other types, so Range-11 is this op on its types."""
     dtype = np.asarray(start).dtype
     if dtype.kind in "iu":
         s, lim, d = (int(np.asarray(v).reshape(-1)[0]) for v in (start, limit, delta))
         return (s + np.arange(range_length(s, lim, d), dtype=np.int64) * d).astype(dtype)
     s, lim, d = (float(np.asarray(v).reshape(-1)[0]) for v in (start, limit, delta))
+    if as_dtype(dtype) in _HALF:
+        work = _STASH_TYPES.get(int(stash_type))
+        if work is None:
+            raise ValueError(f"stash_type {stash_type} is not 1 (float) or 11 (double)")
+        range_length(s, lim, d)  # delta 0 is an error, not numpy's ZeroDivisionError
+        first = np.asarray(start).reshape(-1)[0].astype(work).item()
+        return np.arange(first, lim, d, dtype=work).astype(dtype)
     return (s + np.arange(range_length(s, lim, d), dtype=np.float64) * d).astype(dtype)
 
 
 # --------------------------------------------------------------------------- Dropout
+
+
+def dropout_ratio(ratio: Optional[np.ndarray]) -> float:
+    """The drop probability: ONNX's default 0.5 when the ratio input is omitted."""
+    return 0.5 if ratio is None else float(np.asarray(ratio).reshape(-1)[0])
 
 
 def _infer_dropout(ctx: InferContext) -> list[TensorType]:
@@ -192,8 +219,11 @@ def _infer_dropout(ctx: InferContext) -> list[TensorType]:
     if ctx.has_input(2):
         scalar_input(ctx, 2, "training_mode")
         mode = ctx.const(2)
-        if mode is not None and bool(mode.reshape(-1)[0]):
-            ctx.fail("training_mode=True is not supported: kiln runs Dropout for inference only")
+        ratio = ctx.const(1) if ctx.has_input(1) else None
+        ratio_known = ratio is not None or not ctx.has_input(1)  # a computed ratio is checked at run time
+        if mode is not None and bool(mode.reshape(-1)[0]) and ratio_known and dropout_ratio(ratio) != 0:
+            ctx.fail(f"training_mode=True with ratio {dropout_ratio(ratio)} is not supported: kiln runs Dropout for "
+                     f"inference only (training mode is exact only with ratio 0, where it is the identity)")
     mask = TensorType(DType.BOOL, x.shape)
     return [x, mask][:ctx.num_outputs]
 
@@ -203,7 +233,11 @@ def _infer_dropout(ctx: InferContext) -> list[TensorType]:
     outputs=["output", In("mask", BOOL, optional=True)], attrs=[Attr("seed", AttrKind.INT, None)],
     infer=_infer_dropout)
 def dropout(data, ratio=None, training_mode=None, *, seed=None):
-    if training_mode is not None and bool(np.asarray(training_mode).reshape(-1)[0]):
-        # A ValueError (not a KilnError) so that the evaluator's message names the node.
-        raise ValueError("training_mode=True is not supported: kiln runs Dropout for inference only")
+    """The identity and an all-true mask: Dropout outside training, and in training with ratio 0 (nothing
+    dropped, the scale 1 / (1 - 0) is 1). Training with another ratio draws random numbers no other runtime
+    reproduces: refused when the run meets it (training_mode may be computed, so it is checked here)."""
+    if training_mode is not None and bool(np.asarray(training_mode).reshape(-1)[0]) and dropout_ratio(ratio) != 0:
+        raise UnsupportedOpError(f"Dropout met training_mode=True with ratio {dropout_ratio(ratio)} at run time: kiln "
+                                 f"runs Dropout for inference only (training mode is exact only with ratio 0, "
+                                 f"where it is the identity)")
     return data, np.ones(data.shape, dtype=bool)

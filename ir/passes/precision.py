@@ -197,6 +197,8 @@ class _Converter:
             return self._keep_float32(g, node, "policy")
         if node.op == "Cast" and node.attrs.get("to") == self.src.value:
             node.attrs["to"] = self.dst.value
+        elif node.op == "DequantizeLinear" and node.attrs.get("output_dtype") == self.src.value:
+            node.attrs["output_dtype"] = self.dst.value  # a float32 output_dtype follows as Cast's `to` does
         elif node.op == "ConstantOfShape":
             fill = node.attrs.get("value")
             if fill is not None and np.asarray(fill).dtype == self.src.numpy:

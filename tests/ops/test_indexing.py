@@ -614,3 +614,124 @@ def test_nonzero_lists_indices_row_major():
     check_op("NonZero", [x], np.array([[0, 0, 1], [0, 2, 2]], np.int64))
     check_op("NonZero", [np.zeros((2, 3), bool)], np.zeros((2, 0), np.int64))
     check_op("NonZero", [np.array(3, np.int32)], np.zeros((1, 1), np.int64))
+
+
+# --------------------------------------------------------------------------- ReverseSequence
+
+
+def onnx_model(op, inputs, attrs, opset, initializers=()):
+    onnx = pytest.importorskip("onnx")
+    from onnx import helper, numpy_helper
+    names = [f"i{k}" for k in range(len(inputs))]
+    vi = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+          for k, (n, a) in enumerate(zip(names, inputs)) if k not in initializers]
+    inits = [numpy_helper.from_array(inputs[k], names[k]) for k in initializers]
+    graph = helper.make_graph([helper.make_node(op, names, ["y"], **attrs)], "g", vi,
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.UNDEFINED, None)], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+@pytest.mark.parametrize("shape,batch_axis,time_axis,lens", [
+    ((4, 4), 1, 0, [4, 3, 2, 1]), ((4, 4), 0, 1, [1, 2, 3, 4]), ((5, 3, 2), 1, 0, [0, 5, 2]),
+    ((3, 5, 2, 2), 0, 1, [5, 1, 3]), ((2, 6), 0, 1, [0, 0])])
+def test_reverse_sequence_matches_onnx_reference(shape, batch_axis, time_axis, lens):
+    x = arange(shape)
+    lens = np.array(lens, np.int64)
+    attrs = {"batch_axis": batch_axis, "time_axis": time_axis}
+    want = onnx_reference("ReverseSequence", [x, lens], attrs, opset=10)
+    check_op("ReverseSequence", [x, lens], want, attrs)
+    check_op("ReverseSequence", [x, lens], want, attrs, const_inputs=[1])
+
+
+def test_reverse_sequence_spec_example():
+    x = arange((4, 4)).T.copy()
+    check_op("ReverseSequence", [x, i64(4, 3, 2, 1)],
+             np.array([[3, 6, 9, 12], [2, 5, 8, 13], [1, 4, 10, 14], [0, 7, 11, 15]], np.float32),
+             {"time_axis": 0, "batch_axis": 1})
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int64, bool, np.float16, "bfloat16"])
+def test_reverse_sequence_dtypes(dtype):
+    import ml_dtypes
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    x = arange((3, 4), np.float32) % 5
+    want = onnx_reference("ReverseSequence", [x, i64(2, 4, 1)], {"batch_axis": 0, "time_axis": 1}, opset=10)
+    check_op("ReverseSequence", [x.astype(dt), i64(2, 4, 1)], want.astype(dt), {"batch_axis": 0, "time_axis": 1})
+
+
+def test_reverse_sequence_keeps_symbolic_dims():
+    [shape] = inferred("ReverseSequence", [arange((5, 3, 2)), i64(1, 2, 3)])
+    assert shape == ("batch", 3, 2)
+
+
+@pytest.mark.parametrize("shape,lens,attrs,match", [
+    ((4, 3), [1, 2, 3], {"batch_axis": 1, "time_axis": 1}, "must be 0 and 1"),
+    ((4, 3), [1, 2, 3], {"batch_axis": 2, "time_axis": 0}, "must be 0 and 1"),
+    ((4,), [1], {}, "rank >= 2"),
+    ((4, 3), [1, 2], {}, "sequence_lens has 2 lengths, but the batch axis 1 of input has 3"),
+    ((4, 3), [1, 5, 2], {}, r"must lie in \[0, 4\]"),
+    ((4, 3), [1, -1, 2], {}, r"must lie in \[0, 4\]"),
+])
+def test_reverse_sequence_bad_inputs_fail(shape, lens, attrs, match):
+    with pytest.raises(ShapeInferenceError, match=rf"\(ReverseSequence\).*{match}"):
+        build_single("ReverseSequence", [arange(shape), np.array(lens, np.int64)], attrs, const_inputs=[1])
+
+
+def test_reverse_sequence_length_out_of_range_at_run_time_fails():
+    g, feeds = build_single("ReverseSequence", [arange((4, 3)), i64(1, 5, 2)])
+    with pytest.raises(EvaluationError, match=r"must lie in \[0, 4\]"):
+        evaluate(g, feeds)
+
+
+def test_reverse_sequence_28_imports():
+    import kiln
+    x, lens = arange((3, 4)), i64(4, 0, 2)
+    model = onnx_model("ReverseSequence", [x, lens], {"batch_axis": 0, "time_axis": 1}, opset=28)
+    (y,) = kiln.load(kiln.import_onnx(model)).run([x, lens], as_list=True)
+    np.testing.assert_array_equal(y, onnx_reference("ReverseSequence", [x, lens], {"batch_axis": 0, "time_axis": 1},
+                                                    opset=10))
+
+
+# --------------------------------------------------------------------------- Scatter (deprecated): ScatterElements
+
+
+@pytest.mark.parametrize("opset", [9, 10, 11, 18])
+@pytest.mark.parametrize("axis", [None, 1, -2])
+def test_scatter_imports_as_scatter_elements(opset, axis):
+    import kiln
+    data = arange((3, 4))
+    indices = np.array([[1, 0, 2, 0], [2, 2, 0, 1]], np.int64) if axis != 1 else np.array([[3, 0], [1, 2], [0, 3]])
+    updates = -arange(indices.shape) - 1
+    attrs = {} if axis is None else {"axis": axis}
+    for initializers in ((), (1,)):
+        model = onnx_model("Scatter", [data, indices, updates], attrs, opset, initializers)
+        graph = kiln.import_onnx(model)
+        assert [n.op for n in graph.nodes] == ["ScatterElements"]
+        assert graph.nodes[0].attrs.get("axis", 0) == (axis or 0)
+        feeds = [data, updates] if initializers else [data, indices, updates]
+        (y,) = kiln.load(graph).run(feeds, as_list=True)
+        want = onnx_reference("ScatterElements", [data, indices, updates], attrs, opset=11)
+        np.testing.assert_array_equal(y, want)
+
+
+def test_scatter_int32_indices_and_a_bad_axis():
+    import kiln
+    data, indices, updates = arange((2, 3)), np.array([[2], [0]], np.int32), np.array([[7.0], [8.0]], np.float32)
+    (y,) = kiln.load(kiln.import_onnx(onnx_model("Scatter", [data, indices, updates], {"axis": 1}, 10))).run(
+        [data, indices, updates], as_list=True)
+    np.testing.assert_array_equal(y, [[0, 1, 7], [8, 4, 5]])
+    with pytest.raises(kiln.KilnError, match=r"ScatterElements.*axis 2 is out of range"):
+        kiln.import_onnx(onnx_model("Scatter", [data, indices, updates], {"axis": 2}, 10))
+
+
+def test_reverse_sequence_of_bfloat16_exports_through_float32():
+    """ReverseSequence-10 (the opsets kiln writes) has no bfloat16 (28 adds it): Cast to float32 (exact), Cast back."""
+    import ml_dtypes
+    onnx = pytest.importorskip("onnx")
+    from kiln.serializer import onnx as kx
+    g, _ = build_single("ReverseSequence", [arange((3, 2)).astype(ml_dtypes.bfloat16), i64(2, 3)], const_inputs=[1])
+    proto = kx.to_onnx_model(g)
+    onnx.checker.check_model(proto, full_check=True)
+    assert [n.op_type for n in proto.graph.node] == ["Cast", "ReverseSequence", "Cast"]
+    g, _ = build_single("ReverseSequence", [arange((3, 2)).astype(np.float16), i64(2, 3)], const_inputs=[1])
+    assert [n.op_type for n in kx.to_onnx_model(g).graph.node] == ["ReverseSequence"]

@@ -198,3 +198,76 @@ def test_einsum_bad_equations_fail(equation, shapes, match):
     inputs = [np.zeros(s, np.float32) for s in shapes]
     with pytest.raises(ShapeInferenceError, match=rf"\(Einsum\).*{match}"):
         build_single("Einsum", inputs, dict(equation=equation))
+
+
+# --------------------------------------------------------------------------- Det
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 2), (3, 3), (5, 5), (3, 2, 2), (2, 3, 4, 4)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_det_matches_torch_and_onnx_reference(rng, shape, dtype):
+    from op_harness import onnx_reference
+    x = rand(rng, shape, dtype)
+    expected = torch.linalg.det(t64(x)).numpy()
+    outs = check_op("Det", [x], expected, symbolic_batch=len(shape) > 2, **TOL[dtype])
+    assert outs[0].shape == shape[:-2] and outs[0].dtype == dtype
+    np.testing.assert_allclose(outs[0], onnx_reference("Det", [x], {}, opset=22), **TOL[dtype])
+
+
+def test_det_of_singular_and_known_matrices():
+    diagonal = [[2, 0, 0], [0, 3, 0], [0, 0, 4]]
+    singular = [[1, 2, 3], [2, 4, 6], [0, 1, 1]]  # row 2 = 2 * row 1
+    swap = [[0, 1, 0], [1, 0, 0], [0, 0, 1]]
+    x = np.array([diagonal, singular, swap], np.float64)
+    check_op("Det", [x], np.array([24.0, 0.0, -1.0]), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+def test_det_of_half_types_computes_in_float32_and_rounds_once(rng, dtype):
+    import ml_dtypes
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    x = rand(rng, (4, 3, 3)).astype(dt)
+    expected = np.linalg.det(x.astype(np.float32)).astype(dt)
+    (y,) = check_op("Det", [x], None)
+    assert y.dtype == dt
+    np.testing.assert_array_equal(y.astype(np.float32), expected.astype(np.float32))
+
+
+def test_det_of_empty_batches_and_empty_matrices():
+    (y,) = check_op("Det", [np.zeros((0, 2, 2), np.float32)], np.zeros(0, np.float32))
+    assert y.shape == (0,)
+    check_op("Det", [np.zeros((3, 0, 0), np.float32)], np.ones(3, np.float32))  # a 0x0 matrix: determinant 1
+
+
+def test_det_keeps_symbolic_batch_dims(rng):
+    [t] = out_types("Det", [rand(rng, (2, 5, 3, 3))], symbolic_batch=True)
+    assert t.shape == ("batch", 5)
+    [t] = out_types("Det", [rand(rng, (3, 3))])
+    assert t.shape == ()
+
+
+@pytest.mark.parametrize("shape,match", [((3,), r"rank >= 2 \(\[\*, M, M\]\)"), ((2, 3, 4), "square matrices")])
+def test_det_bad_inputs_fail(shape, match):
+    with pytest.raises(ShapeInferenceError, match=rf"\(Det\).*{match}"):
+        build_single("Det", [np.zeros(shape, np.float32)])
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+def test_det_of_half_types_exports_through_float32(rng, dtype):
+    """Det-22 only adds bfloat16, and onnxruntime has Det for float32 only: a 16-bit float Det is written as kiln
+    computes it, Cast to float32, Det, Cast back."""
+    import ml_dtypes
+    onnx = pytest.importorskip("onnx")
+    from kiln.ir import evaluate
+    from kiln.serializer import onnx as kx
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    x = rand(rng, (2, 3, 3)).astype(dt)
+    g, feeds = build_single("Det", [x])
+    for opset in (18, 22):
+        proto = kx.to_onnx_model(g, opset=opset)
+        onnx.checker.check_model(proto, full_check=True)
+        assert [n.op_type for n in proto.graph.node] == ["Cast", "Det", "Cast"]
+    if dt == np.float16:  # onnxruntime's Python binding takes no bfloat16
+        ort = pytest.importorskip("onnxruntime")
+        sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        np.testing.assert_array_equal(sess.run(None, {"x0": x})[0], evaluate(g, feeds)[0])

@@ -61,7 +61,7 @@ def test_bitwise(dtype):
     check_op("BitwiseOr", [a, b], a | b)
     check_op("BitwiseXor", [a, b], a ^ b)
     check_op("BitwiseNot", [a], ~a)
-    with pytest.raises(VerifyError, match="allowed: int16, int32, int64, int8, uint8"):
+    with pytest.raises(VerifyError, match="allowed: int16, int32, int64, int8, uint16, uint32, uint64, uint8"):
         build_single("BitwiseAnd", [a.astype(np.float32), b.astype(np.float32)])
 
 

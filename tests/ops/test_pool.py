@@ -105,9 +105,121 @@ def test_max_pool_auto_pad(rng, auto_pad, begin, end):
     check_op("MaxPool", [x], expected, dict(kernel_shape=(2, 5), strides=(2, 2), auto_pad=auto_pad))
 
 
-def test_max_pool_indices_output_is_rejected():
-    with pytest.raises(ShapeInferenceError, match=r"\(MaxPool\).*Indices output of MaxPool is not supported"):
-        build_single("MaxPool", [np.zeros((1, 1, 4, 4), np.float32)], dict(kernel_shape=(2, 2)), num_outputs=2)
+# --------------------------------------------------------------------------- MaxPool's Indices output
+
+
+def loop_argmax(x, k, s, d, begin, out, storage_order):
+    """Indices as ONNX's reference computes them (onnx/reference/ops/op_max_pool.py), written as loops: per window
+    the first input position (row-major window order, padding skipped) holding a value strictly greater than
+    every earlier one; its flat index over [N, C, *spatial], the spatial part column major for storage_order 1."""
+    n, c = x.shape[:2]
+    sizes = x.shape[2:]
+    idx = np.full((n, c) + tuple(out), -1, np.int64)
+    for plane, o in itertools.product(range(n * c), itertools.product(*map(range, out))):
+        best, where = None, None
+        for t in itertools.product(*map(range, k)):
+            at = tuple(oi * si - bi + ti * di for oi, si, bi, ti, di in zip(o, s, begin, t, d))
+            if all(0 <= a < size for a, size in zip(at, sizes)):
+                v = x.reshape((n * c,) + sizes)[(plane,) + at]
+                if best is None or v > best:
+                    best, where = v, at
+        if where is None:
+            continue
+        dims = list(zip(where, sizes))
+        flat = 0
+        for a, size in (dims if storage_order == 0 else dims[::-1]):
+            flat = flat * size + a
+        idx[(plane // c, plane % c) + o] = plane * int(np.prod(sizes)) + flat
+    return idx
+
+
+def onnx_max_pool(x, attrs, opset=22):
+    """Y and Indices from ONNX's reference evaluator (a two-output MaxPool model)."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import helper
+    from onnx.reference import ReferenceEvaluator
+    node = helper.make_node("MaxPool", ["x"], ["y", "z"], **attrs)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(
+        "x", helper.np_dtype_to_tensor_dtype(x.dtype), x.shape)], [
+        helper.make_tensor_value_info("y", onnx.TensorProto.UNDEFINED, None),
+        helper.make_tensor_value_info("z", onnx.TensorProto.INT64, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return ReferenceEvaluator(model).run(None, {"x": x})
+
+
+def test_max_pool_indices_onnx_examples():
+    """The node tests test_maxpool_with_argmax_2d_precomputed_pads / _strides (storage_order 1)."""
+    x = np.arange(1, 26, dtype=np.float32).reshape(1, 1, 5, 5)
+    y, z = check_op("MaxPool", [x], None, dict(kernel_shape=(5, 5), pads=(2, 2, 2, 2)), num_outputs=2)
+    np.testing.assert_array_equal(z[0, 0, :, 0], [12, 17, 22, 22, 22])
+    np.testing.assert_array_equal(z[0, 0, 0], [12, 13, 14, 14, 14])
+    check_op("MaxPool", [x], [np.array([[[[7, 9], [17, 19]]]], np.float32), np.array([[[[6, 16], [8, 18]]]])],
+             dict(kernel_shape=(2, 2), strides=(2, 2), storage_order=1), num_outputs=2)
+
+
+@pytest.mark.parametrize("spatial,k,s,p,d,ceil", MAX_CASES)
+@pytest.mark.parametrize("storage_order", [0, 1])
+def test_max_pool_indices_match_loops(rng, spatial, k, s, p, d, ceil, storage_order):
+    """Small integers make ties: the first maximum in window order wins, never a padded position."""
+    x = rng.integers(-2, 2, (2, 3) + spatial).astype(np.float32)
+    attrs = dict(kernel_shape=k, strides=s, pads=p + p, dilations=d, ceil_mode=ceil, storage_order=storage_order)
+    y, z = check_op("MaxPool", [x], None, attrs, num_outputs=2, symbolic_batch=True)
+    assert z.dtype == np.int64 and z.shape == y.shape
+    want = loop_argmax(x, k, s, d, p, y.shape[2:], storage_order)
+    np.testing.assert_array_equal(z, want)
+    np.testing.assert_array_equal(x.reshape(-1)[z] if storage_order == 0 or len(k) == 1 else y, y)
+
+
+@pytest.mark.parametrize("spatial,k,s,p,d,ceil", [c for c in MAX_CASES if c[2] != (1,) * len(c[1]) or
+                                                  c[4] != (1,) * len(c[1])])
+@pytest.mark.parametrize("storage_order", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.int8, np.uint8, np.float16])
+def test_max_pool_indices_match_onnx_reference(rng, spatial, k, s, p, d, ceil, storage_order, dtype):
+    """ONNX's reference computes Indices in its general path (strides or dilations not all 1; its all-1 path leaves
+    out the [N, C] offset and storage_order, against the spec: test_max_pool_indices_match_loops covers those)."""
+    x = rng.integers(0, 4, (2, 3) + spatial).astype(dtype)
+    attrs = dict(kernel_shape=list(k), strides=list(s), pads=list(p + p), dilations=list(d), ceil_mode=ceil,
+                 storage_order=storage_order)
+    want = onnx_max_pool(x, attrs)
+    check_op("MaxPool", [x], want, attrs, num_outputs=2)
+
+
+@pytest.mark.parametrize("spatial,k,s,p", [((8, 9), (3, 3), (2, 2), (1, 1)), ((11,), (3,), (2,), (1,)),
+                                           ((5, 6, 7), (2, 3, 2), (2, 1, 2), (1, 1, 0))])
+def test_max_pool_indices_match_torch(rng, spatial, k, s, p):
+    """torch's indices are per (n, c) plane, row major: ONNX's are the same plus the plane's offset."""
+    x = rand(rng, (2, 3) + spatial, np.float64)
+    values, idx = MAX[len(k)](t64(x), k, s, p, return_indices=True)
+    plane = np.arange(6).reshape(2, 3, *([1] * len(k))) * int(np.prod(spatial))
+    check_op("MaxPool", [x], [values.numpy(), idx.numpy() + plane], dict(kernel_shape=k, strides=s, pads=p + p),
+             num_outputs=2)
+
+
+def test_max_pool_indices_edge_values():
+    """-inf (and the lowest int8) at an input position beats the padding it ties with; a NaN maximum points
+    at its window's first NaN; an empty batch gives empty Indices."""
+    x = np.full((1, 1, 3, 3), -np.inf, np.float32)
+    y, z = check_op("MaxPool", [x], None, dict(kernel_shape=(2, 2), pads=(1, 1, 0, 0)), num_outputs=2)
+    np.testing.assert_array_equal(z[0, 0], [[0, 0, 1], [0, 0, 1], [3, 3, 4]])  # each window's first input position
+    xi = np.full((1, 1, 2, 3), -128, np.int8)
+    _, zi = check_op("MaxPool", [xi], None, dict(kernel_shape=(2, 2), pads=(1, 1, 1, 1), strides=(2, 2)),
+                     num_outputs=2)
+    np.testing.assert_array_equal(zi[0, 0], [[0, 1], [3, 4]])
+    xn = np.array([[[1, np.nan, 3, np.nan, 0]]], np.float32)
+    yn, zn = check_op("MaxPool", [xn], None, dict(kernel_shape=(3,)), num_outputs=2)
+    np.testing.assert_array_equal(zn[0, 0], [1, 1, 3])
+    empty = np.zeros((0, 2, 4, 4), np.float32)
+    ye, ze = check_op("MaxPool", [empty], None, dict(kernel_shape=(2, 2)), num_outputs=2)
+    assert ye.shape == ze.shape == (0, 2, 3, 3) and ze.dtype == np.int64
+
+
+def test_max_pool_indices_inference():
+    g, _ = build_single("MaxPool", [np.zeros((1, 2, 8, 9), np.float32)], dict(kernel_shape=(3, 3), strides=(2, 2)),
+                        num_outputs=2, symbolic_batch=True)
+    assert [str(v.type) for v in g.outputs] == ["float32[batch,2,3,4]", "int64[batch,2,3,4]"]
+    with pytest.raises(ShapeInferenceError, match=r"\(MaxPool\).*storage_order must be 0 \(row major\) or 1"):
+        build_single("MaxPool", [np.zeros((1, 1, 4, 4), np.float32)], dict(kernel_shape=(2, 2), storage_order=2),
+                     num_outputs=2)
 
 
 def test_pool_symbolic_dims():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from op_harness import build_single, check_op, onnx_reference
 
-from kiln.errors import ShapeInferenceError
+from kiln.errors import ShapeInferenceError, VerifyError
 
 torch = pytest.importorskip("torch")
 
@@ -77,6 +77,39 @@ def test_reduce_matches_flattened_numpy(rng, op, axes, keepdims, dtype):
 def test_reduce_max_min_small_ints(rng, op, dtype):
     x = rand(rng, (3, 5), dtype)
     check_op(op, reduce_inputs(x, [1]), flat_reduce(op, x, [1], 1).astype(dtype), const_inputs=[1])
+
+
+@pytest.mark.parametrize("op,oracle", [("ReduceMax", np.any), ("ReduceMin", np.all)])
+@pytest.mark.parametrize("axes", [None, [1], [-1, 0], [0, 1, 2], []])
+@pytest.mark.parametrize("keepdims", [0, 1])
+@pytest.mark.parametrize("noop", [0, 1])
+def test_reduce_max_min_of_bool_match_onnx_reference(rng, op, oracle, axes, keepdims, noop):
+    """ReduceMax/ReduceMin-20 take bool (False < True): max is any, min is all."""
+    x = rng.random((2, 3, 4)) < 0.3
+    x[1] = ~x[1] if op == "ReduceMin" else x[1]
+    inputs = reduce_inputs(x, axes)
+    attrs = dict(keepdims=keepdims, noop_with_empty_axes=noop)
+    want = onnx_reference(op, inputs, attrs, opset=20)
+    check_op(op, inputs, want, attrs, const_inputs=[1], symbolic_batch=True)
+    if axes:
+        np.testing.assert_array_equal(want, oracle(x, axis=tuple(axes), keepdims=bool(keepdims)))
+
+
+@pytest.mark.parametrize("op,identity", [("ReduceMax", False), ("ReduceMin", True)])
+def test_reduce_max_min_of_bool_over_no_elements(op, identity):
+    x = np.zeros((2, 0, 3), bool)
+    want = onnx_reference(op, [x, np.array([1], np.int64)], {}, opset=20)
+    np.testing.assert_array_equal(want, np.full((2, 1, 3), identity))
+    check_op(op, [x, np.array([1], np.int64)], want, const_inputs=[1])
+    check_op(op, [x, None], np.full((1, 1, 1), identity), {})
+    check_op(op, [x], np.full((1, 1, 1), identity), {})
+
+
+def test_reduce_bool_is_max_min_only():
+    with pytest.raises(VerifyError, match=r"\(ReduceSum\): input 0 \('data'\) is bool"):
+        build_single("ReduceSum", [np.zeros((2, 3), bool)], {})
+    with pytest.raises(VerifyError, match=r"\(ArgMax\): input 0 \('data'\) is bool"):
+        build_single("ArgMax", [np.zeros((2, 3), bool)], {})
 
 
 def test_reduce_keeps_symbolic_batch(rng):

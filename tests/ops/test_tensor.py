@@ -1,4 +1,5 @@
-"""Identity, Constant, ConstantOfShape, EyeLike, Range and Dropout against torch and hand values."""
+"""Identity, Constant, ConstantOfShape, EyeLike, Range (Range-27) and Dropout against torch, ONNX's reference
+evaluator and hand values."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 from op_harness import build_single, check_op, i64, onnx_reference
 
-from kiln.errors import ShapeInferenceError
+from kiln.errors import ShapeInferenceError, UnsupportedOpError
 from kiln.ir import DType, Graph, evaluate, verify
 from kiln.ir.evaluator import EvaluationError
 from kiln.ir.passes import infer_shapes
@@ -152,6 +153,39 @@ def test_range_symbolic_length():
     np.testing.assert_array_equal(evaluate(g, [np.zeros((2, 5, 4), np.float32)])[0], np.arange(5))
 
 
+@pytest.mark.parametrize("start, limit, delta", [(1, 5, 1), (0.5, 10.25, 0.75), (10, -3, -1.5), (3, 3, 1),
+                                                 (2, 1, 1), (1000, 1032, 0.125), (-7.25, 300.5, 3.3)])
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("stash_type", [None, 1, 11])
+def test_range_27_half_types_match_onnx_reference(start, limit, delta, dtype, stash_type):
+    """Range-27: float16/bfloat16 computed in stash_type (float unless 11, double) and rounded once, exactly as ONNX's
+    reference computes them; ones the half types cannot step through exactly (1000 + k/8 in bfloat16) show it."""
+    args = [np.array(v).astype(dtype) for v in (start, limit, delta)]
+    attrs = {} if stash_type is None else {"stash_type": stash_type}
+    want = onnx_reference("Range", args, attrs, opset=27)
+    got = check_op("Range", args, None, attrs, const_inputs=[0, 1, 2])[0]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got.astype(np.float64), want.astype(np.float64))
+    check_op("Range", args, [want], attrs)  # run-time inputs: the length is known at run time only
+
+
+def test_range_27_stash_type_changes_half_results():
+    """Stepping float16 itself would stall at 2048 + 1 == 2048; float (the default stash) does not."""
+    args = [np.array(v, np.float16) for v in (2040, 2060, 1)]
+    got = check_op("Range", args, None, {}, const_inputs=[0, 1, 2])[0]
+    np.testing.assert_array_equal(got, (2040 + np.arange(20, dtype=np.float32)).astype(np.float16))
+    assert got[-1] == 2060  # 2059 rounded to float16's even numbers above 2048, not stalled at 2048
+
+
+@pytest.mark.parametrize("stash_type", [1, 11, 7])
+def test_range_stash_type_has_no_effect_on_other_types(stash_type):
+    args = [np.array(v, np.float32) for v in (0.0, 1.0, 0.1)]
+    want = onnx_reference("Range", args, {}, opset=11)
+    check_op("Range", args, want, {"stash_type": stash_type}, const_inputs=[0, 1, 2])
+    check_op("Range", [np.array(v, np.int32) for v in (5, -4, -2)], np.array([5, 3, 1, -1, -3], np.int32),
+             {"stash_type": stash_type})
+
+
 def test_range_errors():
     with pytest.raises(ShapeInferenceError, match=r"node 'range' \(Range\).*delta must not be 0"):
         build_single("Range", [np.array(0, np.int64)] * 3, const_inputs=[0, 1, 2])
@@ -159,6 +193,13 @@ def test_range_errors():
         build_single("Range", [np.array(0, np.int64), np.array(3, np.int32), np.array(1, np.int64)])
     with pytest.raises(ShapeInferenceError, match="must be a scalar"):
         build_single("Range", [np.array([0, 1], np.int64), np.array(3, np.int64), np.array(1, np.int64)])
+    with pytest.raises(ShapeInferenceError, match=r"\(Range\).*stash_type 10 is not 1 \(float\) or 11 \(double\)"):
+        build_single("Range", [np.array(v, np.float16) for v in (0, 3, 1)], {"stash_type": 10})
+    with pytest.raises(ShapeInferenceError, match=r"\(Range\).*delta must not be 0"):
+        build_single("Range", [np.array(v, np.float16) for v in (0, 3, 0)], const_inputs=[0, 1, 2])
+    g, feeds = build_single("Range", [np.array(v, np.float16) for v in (0, 3, 0)])
+    with pytest.raises(EvaluationError, match="delta must not be 0"):
+        evaluate(g, feeds)
 
 
 # --------------------------------------------------------------------------- Dropout
@@ -172,10 +213,24 @@ def test_dropout_is_identity_at_inference(dtype):
              const_inputs=[1, 2], num_outputs=2, symbolic_batch=True)
 
 
-def test_dropout_training_mode_is_rejected():
-    x = np.ones((2, 2), np.float32)
-    with pytest.raises(ShapeInferenceError, match=r"node 'dropout' \(Dropout\).*training_mode=True"):
+def test_dropout_training_mode_is_exact_only_with_ratio_0():
+    """Training mode with ratio 0 drops nothing and scales by 1: the identity, the mask all true (what ONNX's
+    reference and onnxruntime give). Any other ratio draws random numbers: refused, at inference when constant,
+    else when the run meets it."""
+    x = np.linspace(-1, 1, 12).reshape(3, 4).astype(np.float32)
+    want = [x, np.ones((3, 4), bool)]
+    for const in ([1, 2], [], [1], [2]):
+        check_op("Dropout", [x, np.array(0, np.float32), np.array(True)], want, const_inputs=const, num_outputs=2)
+    ref = onnx_reference("Dropout", [x, np.array(0, np.float32), np.array(True)], {"seed": 0}, opset=22)
+    np.testing.assert_array_equal(ref, x)
+    with pytest.raises(ShapeInferenceError, match=r"node 'dropout' \(Dropout\).*training_mode=True with ratio 0.5"):
         build_single("Dropout", [x, None, np.array(True)], const_inputs=[2])
-    g, feeds = build_single("Dropout", [x, None, np.array(True)])
-    with pytest.raises(EvaluationError, match=r"node 'dropout' \(Dropout\).*training_mode=True"):
-        evaluate(g, feeds)
+    with pytest.raises(ShapeInferenceError, match=r"\(Dropout\).*training_mode=True with ratio 0.25 is not supported"):
+        build_single("Dropout", [x, np.array(0.25, np.float32), np.array(True)], const_inputs=[1, 2])
+    for inputs, const in (([x, None, np.array(True)], []), ([x, np.array(0.25, np.float32), np.array(True)], [2])):
+        g, feeds = build_single("Dropout", inputs, const_inputs=const)
+        with pytest.raises(UnsupportedOpError, match=r"training_mode=True with ratio 0\.(5|25) at run time"):
+            evaluate(g, feeds)
+    # A computed training_mode that is False at run time: the identity whatever the ratio.
+    g, feeds = build_single("Dropout", [x, np.array(0.25, np.float32), np.array(False)])
+    np.testing.assert_array_equal(evaluate(g, feeds)[0], x)

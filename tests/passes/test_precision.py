@@ -137,15 +137,18 @@ def test_out_of_range_weights_are_clamped_and_counted():
 
 
 def test_an_op_whose_types_refuse_half_runs_in_float32():
-    g = Graph("r")
-    n = g.add_input("n", "float32", ())
-    r = g.op("Range", g.add_initializer("start", np.array(0, np.float32)), n,
-             g.add_initializer("step", np.array(1, np.float32)))
-    g.outputs = [g.op("Mul", r, g.add_initializer("k", np.array(2, np.float32)), name="y")]
+    """NonMaxSuppression takes float32 only (as ONNX's schema): in an fp16 model it stays float32, its inputs cast."""
+    g = Graph("nms")
+    boxes = g.add_input("boxes", "float32", (1, 3, 4))
+    scores = g.add_input("scores", "float32", (1, 1, 3))
+    scaled = g.op("Mul", boxes, g.add_initializer("k", np.array(2, np.float32)))
+    g.outputs = [g.op("NonMaxSuppression", scaled, scores, g.add_initializer("m", np.array([3], np.int64)),
+                      g.add_initializer("iou", np.array([0.5], np.float32)), name="y")]
     report = convert_precision(g, "fp16")
-    assert [e.split(":")[::2] for e in report.float32_nodes] == [["Range", "types"]]
-    got = kiln.load(g).run({"n": np.array(4, np.float32)})["y"]
-    np.testing.assert_array_equal(got, [0, 2, 4, 6])
+    assert [e.split(":")[::2] for e in report.float32_nodes] == [["NonMaxSuppression", "types"]]
+    b = np.array([[[0, 0, 1, 1], [0, 0, 1, 1.1], [2, 2, 3, 3]]], np.float32)
+    got = kiln.load(g).run({"boxes": b, "scores": np.array([[[0.9, 0.8, 0.7]]], np.float32)})["y"]
+    np.testing.assert_array_equal(got, [[0, 0, 0], [0, 0, 2]])
 
 
 def test_casts_to_float_inside_the_model_land_in_half():

@@ -513,7 +513,166 @@ CASES.update({
 })
 CASES.update({op: [([_f(2, 3, 4, lo=0.1), np.array([0, 2], I64)], {"keepdims": 1}, (1,), None)]
               for op in ["ReduceL1", "ReduceSumSquare", "ReduceLogSum", "ReduceLogSumExp"]})
+CASES.update({  # Swish-24, SwiGLU-28, CausalConvWithState-27: expanded into opset-18 ops (serializer/onnx.py)
+    "Swish": [([X], {"alpha": 0.5}, (), None), ([X.astype(np.float16)], {}, (), None)],
+    "SwiGLU": [([X, _f(2, 3, 4, seed=1)], {"alpha": 1.702}, (), None),
+               ([X.astype(np.float16), _f(2, 3, 4, seed=1).astype(np.float16)], {}, (), None)],
+    "CausalConvWithState": [([_f(2, 3, 5), _f(3, 1, 4, seed=1), _f(3, seed=2), _f(2, 3, 3, seed=3)],
+                             {"activation": "silu"}, (1, 2), 2),
+                            ([_f(2, 3, 2), _f(3, 1, 4, seed=1)], {}, (1,), 2),
+                            ([_f(2, 3, 5).astype(np.float16), _f(3, 1, 3, seed=1).astype(np.float16)],
+                             {"activation": "swish"}, (), 2)],
+})
+# DFT/STFT in double: float32 transforms of two implementations differ by more than ATOL where terms cancel.
+CASES.update({  # kiln's DFT is DFT-20: written as DFT-17 (axis attribute) at opsets 18/19, itself from 20
+    "DFT": [([_f(2, 6, 4, 1).astype(np.float64), None, np.array(1, I64)], {}, (2,), None),
+            ([_f(2, 5, 2).astype(np.float64), np.array(8, I64)], {"inverse": 1}, (1,), None),  # default axis -2
+            ([_f(2, 6, 1).astype(np.float64)], {"onesided": 1}, (), None),
+            ([_f(2, 4, 3, 2).astype(np.float64), np.array(6, I64), np.array(-3, I64)], {"inverse": 1, "onesided": 1},
+             (1, 2), None),
+            ([_f(2, 6, 4, 2).astype(np.float64), None, np.array(2, I64)], {}, (), None)],  # run-time axis: opset 20+
+    "STFT": [([_f(2, 32, 1).astype(np.float64), np.array(4, I64), np.hanning(8), np.array(8, I64)], {}, (1, 2, 3),
+              None),
+             ([_f(2, 20, 2).astype(np.float64), np.array(3, I64), None, np.array(6, I64)], {"onesided": 0}, (1, 3),
+              None)],
+    "HannWindow": [([np.array(10, I64)], {}, (0,), None), ([np.array(7, np.int32)], {"periodic": 0}, (), None)],
+    "HammingWindow": [([np.array(10, I64)], {"output_datatype": 11}, (0,), None),
+                      ([np.array(7, I64)], {"periodic": 0}, (), None)],
+    "BlackmanWindow": [([np.array(10, I64)], {"periodic": 0}, (0,), None), ([np.array(9, I64)], {}, (), None)],
+    "MelWeightMatrix": [([np.array(8, I64), np.array(64, I64), np.array(16000, I64), np.array(100, np.float32),
+                          np.array(7000, np.float32)], {}, (0, 1, 2, 3, 4), None),
+                        ([np.array(5, I64), np.array(32, I64), np.array(8000, I64), np.array(0, np.float32),
+                          np.array(4000, np.float32)], {}, (), None)],
+})
+_NMS_BOXES = np.random.default_rng(10).uniform(0, 4, (2, 6, 4)).astype(np.float32)
+_NMS_SCORES = np.random.default_rng(11).uniform(0, 1, (2, 3, 6)).astype(np.float32)
+CASES.update({  # kiln.ir.ops.detection; RoiAlign: ELSEWHERE (ORT has no RoiAlign-22 kernel for the opset-22 export)
+    "NonMaxSuppression": [([_NMS_BOXES, _NMS_SCORES, np.array([3], I64), np.array([0.3], np.float32),
+                            np.array([0.2], np.float32)], {}, (2, 3, 4), None),
+                          ([_NMS_BOXES, _NMS_SCORES, np.array([4], I64), np.array([0.1], np.float32)],
+                           {"center_point_box": 1}, (), None)],
+    "DeformConv": [([IMG, _f(3, 2, 2, 2, seed=1), _f(1, 8, 4, 4, seed=2) * 0.7, _f(3, seed=3),
+                     np.abs(_f(1, 4, 4, 4, seed=4))], {}, (), None),
+                   ([_f(2, 4, 5, 6), _f(4, 2, 3, 2, seed=1), _f(2, 24, 3, 5, seed=2)],
+                    {"group": 2, "offset_group": 2, "pads": [1, 0, 1, 1], "strides": [2, 1], "dilations": [1, 2]},
+                    (1,), None)],
+})
+CASES.update({  # kiln.ir.ops.linear_attention: both newer than opset 22, written through their expansions
+    "LinearAttention": [([_f(2, 3, 16), _f(2, 3, 8, seed=1), _f(2, 3, 6, seed=2), _f(2, 2, 4, 3, seed=3) * 0.1,
+                          -0.1 * _f(2, 3, 8, lo=0, seed=4), 0.5 * _f(2, 3, 2, lo=0, seed=5)],
+                         {"q_num_heads": 4, "kv_num_heads": 2}, (), 2),
+                        ([_f(2, 3, 16), _f(2, 3, 8, seed=1), _f(2, 3, 6, seed=2)],
+                         {"q_num_heads": 4, "kv_num_heads": 2, "update_rule": "linear", "scale": 0.5}, (), 2),
+                        ([_f(2, 3, 16).astype(np.float16), _f(2, 3, 4, seed=1).astype(np.float16),
+                          _f(2, 3, 6, seed=2).astype(np.float16), None, -0.1 * _f(2, 3, 1, lo=0, seed=4).astype(
+                              np.float16), None], {"q_num_heads": 4, "kv_num_heads": 1, "update_rule": "gated"},
+                         (), 2)],
+    "TensorScatter": [([_f(2, 3, 5, 4), _f(2, 3, 2, 4, seed=1), np.array([1, 4], I64)], {"mode": "circular"}, (), None),
+                      ([np.arange(36, dtype=np.int32).reshape(2, 6, 3), -np.arange(24, dtype=np.int32).reshape(2, 6, 2),
+                        np.array([0, 1], I64)], {"axis": 2}, (), None),
+                      ([_f(2, 4, 3), _f(2, 2, 3, seed=1)], {}, (), None)],
+})
+_TOKENS = np.array([[1, 1, 3, 3, 3, 7], [8, 6, 7, 5, 6, 8]], I64)
+_TFIDF = {"ngram_counts": [0, 4], "ngram_indexes": [0, 1, 2, 3, 4, 5, 6], "pool_int64s": [2, 3, 5, 4, 5, 6, 7, 8, 6, 7],
+          "max_skip_count": 3, "min_gram_length": 1, "max_gram_length": 2}
+CASES.update({  # Unique, TfIdfVectorizer, Det, LRN, GroupNormalization (written as itself from opset 21, expanded
+    # before: tests/ops/test_normalization.py), ReverseSequence, BatchNormalization in training mode
+    "Unique": [([np.array([[2, 1, 1], [3, 4, 3]], np.float32)], {"sorted": 0}, (), 4),
+               ([np.array([[2, 1, 2], [3, 4, 3], [2, 1, 2]], np.float32)], {"axis": -2}, (), 4),
+               ([np.array([5, 1, 5, 0], I64)], {}, (), None)],
+    "TfIdfVectorizer": [([_TOKENS], {"mode": "TF", **_TFIDF}, (), None),
+                        ([_TOKENS[0].astype(np.int32)], {"mode": "TFIDF", "weights": [1, 2, 3, 4, 5, 6, 0.5], **_TFIDF},
+                         (), None)],
+    "Det": [([_f(2, 3, 3)], {}, (), None), ([_f(2, 2)], {}, (), None)],
+    "LRN": [([IMG], {"size": 3}, (), None), ([_f(2, 5, 3, 3)], {"size": 5, "alpha": 0.01, "beta": 0.5, "bias": 2.0},
+                                             (), None)],
+    "GroupNormalization": [([_f(2, 4, 3, 3), _f(4, seed=1), _f(4, seed=2)], {"num_groups": 2}, (1, 2), None),
+                           ([_f(2, 6, 5), _f(6, seed=1), _f(6, seed=2)], {"num_groups": 3, "epsilon": 0.01}, (), None)],
+    "ReverseSequence": [([_f(4, 3, 2), np.array([1, 4, 0], I64)], {}, (1,), None),
+                        ([_f(3, 5), np.array([2, 5, 3], I64)], {"batch_axis": 0, "time_axis": 1}, (), None)],
+    "BatchNormalization": CASES["BatchNormalization"] + [
+        ([IMG, _f(2), _f(2), _f(2), _f(2, lo=0.5)], {"training_mode": 1, "momentum": 0.8}, (1, 2, 3, 4), 3)],
+})
+# kiln.ir.ops.image. MaxUnpool's indices: one distinct position in each window of the unpooled image (onnxruntime
+# reads them in output_shape, ONNX's reference in the inferred shape: the same here, output_shape being that shape).
+_UNPOOL_I = (np.arange(2)[:, None, None] * 16 + np.array([[1, 6], [8, 15]]) + np.array([[0, 0], [4, 0]])).astype(I64)
+_UNPOOL_I3 = np.array([[[[0, 3, 4], [10, 14, 16], [24, 27, 29]]]], I64) + np.arange(4).reshape(2, 2, 1, 1) * 30
+CASES.update({  # AffineGrid-20: written at opsets 20..22 (default_opset picks 20); 18 and 19 lack the op
+    "AffineGrid": [([_f(2, 2, 3), np.array([2, 3, 4, 5], I64)], {}, (1,), None),
+                   ([_f(1, 3, 4), np.array([1, 1, 2, 3, 4], I64)], {"align_corners": 1}, (), None)],
+    "Col2Im": [([_f(2, 12, 16), np.array([5, 5], I64), np.array([2, 2], I64)], {}, (1, 2), None),
+               ([_f(1, 12, 15), np.array([6, 7], I64), np.array([2, 3], I64)],
+                {"strides": [2, 1], "dilations": [1, 2], "pads": [1, 0, 0, 2]}, (), None)],
+    "CenterCropPad": [([_f(2, 9, 4), np.array([5, 6], I64)], {"axes": [-1, 1]}, (1,), None),
+                      ([_f(3, 4, 5), np.array([2, 7, 5], np.int32)], {}, (), None)],
+    "MaxUnpool": [([_f(1, 2, 2, 2), _UNPOOL_I[None]], {"kernel_shape": [2, 2], "strides": [2, 2]}, (), None),
+                  ([_f(2, 2, 3, 3), _UNPOOL_I3, np.array([2, 2, 5, 6], I64)],
+                   {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 0]}, (2,), None)],
+})
+_F16 = np.float16
+CASES.update({  # newer forms of opset-18 ops: MaxPool's Indices, SpaceToDepth-28 CRD, Pad-19 wrap (written at 19),
+    # ReduceMax/Min-20 of bool (in uint8 before 20), Range-27 of float16 (through its stash type)
+    "MaxPool": CASES["MaxPool"] + [([IMG], {"kernel_shape": [3, 2], "strides": [2, 1], "pads": [1, 0, 1, 1],
+                                            "storage_order": 1}, (), 2),
+                                   ([_f(2, 3, 7)], {"kernel_shape": [3], "dilations": [2], "ceil_mode": 1}, (), 2)],
+    "SpaceToDepth": CASES["SpaceToDepth"] + [([_f(2, 3, 4, 6)], {"blocksize": 2, "mode": "CRD"}, (), None),
+                                             ([_f(1, 2, 4, 4)], {"blocksize": 2, "mode": "DCR"}, (), None)],
+    "Pad": CASES["Pad"] + [([X, np.array([0, 3, -1, 1, 2, 1], I64)], {"mode": "wrap"}, (1,), None),
+                           ([X, np.array([2, 1], I64), None, np.array([-1], I64)], {"mode": "wrap"}, (1, 3), None)],
+    "ReduceMax": CASES["ReduceMax"] + [([B, np.array([1], I64)], {"keepdims": 0}, (1,), None), ([B], {}, (), None)],
+    "ReduceMin": CASES["ReduceMin"] + [([B, np.array([0], I64)], {"keepdims": 1}, (1,), None), ([B2], {}, (), None)],
+    "Range": CASES["Range"] + [([np.array(1.5, _F16), np.array(9, _F16), np.array(0.75, _F16)], {}, (0, 1, 2), None),
+                               ([np.array(-2, _F16), np.array(3.3, _F16), np.array(0.4, _F16)], {"stash_type": 11},
+                                (), None),
+                               ([np.array(7.5), np.array(-1.0), np.array(-2.5)], {}, (), None)],
+})
+import ml_dtypes as _ml  # noqa: E402
+_U8, _S8, _TP = np.uint8, np.int8, onnx.TensorProto
+_QR = np.random.default_rng(10)
+CASES.update({  # integer products (opset 10); Quantize/DequantizeLinear's newer forms: int16 and blocked (written at
+    # 21), DequantizeLinear-23's output_dtype (a Cast after it), QuantizeLinear-23's precision (Casts before it), float8
+    # and int4 data (19, 21); BitCast-26 where Cast/Identity mean the same (tests/ops/test_bitcast.py: the refusals)
+    "MatMulInteger": [([_QR.integers(0, 255, (2, 3, 4), dtype=_U8), _QR.integers(0, 255, (4, 5), dtype=_U8),
+                        np.array(12, _U8), np.array(200, _U8)], {}, (1, 2, 3), None),
+                      ([_QR.integers(0, 255, (3, 4), dtype=_U8), _QR.integers(-128, 127, (4, 2), dtype=_S8)], {}, (1,),
+                       None)],
+    "ConvInteger": [([_QR.integers(0, 255, (1, 2, 5, 5), dtype=_U8), _QR.integers(0, 255, (3, 2, 3, 3), dtype=_U8),
+                      np.array(7, _U8), np.array(130, _U8)], {"pads": [1, 1, 1, 1]}, (1, 2, 3), None),
+                    ([_QR.integers(0, 255, (2, 2, 6, 6), dtype=_U8), _QR.integers(0, 255, (4, 1, 2, 2), dtype=_U8)],
+                     {"group": 2, "strides": [2, 2]}, (1,), None)],
+    "QLinearConv": [([_QR.integers(0, 255, (1, 2, 5, 5), dtype=_U8), np.array(0.05, np.float32), np.array(120, _U8),
+                      _QR.integers(0, 255, (3, 2, 3, 3), dtype=_U8), np.array(0.01, np.float32), np.array(128, _U8),
+                      np.array(0.2, np.float32), np.array(100, _U8), np.array([-500, 0, 900], np.int32)],
+                     {"pads": [1, 1, 1, 1]}, tuple(range(1, 9)), None),
+                    ([_QR.integers(0, 255, (2, 2, 6, 6), dtype=_U8), np.array(0.05, np.float32), np.array(128, _U8),
+                      _QR.integers(-60, 60, (4, 2, 2, 2), dtype=_S8), np.array([0.01, 0.02, 0.03, 0.04], np.float32),
+                      np.zeros(4, _S8), np.array(0.1, np.float32), np.array(5, _U8)],
+                     {"strides": [2, 1]}, tuple(range(1, 8)), None)],
+    "BitCast": [([np.array([[True, False, True]])], {"to": _TP.UINT8}, (), None),
+                ([np.array([0, -3, 1, 0], _S8)], {"to": _TP.BOOL}, (), None)],
+    "DequantizeLinear": CASES["DequantizeLinear"] + [
+        ([np.arange(-600, 600, 50, dtype=np.int16).reshape(3, 8), np.array(0.5, np.float32), np.array(-7, np.int16)],
+         {}, (1, 2), None),
+        ([_QR.integers(0, 255, (2, 6), dtype=_U8), np.array([[0.5, 1, 2], [3, 4, 5]], np.float32),
+          np.array([[0, 10, 20], [30, 40, 50]], _U8)], {"axis": 1, "block_size": 2}, (1, 2), None),
+        ([_QR.integers(-128, 127, (2, 4), dtype=_S8), np.array([0.3, 0.7], np.float32)],
+         {"axis": 0, "output_dtype": _TP.FLOAT16}, (1,), None),
+        ([np.array([[0.5, -2, 448, 3]], np.float32).astype(_ml.float8_e4m3fn), np.array(0.25, np.float32)], {},
+         (0, 1), None),
+        ([np.array([[-8, 7, 0, 3, -1, 2]], _S8).astype(_ml.int4), np.array([[0.5, 2.0]], np.float32)],
+         {"axis": 1, "block_size": 3}, (0, 1), None)],
+    "QuantizeLinear": CASES["QuantizeLinear"] + [
+        ([X * 1000, np.array(0.5, np.float32), np.array(-20, np.int16)], {}, (1, 2), None),
+        ([_f(3, 4) * 50, np.array([[0.5, 1], [2, 3], [4, 5]], np.float32),
+          np.array([[0, 10], [20, 30], [40, 50]], _U8)], {"axis": 1, "block_size": 2}, (1, 2), None),
+        ([X * 100, np.array(0.5, np.float32)], {"output_dtype": _TP.INT8}, (1,), None),
+        ([(X * 100).astype(np.float16), np.array(0.37, np.float16), np.array(3, _S8)], {"precision": _TP.FLOAT},
+         (1, 2), None)],
+})
 ELSEWHERE = {"If": "test_if_and_loop_export_and_run", "Loop": "test_if_and_loop_export_and_run",
+             "RoiAlign": "test_roi_align_export_runs_at_opset_18_and_checks_at_22",  # tests/ops/test_detection.py
+             "GlobalLpPool": "test_global_lp_and_max_roi_pool_export_runs_at_opset_18_and_checks_at_22",  # no ORT -22
+             "MaxRoiPool": "test_global_lp_and_max_roi_pool_export_runs_at_opset_18_and_checks_at_22",  # (test_pool_lp_roi)
              # newer than the opsets kiln writes: its export is refused by name (tests/ops/test_attention.py)
              "Attention": "test_export_refuses_attention_by_name"}
 

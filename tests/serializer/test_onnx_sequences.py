@@ -133,3 +133,22 @@ def test_another_op_reading_a_sequence_is_refused_by_name():
                    [helper.make_tensor_value_info("y", T.FLOAT, None)])
     with pytest.raises(UnsupportedOpError, match=r"\(Relu\) reads 's', a sequence"):
         import_onnx(model)
+
+
+def test_optional_values_are_known_at_import():
+    """Optional(x) holds x, Optional() is empty: OptionalHasElement is a constant, OptionalGetElement the value."""
+    opt_empty = helper.make_node("Optional", [], ["none"], type=helper.make_tensor_type_proto(T.FLOAT, [2]))
+    nodes = [helper.make_node("Optional", ["x"], ["some"]), opt_empty,
+             helper.make_node("OptionalHasElement", ["some"], ["has_some"]),
+             helper.make_node("OptionalHasElement", ["none"], ["has_none"]),
+             helper.make_node("OptionalHasElement", ["x"], ["has_x"]),
+             helper.make_node("OptionalGetElement", ["some"], ["got"])]
+    model = _model(nodes, [helper.make_tensor_value_info("x", T.FLOAT, [2])],
+                   [helper.make_tensor_value_info(o, t, None) for o, t in
+                    [("has_some", T.BOOL), ("has_none", T.BOOL), ("has_x", T.BOOL), ("got", T.FLOAT)]])
+    got = _same_as_ort(model, {"x": np.array([1.5, -2.0], np.float32)})
+    assert [bool(got[0]), bool(got[1]), bool(got[2])] == [True, False, True]
+    bad = _model([opt_empty, helper.make_node("OptionalGetElement", ["none"], ["y"])], [],
+                 [helper.make_tensor_value_info("y", T.FLOAT, None)])
+    with pytest.raises(UnsupportedOpError, match="reads an empty optional value"):
+        import_onnx(bad)

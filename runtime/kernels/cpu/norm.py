@@ -18,7 +18,8 @@ from kiln.runtime.kernels.cpu.linalg import BLAS_DTYPES, const_input, input_dtyp
 @kernel("BatchNormalization")
 def batch_norm(node, attrs) -> Callable[..., Any]:
     stats = [const_input(node, i) for i in range(1, 5)]
-    if input_dtype(node) not in BLAS_DTYPES or any(s is None for s in stats) or len(node.outputs) > 1:
+    if (input_dtype(node) not in BLAS_DTYPES or any(s is None for s in stats) or len(node.outputs) > 1
+            or attrs["training_mode"]):  # training mode normalizes with the batch's statistics
         return reference_kernel(node, attrs)
     scale, b, mean, var = (s.astype(input_dtype(node)) for s in stats)
     # Folded once: y = x * k + t with k = scale / sqrt(var + eps), t = B - mean * k.

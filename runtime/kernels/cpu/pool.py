@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kiln.ir.ops.nn import make_window, pad_spatial, static_pads, window_out_shape
+from kiln.ir.ops.pool import max_pool_values
 from kiln.runtime.kernels.cpu import kernel, reference_kernel
 from kiln.runtime.kernels.cpu.linalg import BLAS_DTYPES, input_dtype
 from kiln.runtime.kernels.cpu.nn import tap_view
@@ -51,8 +52,11 @@ POOL_BLOCK_BYTES = 512 << 10
 @kernel("MaxPool")
 def max_pool(node, attrs) -> Callable[..., Any]:
     dt = input_dtype(node)
-    if dt not in MAX_DTYPES or len(attrs["kernel_shape"]) != 2 or len(node.outputs) > 1:
+    if len(node.outputs) > 1:  # Y and Indices
         return reference_kernel(node, attrs)
+    if dt not in MAX_DTYPES or len(attrs["kernel_shape"]) != 2:  # Y only: the reference's values part
+        values = {k: v for k, v in attrs.items() if k != "storage_order"}
+        return lambda x: max_pool_values(x, **values)[0]
     window = _window(attrs)
     lowest = dt.type(-np.inf if dt.kind == "f" else np.iinfo(dt).min)
 

@@ -8,8 +8,8 @@ this is one pass: read 1 byte, write the scale's type (float32, float16, or bflo
 How: ``y[i] = x[i] * scale[(i / inner) % channels]`` with the float product rounded once to the output type,
 eight elements a thread, for int8/uint8 data of a multiple of 8 elements without a zero point (kiln's own
 quantization is symmetric) and a scalar or 1-D scale.
-Other forms (a zero point, int32 data) take the reference, except bfloat16 scales, which the reference would
-read as integers: those raise.
+Other forms (a zero point, int32 or 16-bit data, blocked scales, an output_dtype) take the reference, except
+bfloat16 outputs, which the reference would read as integers: those raise.
 """
 from __future__ import annotations
 
@@ -100,9 +100,11 @@ def dequantize_linear(node, attrs) -> Optional[Callable[..., Any]]:
     axis = attrs["axis"]
     ref = device_reference(node, attrs)
     words = np.dtype(out_dtype(node) or np.float32).name == "bfloat16"
+    # The kernel writes the scale's type, per-tensor or per-axis: blocked scales and output_dtype take the reference.
+    plain = not attrs.get("block_size", 0) and not attrs.get("output_dtype", 0)
 
     def run(x, scale, zero_point=None):
-        if zero_point is None:
+        if zero_point is None and plain:
             y = dequantize(x, scale, axis)
             if y is not None:
                 LAUNCHES["kernel"] += 1

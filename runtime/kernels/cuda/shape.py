@@ -164,7 +164,7 @@ def gather(node, attrs):
 def _reduce_extreme(largest: bool):
     def factory(node, attrs):
         dt = in_dtype(node)
-        if dt is None:
+        if dt is None or dt.kind == "b":  # bool (ReduceMax/Min-20): the reference, on the host
             return None
         keep, noop = attrs["keepdims"], attrs["noop_with_empty_axes"]
         whole = reduce_all.supported("max", dt)  # every element at once: reduce_all.py's kernels
@@ -225,6 +225,6 @@ def constant_of_shape(node, attrs):
 
 @kernel("Range", host=(0, 1, 2))
 def range_(node, attrs):
-    """Computed by the reference on the host from its three scalars, then uploaded."""
+    """Computed by the reference on the host from its three scalars (and stash_type), then uploaded."""
     ref = node.schema.reference
-    return lambda start, limit, delta: cp.asarray(ref(host(start), host(limit), host(delta)))
+    return lambda start, limit, delta: cp.asarray(ref(host(start), host(limit), host(delta), **attrs))
