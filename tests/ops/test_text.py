@@ -52,7 +52,8 @@ def onnxruntime_output(x, attrs):
     node = helper.make_node("TfIdfVectorizer", ["x"], ["y"], **attrs)
     x_info = helper.make_tensor_value_info("x", helper.np_dtype_to_tensor_dtype(x.dtype), x.shape)
     graph = helper.make_graph([node], "g", [x_info], [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)])
+    # IR 8: what every onnxruntime reads (onnx 1.23's default, 14, is past onnxruntime 1.30's 13)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)], ir_version=8)
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
 
 

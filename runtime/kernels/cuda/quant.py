@@ -102,6 +102,10 @@ def dequantize_linear(node, attrs) -> Optional[Callable[..., Any]]:
     words = np.dtype(out_dtype(node) or np.float32).name == "bfloat16"
     # The kernel writes the scale's type, per-tensor or per-axis: blocked scales and output_dtype take the reference.
     plain = not attrs.get("block_size", 0) and not attrs.get("output_dtype", 0)
+    # A bfloat16 scale lives on the device as uint16 words, which the reference would multiply as integers: it
+    # gets the scale widened to float32 (exact), which changes nothing where output_dtype fixes the result type
+    # (a bfloat16 result has no reference path: ``words`` raises below).
+    bf16_scale = node.inputs[1].type is not None and node.inputs[1].type.dtype.short == "bfloat16"
 
     def run(x, scale, zero_point=None):
         if zero_point is None and plain:
@@ -113,6 +117,8 @@ def dequantize_linear(node, attrs) -> Optional[Callable[..., Any]]:
             raise KilnError(f"{node.describe()}: a bfloat16 DequantizeLinear of {x.dtype} data with "
                             f"{'a zero point' if zero_point is not None else 'this scale'} has no GPU path yet")
         LAUNCHES["reference"] += 1
+        if bf16_scale:
+            scale = (scale.astype(cp.uint32) << 16).view(cp.float32)
         return ref(x, scale) if zero_point is None else ref(x, scale, zero_point)
     return run
 
