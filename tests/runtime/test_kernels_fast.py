@@ -164,3 +164,35 @@ def test_transpose_of_a_constant_is_made_once():
     g, _ = build_single("Transpose", [rand(3, 4)], {"perm": [1, 0]}, const_inputs=(0,))
     kern = Program(g).plan.instructions[0].kernel
     assert kern(None) is kern(None)
+
+
+# ------------------------------------------------------------------ Pow by a constant scalar (issue 24)
+
+_POW_SPECIALS = [0.0, -0.0, np.inf, -np.inf, np.nan, -2.0, 1e-30, -1e-30, 3e38, 1.5e-45]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("power", [2.0, 3.0, 4.0, -1.0, -2.0, 0.5, -0.5, 2.5, 1.0])
+def test_pow_by_a_constant_scalar_is_bit_for_bit_the_reference(dtype, power):
+    """The fast forms (products, reciprocals, square roots; the cube, fourth and negative powers through float64)
+    answer exactly as the reference's float64 np.power rounded once, special values included; an exponent without
+    a fast form, or a float64 one only exact as pow, keeps the reference."""
+    x = (RNG.standard_normal((3, 1000)) * 4).astype(dtype)
+    x.flat[:len(_POW_SPECIALS)] = _POW_SPECIALS
+    g, feeds = build_single("Pow", [x, np.array(power, np.float32)], {}, const_inputs=(1,))
+    fast = power in (2.0, -1.0, 0.5) or (dtype is np.float32 and power in (3.0, 4.0, -2.0, -0.5))
+    kernel = Program(g).plan.instructions[0].kernel
+    assert (kernel.__qualname__.split(".")[0] == "pow_") == fast, kernel.__qualname__
+    got = Program(g).run(feeds, as_list=True)[0]
+    want = evaluate(g, feeds)[0]
+    assert got.dtype == want.dtype
+    same = (got == want) & (np.signbit(got) == np.signbit(want)) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), (x[~same][:5], got[~same][:5], want[~same][:5])
+
+
+def test_pow_with_a_computed_or_broadcasting_exponent_keeps_the_reference():
+    x = rand(2, 3)
+    g, _ = build_single("Pow", [x, np.array([2.0, 2.0, 2.0], np.float32)], {}, const_inputs=(1,))
+    assert Program(g).plan.instructions[0].kernel.__qualname__.split(".")[0] != "pow_"  # not a scalar
+    g, _ = build_single("Pow", [x, np.array(2.0, np.float32)], {})  # the exponent is an input
+    assert Program(g).plan.instructions[0].kernel.__qualname__.split(".")[0] != "pow_"
