@@ -75,6 +75,34 @@ def _vit() -> nn.Module:
     return zoo._seeded(TinyViT)
 
 
+class GeluMLP(nn.Module):
+    """Issue 24's GELU-tanh row: 2 GPT-2-style MLP blocks (768 -> 3072 -> 768, residual, LayerNorm) whose GELU is
+    written out as transformers' NewGELUActivation writes it, ``x ** 3`` (torch.pow) inside the tanh."""
+
+    def __init__(self, dim: int = 768, hidden: int = 3072, layers: int = 2):
+        super().__init__()
+        self.up = nn.ModuleList(nn.Linear(dim, hidden) for _ in range(layers))
+        self.down = nn.ModuleList(nn.Linear(hidden, dim) for _ in range(layers))
+        self.norm = nn.ModuleList(nn.LayerNorm(dim) for _ in range(layers))
+
+    @staticmethod
+    def gelu(x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * x * (1.0 + torch.tanh(0.7978845608028654 * (x + 0.044715 * torch.pow(x, 3.0))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for up, down, norm in zip(self.up, self.down, self.norm):
+            x = norm(x + down(self.gelu(up(x))))
+        return x
+
+
+def _gelu_mlp() -> nn.Module:
+    return zoo._seeded(GeluMLP)
+
+
+def _mobilenet() -> nn.Module:
+    return zoo._seeded(lambda: zoo.MobileNetV3(num_classes=1000))
+
+
 def _randn(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(1))
 
@@ -87,6 +115,10 @@ MODELS: dict[str, RefModel] = {m.key: m for m in (
     RefModel("bert4", "BERT-style 4 layers, hidden 768, seq 128", _encoder(768, 12, 3072, 4),
              lambda b: _randn(b, SEQ, 768)),
     RefModel("vit", "ViT-Tiny-style, 4 layers, hidden 192, 3x64x64", _vit, lambda b: _randn(b, 3, 64, 64)),
+    RefModel("gelu_mlp", "GELU-tanh MLP (x ** 3 written out), 2 blocks 768-3072, seq 128", _gelu_mlp,
+             lambda b: _randn(b, SEQ, 768)),
+    RefModel("mobilenet", "MobileNetV3-Small-style (depthwise convs), 3x224x224", _mobilenet,
+             lambda b: _randn(b, 3, 224, 224)),
 )}
 
 

@@ -40,6 +40,18 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _FRONTEND_DIR = os.path.dirname(__file__)
 _KILN_INIT = os.path.join(os.path.dirname(_FRONTEND_DIR), "__init__.py")  # the kiln.trace wrapper
 
+
+def inside(path: str, *dirs: str) -> bool:
+    """Whether file ``path`` lies in one of the folders ``dirs``, compared by path components: torchvision's
+    .../site-packages/torchvision/ is not inside .../site-packages/torch (a string-prefix test said it was, so errors
+    named the caller's line instead of torchvision's, issue 24)."""
+    return any(path == d or path.startswith(d.rstrip("/" + os.sep) + os.sep) for d in dirs)
+
+
+def _library_frame(path: str) -> bool:
+    """Frames that are not the model's own code: torch's, kiln's frontend and kiln.trace's wrapper, frozen modules."""
+    return inside(path, _TORCH_DIR, _FRONTEND_DIR) or path == _KILN_INIT or "<frozen" in path
+
 TORCH_TO_DTYPE = {torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16,
                   torch.float64: DType.FLOAT64, torch.int8: DType.INT8, torch.int16: DType.INT16,
                   torch.int32: DType.INT32, torch.int64: DType.INT64, torch.uint8: DType.UINT8, torch.bool: DType.BOOL}
@@ -456,7 +468,7 @@ class Tracer(TorchFunctionMode):
         if not self.guards or active_tracer() is not self or not torch._C._is_torch_function_mode_enabled():
             return
         path = caller.f_code.co_filename if caller is not None else ""
-        if path.startswith(_FRONTEND_DIR) or path == _KILN_INIT:
+        if inside(path, _FRONTEND_DIR) or path == _KILN_INIT:
             return
         x = a.value if hasattr(a, "value") else self.int_value(a)
         if isinstance(b, float):
@@ -472,7 +484,7 @@ class Tracer(TorchFunctionMode):
             c = self.emit("Not", c)
         self.dependent.add(c)
         what = f"a symbolic size compared with '{_COMPARE_SYMBOLS[op]}'"
-        in_torch = path.startswith(_TORCH_DIR)
+        in_torch = inside(path, _TORCH_DIR)
         if in_torch:
             what += f" in torch's {'/'.join(path.replace(os.sep, '/').split('/')[-2:])}:{caller.f_lineno}"
         self.guard(c, "bool", np.array(result), what)
@@ -487,7 +499,7 @@ class Tracer(TorchFunctionMode):
         frame = sys._getframe(1)
         while frame is not None:
             path = frame.f_code.co_filename
-            if not path.startswith((_TORCH_DIR, _FRONTEND_DIR)) and path != _KILN_INIT and "<frozen" not in path:
+            if not _library_frame(path):
                 return frame
             frame = frame.f_back
         return None
@@ -500,7 +512,7 @@ class Tracer(TorchFunctionMode):
         frame = sys._getframe(1)
         while frame is not None:
             path = frame.f_code.co_filename
-            if not path.startswith((_TORCH_DIR, _FRONTEND_DIR)) and path != _KILN_INIT and "<frozen" not in path:
+            if not _library_frame(path):
                 parts = path.replace("\\", "/").split("/")
                 return f"{'/'.join(parts[-2:])}:{frame.f_lineno}"
             frame = frame.f_back

@@ -181,3 +181,20 @@ def test_jit_style_rounding_of_sizes():
     (got,) = evaluate(g, {"x": np.ones((2, 10), np.float32)})
     assert got.shape == (2, 12)
     assert torch.ceil(torch.tensor(2.5)).item() == 3.0 and not torch.jit.is_tracing()  # restored after
+
+
+def test_library_frames_are_told_apart_by_path_components():
+    """Issue 24: torchvision's files (.../site-packages/torchvision/...) share the string prefix of torch's folder
+    (.../site-packages/torch); a prefix test skipped them as torch's, so errors named the caller's line instead of
+    the torchvision line that failed. Folders are compared by path components now."""
+    import os
+
+    from kiln.frontend import tracer
+    torch_dir = tracer._TORCH_DIR
+    vision = os.path.join(os.path.dirname(torch_dir), os.path.basename(torch_dir) + "vision", "models", "resnet.py")
+    assert not tracer.inside(vision, torch_dir)
+    assert not tracer._library_frame(vision)
+    assert tracer._library_frame(os.path.join(torch_dir, "nn", "functional.py"))
+    assert tracer.inside(torch_dir, torch_dir)
+    assert not tracer.inside(tracer._FRONTEND_DIR + "_helpers.py", tracer._FRONTEND_DIR)
+    assert tracer._library_frame(os.path.join(tracer._FRONTEND_DIR, "tracer.py"))
