@@ -59,12 +59,27 @@ def split_by(t, input: torch.Tensor, sizes: Sequence, d: int):
     return tuple(out)
 
 
+# A model that iterates over a symbolic dim (a list of images: `for img in images.unbind(0)`, detection models)
+# runs its Python loop once per item of the example: the graph would hold that many copies (issue 24, item 4).
+_FIXED_SIZE_HINT = (". A Python loop over that dim runs once per item of the example, so it cannot follow the "
+                    "size at run time: export with that dim fixed (kiln.trace without dynamic_batch=True and "
+                    "without it in dynamic=; `kiln export` without --dynamic-batch/--dynamic for it), one model per "
+                    "size you serve, or write the per-item code batched")
+
+
+def _dim_name(t, input, d: int) -> str:
+    shape = getattr(getattr(t.value(input), "type", None), "shape", None)
+    dim = shape[d] if shape is not None and d < len(shape) else None
+    return f"'{dim}'" if isinstance(dim, str) else "unknown size"
+
+
 def split_like_result(t, name: str, res: Sequence[torch.Tensor], input: torch.Tensor, d: int):
     """Split with the sizes torch's pieces have: only when the dim is static in the graph."""
     if not is_static(t, input, d):
         raise UnsupportedOpError(
-            f"{t.where()}: '{name}' of dim {d}, which is symbolic, makes pieces whose sizes (and number) "
-            "depend on the dim's size; split a static dim, or give explicit sizes with torch.split")
+            f"{t.where()}: '{name}' of dim {d}, which is symbolic ({_dim_name(t, input, d)}), makes pieces whose "
+            f"sizes (and number) depend on the dim's size; split a static dim, or give explicit sizes with "
+            f"torch.split{_FIXED_SIZE_HINT}")
     return split_by(t, input, [r.shape[d] for r in res], d)
 
 
@@ -137,8 +152,8 @@ _directional("dsplit", lambda rank: 2, torch.dsplit, torch.Tensor.dsplit)
 def unbind(t, res, input, dim=0):
     d = norm_dim(dim, input.dim())
     if not is_static(t, input, d):
-        raise UnsupportedOpError(f"{t.where()}: 'unbind' of dim {d}, which is symbolic, gives a number of "
-                                 "tensors that depends on its size")
+        raise UnsupportedOpError(f"{t.where()}: 'unbind' of dim {d}, which is symbolic ({_dim_name(t, input, d)}), "
+                                 f"gives a number of tensors that depends on its size{_FIXED_SIZE_HINT}")
     v = t.value(input)
     axis = axes_value(t, [d])
     if len(res) == 0:

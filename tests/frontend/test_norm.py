@@ -2,6 +2,7 @@
 batch checked at a second batch size."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -163,3 +164,16 @@ def test_weight_norm(dim):
     _check_batches(m, (4, 9))
     g = {0: torch.rand(6, 1, 1), 2: torch.rand(1, 1, 5), -1: torch.rand(())}[dim] + 0.5
     check_traced(lambda v, g: torch._weight_norm(v, g, dim), (_r(6, 2, 5), g))
+
+
+def test_weight_norm_of_parameters_folds_into_a_constant_weight():
+    """Issue 24 item 3: a weight-normalized conv whose v and g are parameters exports as one Conv with a constant
+    weight (the norm computed once, at export), and answers as torch."""
+    conv = nn.Conv1d(4, 6, 5, padding=2, groups=2)
+    m = nn.utils.parametrizations.weight_norm(conv, dim=2).eval()
+    x = torch.randn(2, 4, 9)
+    g = kiln.trace(m, (x,))
+    assert [n.op for n in g.nodes] == ["Conv"] and g.nodes[0].inputs[1].const is not None
+    with torch.no_grad():
+        want = m(x).numpy()
+    np.testing.assert_allclose(kiln.load(g).run([x.numpy()], as_list=True)[0], want, rtol=1e-5, atol=1e-6)

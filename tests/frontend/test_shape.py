@@ -200,8 +200,11 @@ def test_split_a_symbolic_dim(fn):
 
 
 @pytest.mark.parametrize("fn, batch, match", [
-    (lambda x: x.split(2, 0), 6, "'split' of dim 0, which is symbolic"),
-    (lambda x: x.unbind(0), 6, "'unbind' of dim 0, which is symbolic"),
+    (lambda x: x.split(2, 0), 6, "'split' of dim 0, which is symbolic \\('batch'\\)"),
+    (lambda x: x.unbind(0), 6, "'unbind' of dim 0, which is symbolic \\('batch'\\)"),
+    # a list of images iterated in Python (detection models): the message says how to export (issue 24)
+    (lambda x: torch.stack([r * 2 for r in x.unbind(0)]), 6,
+     "A Python loop over that dim runs once per item of the example.*export with that dim fixed"),
     (lambda x: x.chunk(4, 0), 5, "into 4 gives 3 pieces"),
     (lambda x: torch.vsplit(x, 2), 6, "'vsplit' of dim 0"),
 ])
