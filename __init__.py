@@ -67,13 +67,13 @@ def script(module_or_function, example_inputs=None, **kwargs):
 
 def export_onnx(graph, path, **kwargs):
     """Write a kiln Graph as an ONNX file (see :func:`kiln.serializer.onnx.export_onnx`).
-    Imports onnx on first use; needs ``pip install kiln[onnx]``."""
+    Imports onnx on first use; needs ``pip install 'kiln-compiler[onnx]'``."""
     from kiln.errors import optional_module
     return optional_module("kiln.serializer.onnx", "kiln.export_onnx").export_onnx(graph, path, **kwargs)
 
 
 def import_onnx(model, **kwargs):
     """Read an ONNX model (a path, a ModelProto or its bytes) into a kiln Graph (see
-    :func:`kiln.serializer.onnx_import.import_onnx`). Imports onnx on first use; needs ``pip install kiln[onnx]``."""
+    :func:`kiln.serializer.onnx_import.import_onnx`). Imports onnx on first use; needs ``pip install 'kiln-compiler[onnx]'``."""
     from kiln.errors import optional_module
     return optional_module("kiln.serializer.onnx_import", "kiln.import_onnx").import_onnx(model, **kwargs)

@@ -58,7 +58,7 @@ class ScriptError(KilnError):
 
 def optional_module(name: str, purpose: str):
     """Import ``name`` (onnxruntime, onnx or a kiln module built on them); a missing onnx/onnxruntime
-    package becomes a KilnError naming ``purpose`` and the extra to install (``pip install kiln[onnx]``).
+    package becomes a KilnError naming ``purpose`` and the extra to install (``pip install 'kiln-compiler[onnx]'``).
     Here, at the bottom layer, so that any layer can use it (tests/test_layers.py)."""
     import importlib
     try:
@@ -66,7 +66,7 @@ def optional_module(name: str, purpose: str):
     except ModuleNotFoundError as e:
         missing = (e.name or "").split(".")[0]
         if missing in ("onnx", "onnxruntime"):
-            raise KilnError(f"{purpose} needs the '{missing}' package: pip install kiln[onnx]") from None
+            raise KilnError(f"{purpose} needs the '{missing}' package: pip install 'kiln-compiler[onnx]'") from None
         raise
 
 

@@ -326,7 +326,7 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", help="the .kiln file to write (may be left out when --onnx is given)")
     p.add_argument("--onnx", metavar="FILE.onnx",
                    help="also (or, without -o, only) write the graph as ONNX, through kiln's exporter "
-                        "(needs pip install kiln[onnx])")
+                        "(needs pip install 'kiln-compiler[onnx]')")
     p.add_argument("--opset", type=int, metavar="N", help="the ai.onnx opset of the --onnx file (default: the "
                                                           "exporter's)")
     p.add_argument("--input", action="append", required=True, metavar="NAME:SHAPE[:DTYPE[:LOW:HIGH]]",

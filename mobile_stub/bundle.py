@@ -233,7 +233,7 @@ def collect_sources(roots: list[str], kernel_modules: list[str]) -> dict[str, st
 # ---------------------------------------------------------------------------- sizes
 def package_size() -> tuple[int, int]:
     """(bytes of every .py file of the full kiln package, bytes of those files deflated into a zip):
-    what ``pip install kiln`` would ship as Python source, against which the bundle is measured."""
+    what ``pip install kiln-compiler`` would ship as Python source, against which the bundle is measured."""
     files = [p for p in ROOT.rglob("*.py")
              if not (set(p.relative_to(ROOT).parts[:-1]) & _NOT_PACKAGE) and p.relative_to(ROOT).parts[0]
              not in _NOT_PACKAGE and not p.relative_to(ROOT).parts[0].startswith(".")]  # .venv*, .git

@@ -246,11 +246,11 @@ def format_latency(times: np.ndarray, warmup: int) -> str:
 def _add_backend_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=BACKENDS, default="kiln",
                    help="what runs the model: kiln's CPU runtime (default) or ONNX Runtime (needs "
-                        "pip install kiln[onnx]; a .kiln model is converted to ONNX in memory)")
+                        "pip install 'kiln-compiler[onnx]'; a .kiln model is converted to ONNX in memory)")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="the .kiln file, or a .onnx file (imported on the fly; needs pip install kiln[onnx])")
+    p.add_argument("model", help="the .kiln file, or a .onnx file (imported on the fly; needs pip install 'kiln-compiler[onnx]')")
     p.add_argument("--input", "-i", action="append", default=[], metavar="SPEC",
                    help="NAME=FILE.npy, NAME=FILE.npz (its array NAME, or its only array), NAME=@FILE.json, "
                         "NAME=JSON (e.g. 'x=[[1,2],[3,4]]'), or FILE.npz (every array, by name); repeatable. "

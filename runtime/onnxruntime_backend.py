@@ -34,7 +34,7 @@ from kiln.ir.graph import Graph
 from kiln.ir.types import TensorType
 from kiln.runtime.program import TensorSpec, check_inputs, is_onnx_path
 
-INSTALL_HINT = "pip install kiln[onnx]"
+INSTALL_HINT = "pip install 'kiln-compiler[onnx]'"
 from kiln.errors import optional_module  # noqa: E402  (re-exported: callers of this module use it)
 # Weights above this go to ORT through a file with external data: a serialized ModelProto must stay under
 # 2 GB, and the margin leaves room for the graph itself and constants held in node attributes.

@@ -302,7 +302,7 @@ def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize
     optimized). ``backend="onnxruntime"``: an ``OrtProgram`` with the same interface, running in ONNX
     Runtime (a .kiln file or Graph is exported to ONNX in memory); ``optimize`` is then ORT's own graph
     optimization, ``device`` 'cpu', 'cuda[:N]' or 'auto' picks its execution provider, and ``threads`` its
-    intra-op thread count (default: ORT's). Both need ``pip install kiln[onnx]``.
+    intra-op thread count (default: ORT's). Both need ``pip install 'kiln-compiler[onnx]'``.
 
     ``threads`` (kiln's CPU runtime): the most BLAS threads a run uses (default: numpy's BLAS's own count, i.e.
     the cores, or ``OPENBLAS_NUM_THREADS``). A run drops to one thread while every core this process may use
@@ -311,7 +311,7 @@ def load(model: Union[str, os.PathLike, Graph], device: str = "cpu", *, optimize
 
     ``device="auto"``: the GPU where CuPy sees one, else the CPU (as for the onnxruntime backend).
     ``device="cuda"`` (kiln backend): a ``CudaProgram`` on the current CUDA device through CuPy
-    (``pip install kiln[gpu]``); ``cuda_options`` go to it (``output="cupy"|"numpy"``,
+    (``pip install 'kiln-compiler[gpu]'``); ``cuda_options`` go to it (``output="cupy"|"numpy"``,
     ``tf32=False``, ``cuda_graphs=True|False|"auto"``, ``fuse=True``, ``conv="auto"|"cudnn"|"im2col"``,
     ``attention="auto"|"kernel"|"ops"``, ``cudnn_workspace_mib=32`` (``"none"``: no cap),
     ``cudnn_epilogue=True``, ``wait="poll"|"block"`` (how a run with host outputs waits for its GPU work:
@@ -435,7 +435,7 @@ def _load(model, device: str, *, optimize: bool, backend: str, threads: Optional
             why = "CuPy sees no CUDA device"
         if not usable:
             raise KilnError(f"device 'cuda' is not available yet in this environment: {why}; it needs CuPy "
-                            "and an NVIDIA GPU (pip install kiln[gpu])")
+                            "and an NVIDIA GPU (pip install 'kiln-compiler[gpu]')")
         if memory_budget is not None:
             raise KilnError("memory_budget= is checked by the CPU runtime; device='cuda' does not take it yet")
         return CudaProgram(graph, **cuda_options)

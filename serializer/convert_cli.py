@@ -26,7 +26,7 @@ def add_convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-optimize", action="store_true",
                    help="(.onnx -> .kiln) save the graph as imported, without kiln's pass pipeline")
     add_precision_args(p)
-    p.epilog = ("Converting between .kiln and .onnx needs the onnx package: pip install kiln[onnx]. "
+    p.epilog = ("Converting between .kiln and .onnx needs the onnx package: pip install 'kiln-compiler[onnx]'. "
                 "'kiln convert m.kiln m16.kiln --precision fp16' needs nothing more.")
 
 

@@ -52,7 +52,7 @@ try:
     from onnx import helper, numpy_helper
 except ImportError as e:  # pragma: no cover - depends on the environment
     from kiln.errors import KilnError
-    raise KilnError("ONNX export needs the 'onnx' package: pip install 'kiln[onnx]'") from e
+    raise KilnError("ONNX export needs the 'onnx' package: pip install 'kiln-compiler[onnx]'") from e
 
 from kiln.errors import KilnError, UnsupportedOpError
 from kiln.ir.dtypes import DType

@@ -101,7 +101,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="convert models at load (fp16 on a GPU: tensor cores; the CPU computes in float32); "
                         "default: as the files are (config.json key 'precision')")
     p.add_argument("--backend", choices=("kiln", "onnxruntime"),
-                   help="execution engine (default kiln; onnxruntime needs pip install kiln[onnx])")
+                   help="execution engine (default kiln; onnxruntime needs pip install 'kiln-compiler[onnx]')")
     ray = p.add_argument_group("Ray Serve (scale-out over a Ray cluster; pip install 'ray[serve]')")
     ray.add_argument("--ray", action="store_true",
                      help="serve through Ray Serve: replicas of this server behind Ray's HTTP proxy on --host/--port")
@@ -218,7 +218,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn
         from kiln.server.app import create_app
     except ImportError as e:
-        raise KilnError(f"kiln serve needs the server extra: pip install 'kiln[serve]' ({e.name} is missing)") from None
+        raise KilnError(f"kiln serve needs the server extra: pip install 'kiln-compiler[serve]' ({e.name} is missing)") from None
     from kiln.server.repository import check_cpu_only, discover
 
     from kiln.server.connections import ConnectionLimits, ConnectionTracker, make_protocol_class, raise_open_file_limit

@@ -352,7 +352,7 @@ class _CycleTransport:
 # ------------------------------------------------------------------------------------------ protocol
 def make_protocol_class(tracker: ConnectionTracker):
     """A uvicorn HTTP protocol class (``uvicorn.Config(http=...)``) bound to ``tracker``; None when
-    httptools is missing (uvicorn then runs h11, without these guards; ``kiln[serve]`` installs it)."""
+    httptools is missing (uvicorn then runs h11, without these guards; ``kiln-compiler[serve]`` installs it)."""
     try:
         import httptools
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol

@@ -122,7 +122,7 @@ def _device_count() -> int:
     try:
         import cupy
     except ImportError as e:
-        raise KilnError(f"--device cuda needs CuPy (pip install 'kiln[gpu]'): {e}") from None
+        raise KilnError(f"--device cuda needs CuPy (pip install 'kiln-compiler[gpu]'): {e}") from None
     try:
         return int(cupy.cuda.runtime.getDeviceCount())
     except Exception as e:  # noqa: BLE001 - no driver, no device: one line

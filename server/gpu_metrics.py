@@ -79,7 +79,7 @@ class GpuMetrics:
             self._nvml = importer()
         except ImportError as e:
             self.disabled_reason = (f"pynvml is not installed ({e}); install nvidia-ml-py "
-                                    "(pip install 'kiln[gpu]') for nv_gpu_* metrics")
+                                    "(pip install 'kiln-compiler[gpu]') for nv_gpu_* metrics")
             log.warning("GPU metrics off: %s", self.disabled_reason)
 
     @property

@@ -31,7 +31,7 @@ def test_core_install_in_fresh_venv(tmp_path):
     listing = subprocess.run([str(py), "-m", "pip", "list", "--format=json"], capture_output=True, text=True,
                              check=True, env=env).stdout
     names = sorted(p["name"].lower() for p in json.loads(listing) if p["name"].lower() not in ("pip", "setuptools"))
-    assert names == ["flatbuffers", "kiln", "numpy"], names
+    assert names == ["flatbuffers", "kiln-compiler", "numpy"], names
     r = subprocess.run([str(env_dir / "bin" / "kiln"), "info"], capture_output=True, text=True, env=env,
                        cwd=tmp_path, timeout=120)
     assert r.returncode == 0, r.stderr

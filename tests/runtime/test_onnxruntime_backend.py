@@ -271,7 +271,7 @@ def test_cuda_without_the_cuda_provider_is_refused(monkeypatch):
 def test_missing_onnxruntime_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime", None)
     with pytest.raises(KilnError, match=r"the onnxruntime backend needs the 'onnxruntime' package: "
-                                        r"pip install kiln\[onnx\]"):
+                                        r"pip install 'kiln-compiler\[onnx\]'"):
         kiln.load(mlp(), backend="onnxruntime")
 
 
