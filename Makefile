@@ -11,7 +11,27 @@ DEMO_MODEL ?= examples/models.py:SmallCNN
 DEMO_SHAPE ?= 1x3x32x32
 DEMO_REPEAT ?= 200
 
-.PHONY: demo demo-install
+.PHONY: help demo demo-install test lint clean
+
+help:  ## list the targets
+	@echo "make demo    install (.venv with torch), export a bundled model with kiln export, run it with kiln run,"
+	@echo "             check it against torch eager (DEMO_MODEL=file.py:Class DEMO_SHAPE=1x3x32x32)"
+	@echo "make test    install the test dependencies into .venv and run the test suite (the README's command)"
+	@echo "make lint    pyflakes' checks (flake8 --select=F) over the package and its tests"
+	@echo "make clean   remove build outputs, caches and the demo's files (not .venv)"
+
+# The README's test command (and CI's, through .ci/run).
+test:
+	$(PYTHON) -m venv $(VENV) && $(BIN)/pip install -q -e '.[dev]' torch==2.13.0 && $(BIN)/python -m pytest
+
+# bench/ is left out: its GPU scripts read names they delete afterwards, which pyflakes cannot follow.
+lint:
+	@test -x $(BIN)/flake8 || $(BIN)/pip install -q flake8
+	$(BIN)/flake8 --select=F $$(git ls-files '*.py' | grep -v '^bench/')
+
+clean:
+	rm -rf build/ dist/ .pytest_cache .hypothesis
+	find . -name __pycache__ -type d -not -path './.venv*' -prune -exec rm -rf {} +
 
 # Installs only what is missing: a .venv that already imports this kiln and torch 2.13 is kept.
 demo-install:

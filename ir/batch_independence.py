@@ -894,7 +894,6 @@ def _format_prod(p: Prod) -> str:
 def _target_dims(ctx: _Ctx, shape: tuple, s: Rows) -> list:
     """The output dims of a Reshape/Flatten as Prods (N included), None where unknown: from the
     output type, else from the symbolic values of the target shape."""
-    sym = ctx.an.symbol
     out = ctx.out_shape()
     dims: list = [None if d is None else _prod([d], "") for d in out]
     if ctx.node.op == "Reshape":

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
@@ -26,7 +26,7 @@ from kiln.ir.dtypes import ALL_TYPES, DType
 from kiln.ir.types import Dim, TensorType
 
 if TYPE_CHECKING:
-    from kiln.ir.graph import Graph, Node, Value
+    from kiln.ir.graph import Node
 
 ONNX_DOMAIN = ""
 KILN_DOMAIN = "kiln"

@@ -317,7 +317,6 @@ def inconsistent_huge_type() -> bytes:
 def huge_initializer_claim() -> bytes:
     """An initializer whose data claims 2^61 float32 elements in a 64-byte segment: the decoder
     must compare the claimed size with the bytes present before touching anything."""
-    values = [("w", F32, [1 << 61])]
     enc = _Encoder()
     b = enc.b
     shape = enc.ints([1 << 61], np.int64)

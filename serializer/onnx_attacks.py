@@ -17,7 +17,6 @@ subgraph nesting past the .kiln limit, absurd opset versions and attribute type 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import dataclass

@@ -20,7 +20,6 @@ failure. Cases are reproducible: case ``i`` of seed ``s`` is made by ``random.Ra
 from __future__ import annotations
 
 import argparse
-import io
 import random
 import sys
 import tempfile

@@ -1,11 +1,14 @@
 """Shared pieces for op registrations: dtype sets and the common inference rules."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from kiln.ir.dtypes import ALL_TYPES, FLOAT_TYPES, INT_TYPES, NUMERIC_TYPES, DType
 from kiln.ir.registry import InferContext
 from kiln.ir.types import TensorType, broadcast_shapes
+
+if TYPE_CHECKING:
+    import numpy as np
 
 FLOAT = FLOAT_TYPES
 INT = INT_TYPES

@@ -259,7 +259,7 @@ def carried_from_previous_iteration(n):
     for i in range(n):
         if i > 0:
             out.append(prev + i)  # noqa: F821 (bound by the previous iteration)
-        prev = i * 10
+        prev = i * 10  # noqa: F841 (read by the next iteration: the scripter must refuse it)
     return out
 
 
@@ -614,7 +614,7 @@ def uses_yield(x):
 
 
 def uses_global(x):
-    global CASES  # <- error
+    global CASES  # noqa: F824  # <- error
     return x
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import kiln
 from kiln.cli import main
-from kiln.errors import ExecutionError, FormatError, KilnError
+from kiln.errors import ExecutionError, FormatError
 from kiln.mobile_stub import packed, runtime
 from kiln.tools import mobile_fuzz as fuzz
 from kiln.mobile_stub.pack import lifetimes, pack, read_arena

@@ -38,11 +38,11 @@ def python_slice(x, starts, ends, axes=None, steps=None) -> np.ndarray:
     axes = range(len(starts)) if axes is None else axes
     steps = [1] * len(starts) if steps is None else steps
     index = [slice(None)] * x.ndim
-    for s, e, a, st in zip(starts, ends, axes, steps):
-        s, e, st = int(s), int(e), int(st)
-        if st < 0 and s + x.shape[a] < 0:
+    for s, e, a, step in zip(starts, ends, axes, steps):
+        s, e, step = int(s), int(e), int(step)
+        if step < 0 and s + x.shape[a] < 0:
             s = 0
-        index[a] = slice(s, e, st)
+        index[a] = slice(s, e, step)
     return x[tuple(index)]
 
 

@@ -138,7 +138,7 @@ def test_staging_preallocates_one_buffer_per_bucket_and_input_with_the_allocator
         calls.append((shape, np.dtype(dtype)))
         return np.empty(shape, dtype)
 
-    staging = Staging(specs(x=("float32", ("batch", 4)), ids=("int64", ("batch", 2))), (1, 2, 4), allocator)
+    Staging(specs(x=("float32", ("batch", 4)), ids=("int64", ("batch", 2))), (1, 2, 4), allocator)
     assert sorted(calls) == sorted([((b, 4), np.dtype("float32")) for b in (1, 2, 4)]
                                    + [((b, 2), np.dtype("int64")) for b in (1, 2, 4)])
 

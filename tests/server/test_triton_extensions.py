@@ -317,7 +317,7 @@ def test_shared_memory_bounds_and_unknown_regions_are_400(served, regions):
     name = f"{TAG}_small"
     assert raw_post(server, f"/v2/systemsharedmemory/region/{name}/register",
                     {"key": f"/{TAG}_small", "offset": 64, "byte_size": 128}).status_code == 200
-    infer = f"/v2/models/counted/infer"
+    infer = "/v2/models/counted/infer"
     good = {"shared_memory_region": name, "shared_memory_byte_size": 128}
     assert raw_post(server, infer, shm_infer_body(good)).status_code == 200
     cases = [

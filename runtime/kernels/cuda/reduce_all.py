@@ -83,7 +83,7 @@ def _identity(op: str, acc: str) -> str:
     if op == "sum":
         return "(ACC)0"
     if acc in ("float", "double"):
-        return f"(-cuda::std::numeric_limits<ACC>::infinity())" if op == "max" else \
+        return "(-cuda::std::numeric_limits<ACC>::infinity())" if op == "max" else \
             "(cuda::std::numeric_limits<ACC>::infinity())"
     return "cuda::std::numeric_limits<ACC>::lowest()" if op == "max" else "cuda::std::numeric_limits<ACC>::max()"
 
