@@ -137,9 +137,9 @@ def inference_service(*, name: str, storage_uri: str, runtime: str, gpu: bool, n
 
 _DOCKER_CPU = """# kiln serve on the CPU (written by `kiln deploy kserve`). Build: docker build -f Dockerfile.cpu -t {image} .
 FROM python:3.11-slim
-# kiln's wheel (README step 1 puts it in wheels/): the package index's "kiln" is another project.
+# kiln's wheel (README step 1 puts it in wheels/): the distribution kiln-compiler, built from the source checkout.
 COPY wheels/ /wheels/
-RUN pip install --no-cache-dir "$(ls /wheels/kiln-*.whl)[serve]" \\
+RUN pip install --no-cache-dir "$(ls /wheels/kiln_compiler-*.whl)[serve]" \\
  && useradd --uid 1000 --create-home kiln
 USER 1000
 ENV OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
@@ -155,7 +155,7 @@ FROM nvidia/cuda:12.6.3-cudnn-runtime-ubuntu22.04
 COPY wheels/ /wheels/
 RUN apt-get update && apt-get install -y --no-install-recommends python3.11 python3-pip \\
  && rm -rf /var/lib/apt/lists/* \\
- && python3.11 -m pip install --no-cache-dir "$(ls /wheels/kiln-*.whl)[serve,gpu]" \\
+ && python3.11 -m pip install --no-cache-dir "$(ls /wheels/kiln_compiler-*.whl)[serve,gpu]" \\
  && useradd --uid 1000 --create-home kiln
 USER 1000
 ENV PYTHONUNBUFFERED=1

@@ -161,3 +161,20 @@ def test_manifests_survive_kserves_models(tmp_path, gpu, namespaced):
     bad["spec"]["predictor"]["model"]["storageURI"] = bad["spec"]["predictor"]["model"].pop("storageUri")
     with pytest.raises(AssertionError, match="has no field 'storageURI'"):
         build(bad, "V1beta1InferenceService", "bad")
+
+
+def test_the_dockerfiles_install_the_wheel_this_project_builds(tmp_path):
+    """The Dockerfiles pick kiln's wheel out of wheels/ by a glob: it must match the file name pip gives this
+    project's wheel (the distribution is kiln-compiler: kiln_compiler-VERSION-py3-none-any.whl)."""
+    import fnmatch
+    import re
+    import tomllib
+    from pathlib import Path
+
+    meta = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    wheel = f"{re.sub(r'[-_.]+', '_', meta['name']).lower()}-{meta['version']}-py3-none-any.whl"
+    out = tmp_path / "d"
+    deploy_kserve(MLP, out, name="m")
+    for name in ("Dockerfile.cpu", "Dockerfile.cuda"):
+        (glob,) = re.findall(r"/wheels/(\S+?\.whl)", (out / name).read_text())
+        assert fnmatch.fnmatch(wheel, glob), (name, glob, wheel)
