@@ -53,6 +53,20 @@ def test_conv_fast_paths(x_shape, w_shape, attrs, path, bias):
     check_backends(g, feeds, evaluate(g, feeds))
 
 
+@pytest.mark.parametrize("limit", [0, 1 << 40], ids=["taps", "product"])
+@pytest.mark.parametrize("x_shape,w_shape,attrs", [c[:3] for c in CONVS if c[3] == "_depthwise"]
+                         + [((3, 5, 12, 7), (5, 1, 3, 5), {"group": 5, "strides": [2, 1], "dilations": [1, 2],
+                                                           "pads": [2, 0, 1, 3]})])
+def test_depthwise_both_ways(monkeypatch, x_shape, w_shape, attrs, limit):
+    """The depthwise kernel's two ways (a sum over taps; one batched product over the columns where they fit in
+    cache, issue 24) against the reference, on strides, dilations, asymmetric pads and several samples."""
+    from kiln.runtime.kernels.cpu import nn as cpu_nn
+    monkeypatch.setattr(cpu_nn, "DEPTHWISE_GEMM_BYTES", limit)
+    inputs = [rand(*x_shape), rand(*w_shape), rand(w_shape[0])]
+    g, feeds = build_single("Conv", inputs, attrs, const_inputs=(1, 2), symbolic_batch=True)
+    check_backends(g, feeds, evaluate(g, feeds))
+
+
 @pytest.mark.parametrize("trans_a,trans_b,alpha,beta", [(0, 0, 1.0, 1.0), (1, 1, 0.5, 2.0), (0, 1, 1.0, 0.0)])
 @pytest.mark.parametrize("const", [(), (1, 2)])
 def test_gemm(trans_a, trans_b, alpha, beta, const):
