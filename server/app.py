@@ -26,7 +26,9 @@
 ``POST /v2/cudasharedmemory/region/{r}/register``        needs client shm allowed and a model on cuda)
 ``POST /v2/cudasharedmemory[/region/{r}]/unregister``
 ``GET  /metrics``                                        Prometheus text (see server/metrics.py)
-``GET  /docs``, ``/openapi.json``                        FastAPI's OpenAPI documentation
+``GET  /docs``, ``/redoc``, ``/openapi.json``            the API documentation: Swagger UI and ReDoc pages whose
+                                                         scripts this server serves itself (offline; below)
+``GET  /docs/assets/{file}``                             those scripts, styles and icon
 =======================================================  ===============================================
 
 Design decisions, and why:
@@ -43,6 +45,19 @@ Design decisions, and why:
   carries a 4xx ``status`` (a :class:`~kiln.server.protocol.ProtocolError`, a :class:`kiln.InputError`)
   is answered with that status even when it escapes a route, since a bad input must never read as a
   server fault.
+- **A body that parses as JSON is read as JSON**, whatever the client called it: no Content-Type,
+  ``application/json``, ``text/json``, ``*+json``, and also ``application/x-www-form-urlencoded`` (what
+  ``curl -d`` sends unless told otherwise) and ``text/plain``. Under those last two a body that is not JSON
+  is a 415 naming the Content-Type to send. The binary tensor extension is keyed on its
+  ``Inference-Header-Content-Length`` header (its type is ``application/octet-stream``); any other type
+  (multipart, XML, images) is a 415 saying what to send.
+- **/docs works offline.** FastAPI's default pages load Swagger UI and ReDoc from a CDN, so a server on a
+  machine without internet access (a cluster node, a laptop on a plane) showed a blank page. The pages here
+  load them from ``/docs/assets/``, served from the files the ``fastapi-offline`` package ships (Swagger UI
+  5, which renders FastAPI's OpenAPI 3.1; the older ``swagger-ui-bundle`` package's Swagger UI 4 cannot),
+  installed with the ``serve`` extra. Without that package the pages say how to install it, and never
+  fall back to a CDN. (ReDoc's bundle itself still asks Redocly's CDN for the small logo in its sidebar
+  credit and hides it when that fails; no script, style or font comes from anywhere but this server.)
 - **The infer route reads the raw body itself** instead of declaring a pydantic body: a declared body
   would be parsed (and a 64 MB JSON body materialized as Python objects) before any check. The
   ``Content-Length`` is checked first and the stream is counted while it arrives, so an oversized body
@@ -70,6 +85,8 @@ Design decisions, and why:
 from __future__ import annotations
 
 import asyncio
+import html
+import importlib.util
 import inspect
 import logging
 import math
@@ -78,12 +95,14 @@ import time
 import zlib
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -111,7 +130,16 @@ DEFAULT_MAX_BODY_BYTES = 64 << 20
 _OFFLOAD_BYTES = 256 << 10
 #: Seconds a client is told to wait (``Retry-After``) after a 503.
 RETRY_AFTER_S = 1
-_JSON_TYPES = ("", "application/json", "application/octet-stream")
+#: Content types read as a V2 request: JSON (none given means JSON), and octet-stream for the binary tensor
+#: extension, whose split is keyed on the Inference-Header-Content-Length header, never on the type.
+_JSON_TYPES = ("", "application/json", "text/json", "application/octet-stream")
+#: Content types a body is read as JSON under only if it parses as JSON: curl's ``-d`` sends
+#: ``application/x-www-form-urlencoded`` unless told otherwise, and some clients send ``text/plain``. A body
+#: that does not parse under them is answered 415 naming the Content-Type to send (a form is never meant).
+_LENIENT_TYPES = ("application/x-www-form-urlencoded", "text/plain")
+_SEND_THIS = ("send the V2 request as JSON with 'Content-Type: application/json' (curl: -H 'Content-Type: "
+              "application/json'), or the binary tensor extension as application/octet-stream with an "
+              "Inference-Header-Content-Length header")
 
 ExecutorFactory = Callable[[ModelEntry], Any]
 
@@ -417,7 +445,9 @@ _INFER_DOC = {
         "required": True,
         "description": "A V2 inference request. With the binary tensor extension the body is the JSON header "
                        "followed by the raw tensors, and the `Inference-Header-Content-Length` header gives the "
-                       "JSON header's length.",
+                       "JSON header's length. A body that parses as JSON is read as JSON also when it comes "
+                       "without a Content-Type, or as `application/x-www-form-urlencoded` (`curl -d`'s default) "
+                       "or `text/plain`.",
         "content": {
             "application/json": {
                 "schema": _INFER_REQUEST_SCHEMA,
@@ -428,6 +458,42 @@ _INFER_DOC = {
         },
     },
 }
+
+
+# ------------------------------------------------------------------------------- the docs pages, offline
+#: The package whose files the /docs and /redoc pages load (see the module docstring), and those files with
+#: the type each is served as.
+DOCS_ASSETS_PACKAGE = "fastapi-offline"
+_DOCS_ASSETS = {"swagger-ui-bundle.js": "text/javascript; charset=utf-8",
+                "swagger-ui.css": "text/css; charset=utf-8",
+                "redoc.standalone.js": "text/javascript; charset=utf-8",
+                "favicon.png": "image/png"}
+_DOCS_ASSETS_URL = "/docs/assets"
+
+
+def docs_assets_dir() -> Optional[Path]:
+    """The folder holding Swagger UI's and ReDoc's files (the ``fastapi-offline`` package's ``static``
+    folder), or None when that package is not installed or lacks one of them. Found without importing it."""
+    spec = importlib.util.find_spec("fastapi_offline")
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        folder = Path(location) / "static"
+        if all((folder / name).is_file() for name in _DOCS_ASSETS):
+            return folder
+    return None
+
+
+def _docs_missing(request: Request, page: str) -> Response:
+    """/docs or /redoc without the assets package: how to get it (HTML for a browser, else ``{"error"}``),
+    with 501, never a page that loads the UI from a CDN."""
+    message = (f"the {page} page needs the {DOCS_ASSETS_PACKAGE} package, whose copy of {page} this server "
+               f"serves itself (so the page works offline), and it is not installed: pip install "
+               f"'kiln-compiler[serve]' (or pip install {DOCS_ASSETS_PACKAGE}), then restart kiln serve. The "
+               f"OpenAPI description itself is at /openapi.json")
+    if "text/html" not in request.headers.get("accept", ""):
+        return _error_response(501, message)
+    return HTMLResponse(f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>kiln serve: {page} "
+                        f"unavailable</title></head>\n<body><h1>{page} is not installed</h1>\n<p>"
+                        f"{html.escape(message)}</p></body></html>\n", status_code=501)
 
 
 def _error_doc(*codes: int) -> dict:
@@ -498,6 +564,8 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
                     "inference with JSON tensors or the binary tensor extension. Errors are "
                     "`{\"error\": \"...\"}`.",
         lifespan=lifespan,
+        docs_url=None,  # FastAPI's pages load their scripts from a CDN: ours (below) are served from here
+        redoc_url=None,
     )
     app.state.kiln = state
     app.add_middleware(JsonErrors)  # added last: outermost of the user middleware, around every route
@@ -690,6 +758,43 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
         if gpu_metrics.enabled:  # NVML sampled on a thread (at most once per ttl), never on the event loop
             text += gpu_metrics.render() if gpu_metrics.fresh() else await asyncio.to_thread(gpu_metrics.render)
         return Response(text, media_type=None, headers={"content-type": METRICS_CONTENT_TYPE})
+
+    # -------------------------------------------------------------- API docs, offline (module docstring)
+    assets = docs_assets_dir()
+
+    def under_root(request: Request, path: str) -> str:  # behind a proxy's prefix (Ray Serve's route_prefix)
+        return request.scope.get("root_path", "").rstrip("/") + path
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui(request: Request):
+        if assets is None:
+            return _docs_missing(request, "Swagger UI")
+        return get_swagger_ui_html(
+            openapi_url=under_root(request, app.openapi_url), title=f"{app.title} - Swagger UI",
+            swagger_js_url=under_root(request, f"{_DOCS_ASSETS_URL}/swagger-ui-bundle.js"),
+            swagger_css_url=under_root(request, f"{_DOCS_ASSETS_URL}/swagger-ui.css"),
+            swagger_favicon_url=under_root(request, f"{_DOCS_ASSETS_URL}/favicon.png"),
+            # No validator badge: Swagger UI would load it from validator.swagger.io.
+            swagger_ui_parameters={"validatorUrl": None})
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request):
+        if assets is None:
+            return _docs_missing(request, "ReDoc")
+        return get_redoc_html(
+            openapi_url=under_root(request, app.openapi_url), title=f"{app.title} - ReDoc",
+            redoc_js_url=under_root(request, f"{_DOCS_ASSETS_URL}/redoc.standalone.js"),
+            redoc_favicon_url=under_root(request, f"{_DOCS_ASSETS_URL}/favicon.png"), with_google_fonts=False)
+
+    @app.get(_DOCS_ASSETS_URL + "/{name}", include_in_schema=False)
+    async def docs_asset(name: str):
+        media_type = _DOCS_ASSETS.get(name)
+        if media_type is None:
+            raise ApiError(404, f"no docs asset '{name}' (the assets are {', '.join(sorted(_DOCS_ASSETS))})")
+        if assets is None:
+            raise ApiError(404, f"no docs assets: the {DOCS_ASSETS_PACKAGE} package is not installed (pip "
+                                f"install 'kiln-compiler[serve]')")
+        return FileResponse(assets / name, media_type=media_type, headers={"Cache-Control": "public, max-age=3600"})
 
     return app
 
@@ -913,9 +1018,8 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
 
     headers = request.headers
     media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media_type not in _JSON_TYPES:
-        raise ApiError(415, f"unsupported content type '{media_type}': send application/json (or "
-                            "application/octet-stream with the binary tensor extension)")
+    if media_type not in _JSON_TYPES and media_type not in _LENIENT_TYPES and not media_type.endswith("+json"):
+        raise ApiError(415, f"unsupported content type '{media_type}': {_SEND_THIS}")
     header_length = None
     raw = headers.get("inference-header-content-length")
     if raw is not None:
@@ -936,6 +1040,16 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
         else:
             req = protocol.parse_infer_request(body, header_length, max_elements=state.max_body_bytes,
                                                shared_memory=state.shared)
+    except protocol.MalformedJson as e:
+        if media_type in _LENIENT_TYPES:  # not JSON, and not sent as JSON: say what to send
+            default = " (what curl -d sends unless told otherwise)" if "form" in media_type else ""
+            raise ApiError(415, f"the body is not a JSON inference request and its content type is "
+                                f"'{media_type}'{default}: {_SEND_THIS} ({e.message})") from None
+        if media_type == "application/octet-stream" and header_length is None:
+            raise ApiError(400, f"{e.message}; an application/octet-stream body without an "
+                                "Inference-Header-Content-Length header is read as JSON: for the binary tensor "
+                                "extension, send that header with the length of the JSON part") from None
+        raise ApiError(e.status, e.message) from None
     except protocol.ProtocolError as e:
         raise ApiError(e.status, e.message) from None
     del body

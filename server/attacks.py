@@ -373,6 +373,8 @@ def bad_input_cases(max_body: int = 1 << 20) -> list[Case]:
                           ("application/x-www-form-urlencoded", 415), ("application/xml", 415),
                           ("application/json; charset=utf-16", None), ("image/png", 415)]:
         body = _req(good) if status else "".join(json.dumps({"inputs": [good]})).encode("utf-16")
+        if ctype in ("text/plain", "application/x-www-form-urlencoded"):  # a JSON body is read as JSON under
+            body = b"inputs=x&data=0.5"  # these (curl -d's default, server/app.py): refused when it is not
         add(Case(f"content type {ctype}", body=body, headers={"Content-Type": ctype}, expect=(status or 400,)))
     # -- unknown models, versions, routes, methods
     for path in ["/v2/models/nope/infer", "/v2/models/mlp/versions/2/infer", "/v2/models/mlp/versions/abc/infer",

@@ -162,6 +162,17 @@ class ProtocolError(Exception):
         self.message = message
 
 
+class MalformedJson(ProtocolError):
+    """The request's JSON (the whole body, or the header before the binary tensors) does not parse at all.
+
+    A class of its own because a body sent under a Content-Type that does not say JSON (curl ``-d``'s
+    ``application/x-www-form-urlencoded``) is read as JSON only if it parses: the server then answers 415,
+    naming the Content-Type to send, instead of a JSON parser's message."""
+
+    def __init__(self, message: str):
+        super().__init__(400, message)
+
+
 @dataclass
 class RequestedOutput:
     """An output the client named, and whether it wants it as binary data."""
@@ -246,7 +257,7 @@ def parse_infer_request(body: bytes, header_length: Optional[int], *, max_elemen
     try:
         request = _loads(header)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ProtocolError(400, f"malformed JSON in request: {e}") from None
+        raise MalformedJson(f"malformed JSON in request: {e}") from None
     if not isinstance(request, dict):
         raise ProtocolError(400, f"the request must be a JSON object, got {_json_type(request)}")
 
