@@ -45,6 +45,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     from kiln.ir import IR_VERSION, ONNX_OPSET_BASE, OPSET_VERSION, all_schemas
 
     schemas = all_schemas()
+    if args.ops:  # a pattern: the matching ops only, the answer to "does kiln have X?"
+        return _print_ops(schemas, args.ops)
     print(f"kiln {__version__}")
     print(f"python {platform.python_version()} ({sys.executable})")
     print(f"numpy {np.__version__}, flatbuffers {_dist_version('flatbuffers', 'flatbuffers') or 'missing'}")
@@ -55,9 +57,39 @@ def cmd_info(args: argparse.Namespace) -> int:
         ver = _dist_version(module, dist)
         state = f"yes ({ver})" if ver else "no"
         print(f"  {module:<12} {state:<22} {purpose}")
-    if args.ops:
-        print("ops:")
-        for s in schemas:
+    if args.ops is not None:
+        return _print_ops(schemas, args.ops)
+    return 0
+
+
+def _print_ops(schemas: list, pattern: str) -> int:
+    """The registered ops by domain, with their inputs (``?`` optional, ``...`` variadic) and attributes;
+    ``pattern`` keeps the ops whose name contains it (or matches it, with ``*``/``?``), case-insensitively.
+    Error messages about an op kiln lacks point here rather than at a Python function."""
+    import fnmatch
+
+    def matches(s) -> bool:
+        if not pattern:
+            return True
+        name = s.qualified_name.lower()
+        if any(c in pattern for c in "*?["):
+            return fnmatch.fnmatchcase(name, pattern.lower()) or fnmatch.fnmatchcase(s.name.lower(), pattern.lower())
+        return pattern.lower() in name
+
+    chosen = [s for s in schemas if matches(s)]
+    if not chosen:
+        import difflib
+        names = {s.qualified_name.lower(): s.qualified_name for s in schemas}
+        close = [names[n] for n in difflib.get_close_matches(pattern.lower(), list(names), n=3, cutoff=0.6)]
+        print(f"no registered op matches '{pattern}'" + (f" (close: {', '.join(close)})" if close else ""))
+        return 1
+    domains: dict[str, list] = {}
+    for s in chosen:
+        domains.setdefault(s.domain or "ai.onnx", []).append(s)
+    print(f"ops matching '{pattern}': {len(chosen)} of {len(schemas)}" if pattern else f"ops: {len(schemas)}")
+    for domain, group in sorted(domains.items(), key=lambda kv: kv[0] != "ai.onnx"):
+        print(f"domain {domain} ({len(group)} ops):")
+        for s in group:
             ins = ", ".join(p.name + ("?" if p.optional else "") + ("..." if p.variadic else "") for p in s.inputs)
             attrs = ", ".join(s.attrs)
             print(f"  {s.qualified_name}({ins})" + (f" [{attrs}]" if attrs else ""))
@@ -65,7 +97,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _add_info_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ops", action="store_true", help="also list every registered op with its inputs and attributes")
+    p.add_argument("--ops", nargs="?", const="", metavar="PATTERN",
+                   help="also list the registered ops by domain (ai.onnx, kiln) with their inputs (? optional, "
+                        "... variadic) and attributes; with PATTERN, only the ops whose name contains it (or "
+                        "matches it, with * and ?), case-insensitively, e.g. --ops conv (exit 1 if none does)")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -112,6 +147,9 @@ COMMANDS: dict[str, Command] = {
              _add_info_args, cmd_info),
     "inspect": ("summarize a .kiln file: header, versions, producer, inputs/outputs, op histogram, parameters",
                 _add_inspect_args, cmd_inspect),
+    "view": ("draw a .kiln file's graph as one self-contained interactive HTML page (ops, shapes, module paths, "
+             "fused groups, If/Loop bodies, weights, guards) that opens offline in any browser",
+             _lazy("kiln.serializer.view", "add_view_args"), _lazy("kiln.serializer.view", "cmd_view")),
     "export": ("trace a PyTorch model on example inputs and write it as a .kiln file and/or an ONNX file",
                _lazy("kiln.frontend.export_cli", "add_export_args"),
                _lazy("kiln.frontend.export_cli", "cmd_export")),
@@ -121,9 +159,9 @@ COMMANDS: dict[str, Command] = {
     "run": ("run a .kiln or .onnx file on inputs from .npy/.npz/JSON; write outputs to .npz/.npy or print a "
             "summary (same as python -m kiln.runtime); --backend onnxruntime runs it in ONNX Runtime",
             _lazy("kiln.runtime.cli", "add_run_args"), _lazy("kiln.runtime.cli", "cmd_run")),
-    "bench": ("time a .kiln or .onnx file on random inputs (median/p90), optionally per op with --profile; "
-              "--backend onnxruntime times ONNX Runtime", _lazy("kiln.runtime.cli", "add_bench_args"),
-              _lazy("kiln.runtime.cli", "cmd_bench")),
+    "bench": ("time a .kiln or .onnx file on random inputs (median/p90), optionally per op with --profile or "
+              "as a Chrome/Perfetto trace with --trace FILE.json; --backend onnxruntime times ONNX Runtime",
+              _lazy("kiln.runtime.cli", "add_bench_args"), _lazy("kiln.runtime.cli", "cmd_bench")),
     "serve": ("serve a .kiln file or a model repository over HTTP (KServe/Triton V2 inference protocol) with "
               "dynamic batching, worker processes and Prometheus metrics", _lazy("kiln.server.cli", "add_serve_args"),
               _lazy("kiln.server.cli", "cmd_serve")),
@@ -134,6 +172,10 @@ COMMANDS: dict[str, Command] = {
                "memory plan, optional int8 weights), `bundle` it into a numpy-only zipapp",
                _lazy("kiln.mobile_stub.cli", "add_mobile_args"), _lazy("kiln.mobile_stub.cli", "cmd_mobile")),
 }
+
+
+# Commands given a model file whose errors may end with a hint (a .onnx file kiln refuses: --backend onnxruntime).
+_MODEL_FILE_COMMANDS = ("run", "bench", "serve", "convert")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,7 +197,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return 2
-    return run_command(args.command, args._run, args)
+    run = args._run
+    if args.command in _MODEL_FILE_COMMANDS:
+        from kiln.runtime.cli import with_hints
+        run = with_hints(args.command, run)
+    return run_command(args.command, run, args)
 
 
 if __name__ == "__main__":

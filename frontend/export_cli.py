@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import sys
+import threading
 import time
+import warnings
 from typing import Optional, Sequence
 
 from kiln.errors import KilnError
@@ -21,23 +24,109 @@ _EXPORT_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32",
 _CHECK_TRIALS = 3  # fresh random inputs the check runs besides the examples
 
 
-class _Progress:
-    """One stderr line per long step: ``tracing ... 1.23 s``, or ``failed`` when it raises."""
+_SLOW_CHECK_S = 10.0  # past this, the check's line says that --no-check skips it
+_TICK_S = 0.5  # how often a live progress line is redrawn
 
-    def __init__(self) -> None:
+
+class _Progress:
+    """Where the export is. Each step ends with one stderr line, ``tracing ... 1.23 s`` (``failed`` when it
+    raises), piped or not. On a terminal (stderr a TTY) the line is live while the step runs: the elapsed
+    seconds tick, it says what the step is at (the check: which input set of how many) and, once the check
+    has taken ``_SLOW_CHECK_S``, that ``--no-check`` skips it. BERT-base spent 132 s checking with nothing
+    shown; a log file or a pipe still gets the same lines as before and no carriage returns."""
+
+    def __init__(self, stream=None, live: Optional[bool] = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.live = _is_terminal(self.stream) if live is None else live
         self.seconds: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._label, self._detail, self._slow, self._start = "", "", None, 0.0
 
     @contextlib.contextmanager
-    def step(self, label: str):
-        print(f"{label} ...", end="", file=sys.stderr, flush=True)
-        start = time.perf_counter()
+    def step(self, label: str, slow: Optional[tuple[float, str]] = None):
+        """A step called ``label``; ``slow`` = (seconds, note): the note is shown once the step takes longer."""
+        self._label, self._detail, self._slow = label, "", slow
+        self._start = time.perf_counter()
+        stop = threading.Event()
+        ticker, shown = None, warnings.showwarning
+        if self.live:
+            self._draw()
+            ticker = threading.Thread(target=self._tick, args=(stop,), name="kiln-export-progress", daemon=True)
+            ticker.start()
+            warnings.showwarning = self._clearing(shown)  # a warning the model prints starts on a clean line
+        else:
+            print(f"{label} ...", end="", file=self.stream, flush=True)
         try:
-            yield
+            yield self
         except BaseException:
-            print(" failed", file=sys.stderr, flush=True)
+            self._end(stop, ticker, "failed")
             raise
-        self.seconds[label] = time.perf_counter() - start
-        print(f" {self.seconds[label]:.2f} s", file=sys.stderr, flush=True)
+        finally:
+            warnings.showwarning = shown
+        seconds = self.seconds[label] = time.perf_counter() - self._start
+        note = f" ({slow[1]})" if slow and seconds > slow[0] else ""
+        self._end(stop, ticker, f"{seconds:.2f} s{note}")
+
+    def detail(self, text: str) -> None:
+        """What the running step is at; shown at once on a terminal, not at all elsewhere."""
+        self._detail = text
+        if self.live:
+            self._draw()
+
+    def _clearing(self, show):
+        def clear_then_show(*args, **kwargs):
+            with self._lock:
+                self.stream.write("\r\x1b[K")
+            show(*args, **kwargs)
+        return clear_then_show
+
+    def _tick(self, stop: threading.Event) -> None:
+        while not stop.wait(_TICK_S):
+            self._draw()
+
+    def _draw(self) -> None:
+        elapsed = time.perf_counter() - self._start
+        line = f"{self._label} ... {elapsed:.0f} s" + (f", {self._detail}" if self._detail else "")
+        if self._slow and elapsed > self._slow[0]:
+            line += f" ({self._slow[1]})"
+        width = shutil.get_terminal_size((80, 24)).columns - 1  # a wrapped line could not be redrawn in place
+        with self._lock:
+            self.stream.write("\r" + line[:width] + "\x1b[K")
+            self.stream.flush()
+
+    def _end(self, stop: threading.Event, ticker, result: str) -> None:
+        stop.set()
+        if ticker is not None:
+            ticker.join()
+            with self._lock:
+                self.stream.write(f"\r{self._label} ... {result}\x1b[K\n")
+                self.stream.flush()
+        else:
+            print(f" {result}", file=self.stream, flush=True)
+
+
+def _is_terminal(stream) -> bool:
+    """Whether ``stream`` is a terminal that redraws a line (not TERM=dumb)."""
+    try:
+        return stream.isatty() and os.environ.get("TERM") != "dumb"
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
+def _require_torch() -> None:
+    """kiln export traces PyTorch models: say how to install torch before any step runs, not with a
+    ModuleNotFoundError from deep inside (as kiln serve and the ONNX paths name their extras)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("torch") is not None
+    except ValueError:  # sys.modules['torch'] is None, or has no __spec__
+        found = sys.modules.get("torch") is not None
+    if not found:
+        raise KilnError("kiln export traces PyTorch models and needs torch, which is not installed: "
+                        "pip install 'kiln-compiler[torch]' (or install torch for your platform and CUDA "
+                        "version as pytorch.org describes; a CPU-only build is enough). Models already in ONNX "
+                        "need no torch: kiln convert MODEL.onnx MODEL.kiln")
 
 
 @contextlib.contextmanager
@@ -133,14 +222,27 @@ def _import_target(module: str):
         raise
 
 
-def _load_model(target: str):
+def _load_model(target: str, command: Sequence[str] = ()):
     """``MODULE:ATTR`` -> an nn.Module: ATTR is an instance, a class built with no arguments (then
-    put in eval mode, as the user had no chance to), or a factory function returning a module."""
+    put in eval mode, as the user had no chance to), or a factory function returning a module.
+
+    A file in its place (``model.pt``: TorchScript, a state_dict, a pickled module; an ONNX file; the .py
+    file without ATTR) is named for what it is, with what to run instead (frontend/model_files.py);
+    ``command`` (the rest of the user's arguments) is repeated in those suggestions."""
     import torch
+
+    from kiln.frontend import model_files
 
     module, sep, attr = target.rpartition(":")
     if not sep or not module or not attr:
+        described = model_files.describe(target, command)
+        if described:
+            raise KilnError(described)
+        if os.sep in target or "/" in target or os.path.splitext(target)[1] in _MODEL_SUFFIXES:
+            raise KilnError(f"no such file: {target} (kiln export takes MODULE:ATTR, e.g. 'models.py:Net')")
         raise KilnError(f"bad model '{target}': expected MODULE:ATTR, e.g. 'examples/models.py:SmallCNN'")
+    if os.path.isfile(module) and not module.endswith(".py"):
+        raise KilnError(model_files.describe(module, command))
     obj = _import_target(module)
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -157,12 +259,24 @@ def _load_model(target: str):
     return obj
 
 
+# Suffixes of files people give in place of MODULE:ATTR (a missing one is then "no such file").
+_MODEL_SUFFIXES = (".py", ".pt", ".pth", ".ckpt", ".bin", ".onnx", ".kiln", ".safetensors", ".pkl")
+
+
+def _rest_of_command(args: argparse.Namespace) -> list:
+    """The user's arguments other than the model, for the commands error messages suggest."""
+    rest = [a for spec in args.input for a in ("--input", spec)]
+    rest += [a for spec in args.dynamic for a in ("--dynamic", spec)]
+    rest += ["--dynamic-batch"] if args.dynamic_batch else []
+    rest += ["-o", args.output] if args.output else []
+    rest += ["--onnx", args.onnx] if args.onnx else []
+    return rest
+
+
 def _trace_step(model, inputs: dict, dynamic: dict, progress: _Progress, script: bool = False,
                 guards: bool = True):
     """Trace, or script with ``script`` (no check, no optimize: they are steps of their own);
     TraceWarnings go to stderr."""
-    import warnings
-
     from kiln.errors import TraceWarning
 
     if script:
@@ -182,13 +296,18 @@ def _trace_step(model, inputs: dict, dynamic: dict, progress: _Progress, script:
 
 
 def _check_step(graph, model, inputs: dict, ranges: dict, progress: _Progress) -> str:
+    """Run the model and the graph on the examples and on fresh inputs (slow on a large model: the graph
+    runs in the reference evaluator); the live line counts the input sets."""
     from kiln.frontend.trace import check_trace
+
+    def on_trial(k: int, total: int, label: str) -> None:
+        progress.detail(f"input set {k} of {total}: {label}")
 
     names = [v.name for v in graph.inputs]
     dims = [{i: d for i, d in enumerate(v.type.shape) if isinstance(d, str)} for v in graph.inputs]
-    with progress.step("checking"), _user_code("checking"):
+    with progress.step("checking", slow=(_SLOW_CHECK_S, "--no-check skips this step")), _user_code("checking"):
         check_trace(graph, model, names, [inputs[n] for n in names], dims, rtol=1e-4, atol=1e-5,
-                    trials=_CHECK_TRIALS, ranges=ranges)
+                    trials=_CHECK_TRIALS, ranges=ranges, on_trial=on_trial)
     others = ", at other sizes" if any(dims) else ""
     return f"passed (the example inputs and {_CHECK_TRIALS} fresh random ones{others})"
 
@@ -205,12 +324,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.onnx:
         from kiln.errors import optional_module
         optional_module("kiln.serializer.onnx", "--onnx")  # before the slow steps: a missing onnx fails at once
+    _require_torch()
     progress = _Progress()
     with progress.step(f"loading {args.model}"):
-        import torch  # importing torch is most of the time here
+        try:
+            import torch  # importing torch is most of the time here
+        except ImportError as e:  # installed but broken (a missing shared library, a mismatched build)
+            raise KilnError(f"importing torch failed: {type(e).__name__}: {e} (reinstall torch: "
+                            "pip install --force-reinstall 'kiln-compiler[torch]')") from e
 
         with _user_code("loading the model"):
-            model = _load_model(args.model)
+            model = _load_model(args.model, _rest_of_command(args))
     gen = torch.Generator().manual_seed(0)
     inputs = {name: _example_input(shape, dt, rng, gen) for name, shape, dt, rng in specs}
     graph, warned = _trace_step(model, inputs, dynamic, progress, script=args.script, guards=not args.no_guards)
@@ -322,7 +446,9 @@ def _print_export_summary(path, nodes_traced: int, check: str, warned: int, prog
 def add_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODULE:ATTR",
                    help="a .py file or dotted module name, and the name in it of an nn.Module instance, an nn.Module "
-                        "class (built with no arguments, in eval mode) or a factory function returning a module")
+                        "class (built with no arguments, in eval mode) or a factory function returning a module. "
+                        "Given a saved file instead (TorchScript, a state_dict, a pickled module, ONNX), the error "
+                        "says what it is and what to run")
     p.add_argument("-o", "--output", help="the .kiln file to write (may be left out when --onnx is given)")
     p.add_argument("--onnx", metavar="FILE.onnx",
                    help="also (or, without -o, only) write the graph as ONNX, through kiln's exporter "
@@ -338,7 +464,8 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dynamic", action="append", default=[], metavar="NAME:DIM:SYMBOL",
                    help="make dim DIM of input NAME symbolic (e.g. 'ids:1:seq'); repeatable")
     p.add_argument("--no-check", action="store_true",
-                   help="skip comparing the graph with the model on fresh random inputs")
+                   help="skip comparing the graph with the model on the example and fresh random inputs (on a "
+                        "large model the slowest step: BERT-base spends minutes in it)")
     p.add_argument("--no-optimize", action="store_true", help="save the graph as traced, without the pass pipeline")
     from kiln.serializer.convert_cli import add_precision_args
     add_precision_args(p)
@@ -354,4 +481,5 @@ def add_export_args(p: argparse.ArgumentParser) -> None:
                         "subset are errors naming the line. Without it, parts marked with @kiln.script still keep "
                         "their control flow inside the trace")
     p.epilog = ("Give -o, --onnx or both: both files hold the same traced (or, with --script, scripted), checked "
-                "and (unless --no-optimize) optimized graph.")
+                "and (unless --no-optimize) optimized graph. Progress goes to stderr, a line per step with its "
+                "seconds; on a terminal the line is live (elapsed time, the check's input sets).")

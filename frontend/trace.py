@@ -234,7 +234,8 @@ Ranges = Mapping[str, tuple]
 
 def check_trace(graph: Graph, model: Callable, names: list[str], examples: list[torch.Tensor],
                 dims: list[dict[int, str]], *, rtol: float, atol: float, trials: int = 3,
-                ranges: Optional[Ranges] = None) -> None:
+                ranges: Optional[Ranges] = None,
+                on_trial: Optional[Callable[[int, int, str], None]] = None) -> None:
     """Compare the graph with the model on the examples and on fresh inputs; TraceCheckError if
     they differ or if the graph refuses an input the model takes (a kiln.Guard failed).
 
@@ -243,9 +244,14 @@ def check_trace(graph: Graph, model: Callable, names: list[str], examples: list[
     output is compared with a scale-aware bound, ``max|graph - model| <= atol + rtol * max|model|``:
     float32 summation order moves a large output by far more than ``rtol`` of its small
     elements, while a wrong constant or axis moves it by a sizeable share of its largest.
+
+    ``on_trial(k, total, label)`` is told before each of the ``total`` input sets runs (``kiln export``
+    shows it: on a large model each set takes many seconds).
     """
     domains = input_domains(graph, names, examples, ranges or {})
-    for label, inputs, fallback in _trial_inputs(examples, dims, trials, domains):
+    for k, (label, inputs, fallback) in enumerate(_trial_inputs(examples, dims, trials, domains), 1):
+        if on_trial is not None:
+            on_trial(k, trials + 1, label)
         outcome = _run_both(graph, model, names, inputs, label, fallback)
         if outcome is None:
             continue  # both refused the input (the model's assert, the graph's Assert/Guard): they agree

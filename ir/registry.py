@@ -253,7 +253,13 @@ def get_schema(name: str, domain: str = ONNX_DOMAIN, version: Optional[int] = No
     versions = _REGISTRY.get((domain, name))
     if not versions:
         qual = f"{domain}.{name}" if domain else name
-        raise UnknownOpError(f"op '{qual}' is not registered; known ops: {', '.join(sorted(all_op_names()))}")
+        import difflib  # the error path only
+        known = all_op_names()
+        close = difflib.get_close_matches(qual, known, n=3, cutoff=0.75)
+        hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+        # A command rather than a list of every op: the message stays one readable line.
+        raise UnknownOpError(f"op '{qual}' is not registered{hint}; `kiln info --ops` lists the {len(known)} "
+                             "registered ops (`kiln info --ops NAME` searches them)")
     if version is None:
         return versions[-1]
     for s in reversed(versions):

@@ -12,12 +12,18 @@ into any number type, other numbers into float types).
 ``kiln bench --threads T`` runs the benchmark in a child process whose OMP/OpenBLAS/MKL/vecLib
 thread variables are T: BLAS reads them once, when numpy is imported, so a fresh process is the
 one way that works for every BLAS numpy may be built with, with no optional dependency.
+
+``kiln bench --trace FILE.json`` writes the instrumented (``--profile``) runs as a Chrome trace
+(runtime/profile.py). On a terminal, ``kiln bench`` shows its progress (loading, warm-up, timed and
+instrumented runs) on one line of stderr, rewritten in place between runs, outside the timed code,
+and erased before anything is printed; piped or redirected, it shows nothing.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -32,6 +38,8 @@ from kiln.ir.types import format_shape
 
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
 _BENCH_SECONDS = 2.0  # what `kiln bench` spends on timed runs when --repeat is not given
+_PROFILE_RUNS = 200   # instrumented runs of `kiln bench --profile` at most (fewer when --repeat is smaller)
+_TRACE_RUNS = 10      # of those, how many `--trace` writes by default: each run is an event per instruction
 
 
 # ---------------------------------------------------------------------------- loading and inputs
@@ -47,8 +55,8 @@ def load_program(path: str, backend: str = "kiln", threads: Optional[int] = None
     return load(path, backend=backend, threads=threads)
 
 
-def read_inputs(specs: Sequence[str], program) -> dict:
-    """``--input`` entries -> arrays by input name."""
+def read_inputs(specs: Sequence[str], program, sources: Optional[dict] = None) -> dict:
+    """``--input`` entries -> arrays by input name; ``sources`` (if given) gets the entry each came from."""
     dtypes = {s.name: s.type.dtype for s in program.inputs}
     given: dict = {}
     for spec in specs:
@@ -56,7 +64,65 @@ def read_inputs(specs: Sequence[str], program) -> dict:
             if name in given:
                 raise KilnError(f"input '{name}' is given twice")
             given[name] = array
+            if sources is not None:
+                sources[name] = spec
     return given
+
+
+def check_input_names(given: dict, sources: dict, program, random_fill: bool) -> None:
+    """Refuse, before anything runs, data for an input the model does not have, naming it, the --input
+    entry it came from and the inputs the model has with their types (a misspelt name otherwise shows
+    only as the right input missing); then any input left without data."""
+    expected = {s.name: f"{s.name}: {s.type}" for s in program.inputs}
+    extra = [n for n in given if n not in expected]
+    missing = [n for n in expected if n not in given]
+    if extra:
+        def origin(name: str) -> str:
+            spec = sources.get(name, "")
+            return f"--input {spec}" if "=" in spec else f"an array of {spec}"
+        which = ", ".join(f"'{n}' ({origin(n)})" for n in extra)
+        hint = ""
+        whole = sorted({sources[n] for n in extra if "=" not in sources.get(n, "=")})
+        if whole:  # a FILE.npz passes every array: name the ones the model takes instead
+            hint = f". Pick arrays by name from {', '.join(whole)}: --input NAME=FILE.npz"
+        elif len(extra) == 1 and len(missing) == 1:
+            hint = f". Did you mean --input {missing[0]}={sources[extra[0]].partition('=')[2]}?"
+        raise KilnError(f"the model has no input{'s' if len(extra) > 1 else ''} {which}; it takes "
+                        f"{', '.join(expected.values()) or 'no inputs'}{hint}")
+    if missing and not random_fill:
+        raise KilnError(f"no data for input(s) {', '.join(expected[n] for n in missing)}: give each with --input "
+                        "NAME=... (or fill float inputs with --random-inputs BATCH)")
+
+
+def onnxruntime_hint(command: str, error: BaseException, path: str, backend: Optional[str]) -> str:
+    """A sentence suggesting ``--backend onnxruntime`` when kiln's ONNX importer refused ``path`` (an
+    UnsupportedOpError in ``error`` or its causes) and onnxruntime imports here; '' otherwise. ONNX Runtime
+    implements every ai.onnx op and Microsoft's contrib ops, so it may run what kiln refuses; "may": it
+    is not asked (loading a large model there would slow every refusal)."""
+    import importlib
+
+    from kiln.errors import UnsupportedOpError
+
+    chain, e = [], error
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    if backend not in (None, "kiln") or not any(isinstance(x, UnsupportedOpError) for x in chain):
+        return ""
+    folder = command == "serve" and os.path.isdir(path)
+    if not (str(path).lower().endswith(".onnx") or folder):
+        return ""
+    try:
+        importlib.import_module("onnxruntime")
+    except Exception:  # noqa: BLE001 - not installed, or broken: then it is no way out
+        return ""
+    if command == "convert":
+        return (f"ONNX Runtime is installed and may run this file as it is: kiln run {shlex.quote(path)} "
+                "--backend onnxruntime (kiln bench and kiln serve take --backend onnxruntime too)")
+    if folder:
+        return ("ONNX Runtime is installed and may run the refused model: add --backend onnxruntime (every model), "
+                "or set \"backend\": \"onnxruntime\" in that model's config.json")
+    return "ONNX Runtime is installed and may run this file: add --backend onnxruntime to the command"
 
 
 def _read_spec(spec: str, dtypes: dict) -> list:
@@ -224,22 +290,31 @@ def summarize(outputs: dict) -> str:
 
 
 # ---------------------------------------------------------------------------- timing
-def time_runs(run: Callable[[], object], repeat: int, warmup: int) -> np.ndarray:
-    """Seconds per call of ``run``, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
+def time_runs(run: Callable[[], object], repeat: int, warmup: int,
+              progress: Optional[Callable[[int, int], None]] = None) -> np.ndarray:
+    """Seconds per call of ``run``, after ``warmup`` untimed calls. ``progress(done, warmup + repeat)``
+    is called after each call, outside the timed code."""
+    total = warmup + repeat
+    for i in range(warmup):
         run()
+        if progress is not None:
+            progress(i + 1, total)
     times = np.empty(repeat)
     for i in range(repeat):
         start = time.perf_counter()
         run()
         times[i] = time.perf_counter() - start
+        if progress is not None:
+            progress(warmup + i + 1, total)
     return times
 
 
 def format_latency(times: np.ndarray, warmup: int) -> str:
+    """One line; the max shows how spread the runs were (examples/demo_check.py parses this line)."""
     ms = times * 1e3
     return (f"latency over {len(ms)} runs (after {warmup} warm-up): median {np.median(ms):.4f} ms, "
-            f"p90 {np.percentile(ms, 90):.4f} ms, min {ms.min():.4f} ms, mean {ms.mean():.4f} ms")
+            f"p90 {np.percentile(ms, 90):.4f} ms, min {ms.min():.4f} ms, mean {ms.mean():.4f} ms, "
+            f"max {ms.max():.4f} ms")
 
 
 # ---------------------------------------------------------------------------- kiln run
@@ -250,7 +325,8 @@ def _add_backend_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="the .kiln file, or a .onnx file (imported on the fly; needs pip install 'kiln-compiler[onnx]')")
+    p.add_argument("model", help="the .kiln file, or a .onnx file (imported on the fly; needs "
+                                 "pip install 'kiln-compiler[onnx]')")
     p.add_argument("--input", "-i", action="append", default=[], metavar="SPEC",
                    help="NAME=FILE.npy, NAME=FILE.npz (its array NAME, or its only array), NAME=@FILE.json, "
                         "NAME=JSON (e.g. 'x=[[1,2],[3,4]]'), or FILE.npz (every array, by name); repeatable. "
@@ -268,14 +344,12 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     program = load_program(args.model, args.backend)
-    inputs = read_inputs(args.input, program)
+    sources: dict = {}
+    inputs = read_inputs(args.input, program, sources)
+    check_input_names(inputs, sources, program, random_fill=args.random_inputs is not None)
     if args.random_inputs is not None:
         missing = [s for s in program.inputs if s.name not in inputs]
         inputs.update(random_inputs(missing, args.random_inputs, parse_dims(args.dim), floats_only=True))
-    missing = [f"{s.name}: {s.type}" for s in program.inputs if s.name not in inputs]
-    if missing:
-        raise KilnError(f"no data for input(s) {', '.join(missing)}: give each with --input "
-                        "(or fill float inputs with --random-inputs BATCH)")
     outputs = program.run(inputs)
     if args.output:
         write_outputs(outputs, args.output)
@@ -302,20 +376,68 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, metavar="N",
                    help=f"timed runs (default: as many as fit in {_BENCH_SECONDS:g} s, 10 to 10000)")
     p.add_argument("--profile", action="store_true",
-                   help="also time every instruction and print a per-op table (total, share, calls, mean); "
-                        "kiln backend only")
+                   help=f"also time every instruction over up to {_PROFILE_RUNS} more runs and print a per-op "
+                        "table (total, share, calls, mean); kiln backend only")
+    p.add_argument("--trace", metavar="FILE.json",
+                   help="write the instrumented runs as a Chrome trace (the JSON that torch.profiler and "
+                        "onnxruntime's profiler write; open it at https://ui.perfetto.dev or chrome://tracing): "
+                        "an event per run and, inside it, one per instruction named by its op, with the node, "
+                        "module path, input/output shapes and dtypes; If/Loop and fused bodies as nested events. "
+                        "Implies --profile; kiln backend only")
+    p.add_argument("--trace-runs", type=_positive_int, metavar="N",
+                   help=f"how many instrumented runs --trace writes (default {_TRACE_RUNS}; each adds an "
+                        "event per executed instruction)")
     _add_backend_arg(p)
+    p.epilog = ("On a terminal, progress (loading, warm-up, timed and instrumented runs) is shown on one line of "
+                "stderr, between runs and outside the timed code; piped or redirected, nothing is.")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
+    return n
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     ort = args.backend == "onnxruntime"
-    if ort and args.profile:
-        raise KilnError("--profile times kiln's own instructions: it works with --backend kiln only "
-                        "(ONNX Runtime has its own profiler: SessionOptions.enable_profiling)")
+    if args.trace_runs is not None and args.trace is None:
+        raise KilnError("--trace-runs sets how many runs --trace writes: give --trace FILE.json too")
+    if ort and (args.profile or args.trace):
+        flag = "--trace" if args.trace else "--profile"
+        raise KilnError(f"{flag} times kiln's own instructions: it works with --backend kiln only "
+                        "(ONNX Runtime has its own profiler: SessionOptions.enable_profiling, which writes "
+                        "the same trace format)")
+    if args.trace:
+        _check_writable(args.trace)  # before the benchmark, not after it
     if not ort and args.threads is not None and not _threads_already(args.threads):
         return _bench_in_child(args)
+    status = StatusLine()
+    try:
+        return _bench(args, ort, status)
+    finally:
+        status.clear()
+
+
+def _check_writable(path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise KilnError(f"cannot write the trace to {path}: it is a directory (give a file name, e.g. "
+                        f"{os.path.join(path, 'trace.json')})")
+    if not os.path.isdir(folder):
+        raise KilnError(f"cannot write the trace to {path}: no such directory {folder}")
+    if not os.access(folder, os.W_OK):
+        raise KilnError(f"cannot write the trace to {path}: the directory {folder} is not writable")
+
+
+def _bench(args: argparse.Namespace, ort: bool, status: "StatusLine") -> int:
+    status.show(f"loading {args.model}", force=True)
     program = load_program(args.model, args.backend, args.threads if ort else None)
     inputs = random_inputs(program.inputs, args.batch, parse_dims(args.dim), floats_only=False)
+    status.clear()
     if ort:
         print(f"model    {args.model} (onnxruntime, {', '.join(program.providers)})")
         threads = "ORT default" if args.threads is None else f"{args.threads} (ORT intra-op threads)"
@@ -329,15 +451,74 @@ def cmd_bench(args: argparse.Namespace) -> int:
     def run() -> object:
         return program.run(inputs)
 
-    warm = time_runs(run, max(args.warmup, 1), 0)
+    warm = time_runs(run, max(args.warmup, 1), 0, status.counter("warm-up"))
     repeat = args.repeat or int(np.clip(_BENCH_SECONDS / max(np.median(warm), 1e-7), 10, 10000))
-    print(format_latency(time_runs(run, repeat, 0), len(warm)))
-    if args.profile:
-        from kiln.runtime.profile import format_profile, profile_program
+    times = time_runs(run, repeat, 0, status.counter("timed runs"))
+    status.clear()
+    print(format_latency(times, len(warm)))
+    if args.profile or args.trace:
+        from kiln.runtime.profile import format_profile, profile_program, write_trace
 
+        trace_runs = (args.trace_runs or _TRACE_RUNS) if args.trace else 0
+        runs = max(min(repeat, _PROFILE_RUNS), trace_runs)
+        p = profile_program(program, inputs, runs=runs, trace_runs=trace_runs,
+                            progress=status.counter("instrumented runs"))
+        status.clear()
         print()
-        print(format_profile(profile_program(program, inputs, runs=min(repeat, 200))))
+        print(format_profile(p))
+        if args.trace:
+            status.show(f"writing {args.trace}", force=True)
+            shapes = ", ".join(f"{n}: {a.dtype}{format_shape(a.shape)}" for n, a in inputs.items())
+            n = write_trace(p, args.trace, process_name=f"kiln bench {os.path.basename(args.model)}",
+                            metadata={"model": args.model, "inputs": shapes,
+                                      "instructions": len(program.plan.instructions)})
+            status.clear()
+            print(f"\ntrace    {args.trace}: {trace_runs} runs, {n} events; open it at https://ui.perfetto.dev "
+                  "or chrome://tracing")
     return 0
+
+
+class StatusLine:
+    """Progress on one line of stderr, rewritten in place (a carriage return, then padding over what
+    was there), at most ``interval`` apart; nothing at all unless stderr is a terminal, so piped or
+    redirected output stays clean. Callers ``clear`` it before printing to stdout, which may be the
+    same terminal."""
+
+    def __init__(self, stream=None, interval: float = 0.1):
+        self.stream = stream if stream is not None else sys.stderr
+        try:
+            self.on = bool(self.stream.isatty())
+        except (AttributeError, ValueError):  # no isatty, or a closed stream
+            self.on = False
+        self.interval = interval
+        self._shown = 0    # characters on the line now
+        self._at = -1e9    # time.monotonic() of the last write
+
+    def show(self, text: str, force: bool = False) -> None:
+        if not self.on:
+            return
+        now = time.monotonic()
+        if not force and now - self._at < self.interval:
+            return
+        self._at = now
+        import shutil
+        text = text[:max(shutil.get_terminal_size().columns - 1, 10)]  # a wrapped line cannot be rewritten
+        self.stream.write("\r" + text + " " * max(self._shown - len(text), 0))
+        self.stream.flush()
+        self._shown = len(text)
+
+    def counter(self, what: str) -> Optional[Callable[[int, int], None]]:
+        """A ``progress(done, total)`` callback showing '``what`` done/total', or None when off (so a
+        timing loop skips even the call)."""
+        if not self.on:
+            return None
+        return lambda done, total: self.show(f"{what} {done}/{total}", force=done == total)
+
+    def clear(self) -> None:
+        if self.on and self._shown:
+            self.stream.write("\r" + " " * self._shown + "\r")
+            self.stream.flush()
+            self._shown = 0
 
 
 def _threads_already(threads: int) -> bool:
@@ -354,6 +535,10 @@ def _bench_in_child(args: argparse.Namespace) -> int:
         argv += ["--repeat", str(args.repeat)]
     if args.profile:
         argv.append("--profile")
+    if args.trace:
+        argv += ["--trace", args.trace]
+    if args.trace_runs:
+        argv += ["--trace-runs", str(args.trace_runs)]
     sys.stdout.flush()
     return subprocess.call(argv, env=env)
 
@@ -367,4 +552,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     add_run_args(parser)
     args = parser.parse_args(argv)
     from kiln.errors import run_command
-    return run_command("run", cmd_run, args)
+    return run_command("run", with_hints("run", cmd_run), args)
+
+
+def with_hints(command: str, run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``run`` with :func:`onnxruntime_hint` appended to the error of a command given a model file
+    (run, bench, serve, convert): kiln's own entry points (``kiln``, ``python -m kiln.runtime``) wrap them."""
+    def call(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except KilnError as e:
+            path = next((getattr(args, a) for a in ("model", "path", "input")
+                         if isinstance(getattr(args, a, None), str)), None)  # run/bench, serve, convert
+            hint = onnxruntime_hint(command, e, path, getattr(args, "backend", None)) if path else ""
+            if hint:
+                e.args = (f"{e}\nhint: {hint}",)
+            raise
+    return call

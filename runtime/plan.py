@@ -38,6 +38,7 @@ live until the owning node ends and a Loop body runs many times.
 """
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -378,6 +379,19 @@ def execute(plan: Plan, slots: list) -> None:
         if release:
             for s in release:
                 slots[s] = None
+
+
+# What kernels run their nested plans (If/Loop bodies, fused bodies) with. ``kiln.runtime.profile`` sets
+# it, in its own context (so for its own thread only) and only while it traces a run, to a loop that
+# times each instruction: a trace then shows the bodies' instructions too. Such a kernel reads it once
+# per call through ``nested_executor`` (a Loop once, not per iteration); the plan's own loop above
+# stays free of instrumentation.
+NESTED_EXECUTOR: ContextVar = ContextVar("kiln_nested_executor", default=None)
+
+
+def nested_executor() -> Callable[[Plan, list], None]:
+    """``execute``, or the profiler's timed loop while it traces a run in this context."""
+    return NESTED_EXECUTOR.get() or execute
 
 
 # --------------------------------------------------------------------------- memory budget (issue 16)

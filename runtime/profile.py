@@ -1,19 +1,34 @@
-"""Per-op profiling for ``kiln bench --profile``: time every instruction of a program's plan and
-add the times up by op.
+"""Per-op profiling for ``kiln bench --profile``: time every instruction of a program's plan, add
+the times up by op, and optionally keep each instruction's times as a trace (``--trace``).
 
 The timing loop is a copy of ``plan.execute`` with a clock read around each kernel, so the plan
-and its run loop stay free of instrumentation. Nested plans (If/Loop bodies) count as their
-owning instruction. The wall time of an instrumented run minus the kernel times is what the loop
-itself (and the clock) cost.
+and its run loop stay free of instrumentation. In the per-op table, nested plans (If/Loop bodies,
+fused bodies) count as their owning instruction. The wall time of an instrumented run minus the
+kernel times is what the loop itself (and the clock, and a trace's bookkeeping) cost.
+
+The trace (``chrome_trace``/``write_trace``) is what torch.profiler and onnxruntime's profiler
+write: the Trace Event Format's JSON object, which Perfetto (ui.perfetto.dev) and chrome://tracing
+open. Each traced run is one complete event (``"ph": "X"``, ``ts`` and ``dur`` in microseconds
+from the first traced run's start) named ``run N``; inside it, one complete event per executed
+instruction named by its op, with the node, its module path (the ``scope``/``source`` the tracer
+recorded), the input and output value names and their run-time shapes and dtypes in ``args``.
+While a run is traced, kernels running a nested plan run it through this module's loop too
+(``plan.NESTED_EXECUTOR``), so an If branch, each Loop iteration's body and a fused group's body
+show up as events nested inside their instruction's event (``args.depth`` > 0). Metadata events
+(``"ph": "M"``) name the process and the thread.
 """
 from __future__ import annotations
 
+import json
+import os
+import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Mapping, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Union
 
+from kiln.errors import KilnError
 from kiln.runtime.kernels import cpu
-from kiln.runtime.plan import Plan
+from kiln.runtime.plan import NESTED_EXECUTOR, Plan
 
 _CONTROL_OPS = ("If", "Loop")
 
@@ -27,49 +42,111 @@ class OpStat:
 
 
 @dataclass
+class TracedRun:
+    """One traced run: its clock readings (``time.perf_counter_ns``) and its instructions' events,
+    ``(depth, instruction, start_ns, end_ns, inputs, outputs)`` in the order they ended (a nested
+    body's before its owner's); ``inputs``/``outputs`` are ``(shape, dtype)`` per value."""
+    start_ns: int
+    end_ns: int
+    events: list
+
+
+@dataclass
 class Profile:
     runs: int
     wall_seconds: float  # all instrumented runs, loop and clock included
     ops: list            # OpStat, most expensive first
+    trace: list = field(default_factory=list)  # TracedRun per traced run (the first ``trace_runs`` runs)
+    pid: int = 0         # where the runs ran, for the trace
+    tid: int = 0
 
     @property
     def kernel_seconds(self) -> float:
         return sum(s.seconds for s in self.ops)
 
 
-def profile_program(program: Any, inputs: Union[Mapping[str, Any], list], runs: int = 20) -> Profile:
-    """Run ``program`` ``runs`` times (after one untimed run) timing every instruction."""
+def profile_program(program: Any, inputs: Union[Mapping[str, Any], list], runs: int = 20, *,
+                    trace_runs: int = 0, progress: Optional[Callable[[int, int], None]] = None) -> Profile:
+    """Run ``program`` ``runs`` times (after one untimed run) timing every instruction; the first
+    ``trace_runs`` of them are traced too (``Profile.trace``). ``progress(done, runs)`` is called
+    after each run, outside the timed code."""
+    from kiln.runtime.program import Program
+    if not isinstance(program, Program):
+        raise KilnError(f"profile_program times the instructions of kiln's CPU runtime (a Program); a "
+                        f"{type(program).__name__} is not one (per-op GPU times: bench/gpu_profile.py)")
     arrays = program._check_inputs(inputs)
     seconds: dict = {}
     calls: dict = {}
-    _timed_run(program, arrays, {}, {})  # warm-up: first-touch costs are not per-op costs
-    start = time.perf_counter()
-    for _ in range(runs):
-        _timed_run(program, arrays, seconds, calls)
-    wall = time.perf_counter() - start
-    ops = [OpStat(_op_name(key), _kernel_kind(key), t, calls[key]) for key, t in seconds.items()]
+    # The BLAS thread count program.run would use, set before each run as it does (one thread while the
+    # host is busy: runtime/threads.py).
+    apply_threads = getattr(getattr(program, "threads", None), "apply", None) or (lambda: None)
+    apply_threads()
+    _timed_run(program, arrays, {}, {}, None)  # warm-up: first-touch costs are not per-op costs
+    traced: list = []
+    clock = time.perf_counter_ns
+    wall = 0
+    for r in range(runs):
+        events = [] if r < trace_runs else None
+        apply_threads()
+        start = clock()
+        _timed_run(program, arrays, seconds, calls, events)
+        end = clock()
+        wall += end - start
+        if events is not None:
+            traced.append(TracedRun(start, end, events))
+        if progress is not None:
+            progress(r + 1, runs)
+    ops = [OpStat(_op_name(key), _kernel_kind(key), t / 1e9, calls[key]) for key, t in seconds.items()]
     ops.sort(key=lambda s: s.seconds, reverse=True)
-    return Profile(runs, wall, ops)
+    return Profile(runs, wall / 1e9, ops, traced, os.getpid(), threading.get_native_id())
 
 
-def _timed_run(program: Any, arrays: list, seconds: dict, calls: dict) -> None:
+def _timed_run(program: Any, arrays: list, seconds: dict, calls: dict, events: Optional[list]) -> None:
     slots = list(program._template)
     for s, a in zip(program.plan.input_slots, arrays):
         slots[s] = a
-    _timed_execute(program.plan, slots, seconds, calls)
+    if events is None:
+        _timed_execute(program.plan, slots, seconds, calls, None, 0)
+        return
+    token = NESTED_EXECUTOR.set(_NestedTracer(events))
+    try:
+        _timed_execute(program.plan, slots, seconds, calls, events, 0)
+    finally:
+        NESTED_EXECUTOR.reset(token)
 
 
-def _timed_execute(plan: Plan, slots: list, seconds: dict, calls: dict) -> None:
-    """``plan.execute`` with each kernel call timed into ``seconds``/``calls`` by (domain, op)."""
-    clock = time.perf_counter
+class _NestedTracer:
+    """What nested plans run through while a run is traced: this module's loop one level deeper."""
+
+    def __init__(self, events: list):
+        self.events = events
+        self.depth = 0
+
+    def __call__(self, plan: Plan, slots: list) -> None:
+        self.depth += 1
+        try:
+            _timed_execute(plan, slots, None, None, self.events, self.depth)
+        finally:
+            self.depth -= 1
+
+
+def _timed_execute(plan: Plan, slots: list, seconds: Optional[dict], calls: Optional[dict],
+                   events: Optional[list], depth: int) -> None:
+    """``plan.execute`` with each kernel call timed into ``seconds``/``calls`` by (domain, op) (when
+    given: the top level) and, when tracing, appended to ``events`` with its values' shapes."""
+    clock = time.perf_counter_ns
     for ins in plan.instructions:
         args = [None if s < 0 else slots[s] for s in ins.inputs]
         start = clock()
         result = ins.kernel(slots, *args) if ins.with_slots else ins.kernel(*args)
-        elapsed = clock() - start
-        key = (ins.node.domain, ins.node.op)
-        seconds[key] = seconds.get(key, 0.0) + elapsed
-        calls[key] = calls.get(key, 0) + 1
+        end = clock()
+        if seconds is not None:
+            key = (ins.node.domain, ins.node.op)
+            seconds[key] = seconds.get(key, 0) + (end - start)
+            calls[key] = calls.get(key, 0) + 1
+        if events is not None:
+            outs = (result,) if ins.single else result
+            events.append((depth, ins, start, end, [_describe(a) for a in args], [_describe(a) for a in outs]))
         if ins.single:
             slots[ins.outputs[0]] = result
         else:
@@ -77,6 +154,32 @@ def _timed_execute(plan: Plan, slots: list, seconds: dict, calls: dict) -> None:
                 slots[s] = r
         for s in ins.release:
             slots[s] = None
+
+
+def _describe(a: Any) -> tuple:
+    """(shape, dtype) of a run-time value as they are (an array's own tuple and dtype object: a
+    ``str(dtype)`` costs microseconds, so ``_json_type`` formats them when the trace is written); a
+    sequence's length; (None, None) for an omitted optional input."""
+    if a is None:
+        return None, None
+    shape, dtype = getattr(a, "shape", None), getattr(a, "dtype", None)
+    if shape is not None and dtype is not None:
+        return shape, dtype
+    if isinstance(a, (list, tuple)):
+        return (len(a),), "sequence"
+    return None, type(a).__name__
+
+
+def _json_type(desc: tuple, names: dict) -> tuple:
+    """``_describe``'s (shape, dtype) as JSON values: a list of ints (or None) and a dtype name
+    (``names`` caches the names of the dtypes seen)."""
+    shape, dtype = desc
+    if dtype is not None and not isinstance(dtype, str):
+        name = names.get(dtype)
+        if name is None:
+            name = names[dtype] = str(dtype)
+        dtype = name
+    return (None if shape is None else [int(d) for d in shape]), dtype
 
 
 def _op_name(key: tuple) -> str:
@@ -102,5 +205,73 @@ def format_profile(p: Profile) -> str:
     per_run = p.wall_seconds / p.runs * 1e3
     kernels = p.kernel_seconds / p.runs * 1e3
     lines.append(f"kernels {kernels:.4f} ms of {per_run:.4f} ms per instrumented run; the rest "
-                 f"({per_run - kernels:.4f} ms) is the run loop and the clock itself")
+                 f"({per_run - kernels:.4f} ms) is the run loop and the clock itself"
+                 + (" (and the trace's bookkeeping)" if p.trace else ""))
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- the trace
+def chrome_trace(p: Profile, *, process_name: str = "kiln", metadata: Optional[dict] = None) -> dict:
+    """``p``'s traced runs in the Trace Event Format (a JSON object: ``traceEvents``,
+    ``displayTimeUnit``, ``otherData``; see the module docstring). ``process_name`` names the
+    process in the viewer; ``metadata`` goes to ``otherData``."""
+    if not p.trace:
+        raise KilnError("the profile holds no traced runs: profile with trace_runs >= 1")
+    pid, tid = p.pid, p.tid
+    base = p.trace[0].start_ns
+    names: dict = {}  # dtype -> its name
+    events: list = [
+        {"name": "process_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": process_name}},
+        {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": "kiln run loop"}},
+    ]
+    for n, run in enumerate(p.trace):
+        top = sum(1 for e in run.events if e[0] == 0)
+        events.append({"name": f"run {n}", "cat": "run", "ph": "X", "ts": _us(run.start_ns - base),
+                       "dur": _us(run.end_ns - run.start_ns), "pid": pid, "tid": tid,
+                       "args": {"run": n, "instructions": top, "events": len(run.events)}})
+        # Start order, an owner before its nested body's events (it starts first; at an equal clock
+        # reading the shallower one first).
+        for depth, ins, start, end, ins_desc, outs_desc in sorted(run.events, key=lambda e: (e[2], e[0])):
+            events.append({"name": ins.node.qualified_op, "cat": "op", "ph": "X", "ts": _us(start - base),
+                           "dur": _us(end - start), "pid": pid, "tid": tid,
+                           "args": _event_args(n, depth, ins, ins_desc, outs_desc, names)})
+    other = {"producer": "kiln bench --trace", "runs": len(p.trace), "clock": "time.perf_counter_ns"}
+    other.update(metadata or {})
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def _us(ns: int) -> float:
+    return round(ns / 1000, 3)
+
+
+def _event_args(run: int, depth: int, ins: Any, ins_desc: list, outs_desc: list, names: dict) -> dict:
+    node = ins.node
+    args: dict = {"node": node.name, "run": run}
+    if node.meta.get("scope"):
+        args["module"] = node.meta["scope"]
+    if node.meta.get("source"):
+        args["source"] = node.meta["source"]
+    if depth:
+        args["depth"] = depth  # inside an If/Loop body or a fused group's body
+    args["kernel"] = _kernel_kind((node.domain, node.op))
+    # A control-flow kernel also reads outer values through the slots: those are not listed.
+    ins_json = [_json_type(d, names) for d in ins_desc]
+    outs_json = [_json_type(d, names) for d in outs_desc]
+    args["inputs"] = [None if v is None else v.name for v in node.inputs]
+    args["input_shapes"] = [d[0] for d in ins_json]
+    args["input_dtypes"] = [d[1] for d in ins_json]
+    args["outputs"] = [v.name for v in node.outputs]
+    args["output_shapes"] = [d[0] for d in outs_json]
+    args["output_dtypes"] = [d[1] for d in outs_json]
+    return args
+
+
+def write_trace(p: Profile, path: Union[str, os.PathLike], **options: Any) -> int:
+    """Write ``chrome_trace(p, **options)`` to ``path`` as JSON; returns the number of events."""
+    trace = chrome_trace(p, **options)
+    try:
+        with open(path, "w") as f:
+            json.dump(trace, f, separators=(",", ":"))
+    except OSError as e:
+        raise KilnError(f"cannot write {os.fspath(path)}: {e.strerror or e}") from None
+    return len(trace["traceEvents"])

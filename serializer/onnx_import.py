@@ -389,7 +389,7 @@ def _check_ops(g, opset: Optional[int], imports: dict, where: str = "") -> bool:
         elif not has_op(n.op_type, ONNX_DOMAIN):
             raise UnsupportedOpError(
                 f"op '{n.op_type}' (domain ai.onnx, opset {opset}) in {label} is not supported by kiln "
-                f"(kiln's ops: kiln.ir.registry.all_op_names(), {len(all_op_names())} of them)")
+                f"(`kiln info --ops` lists the {len(all_op_names())} ops kiln has)")
         theirs, ours = _onnx_since(n.op_type, opset), _kiln_since(n.op_type)
         if theirs is None:
             raise UnsupportedOpError(

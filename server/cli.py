@@ -301,7 +301,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.close()
     if failure:
         e = failure[0]
-        raise KilnError(f"loading models failed: {e if isinstance(e, KilnError) else f'{type(e).__name__}: {e}'}")
+        # Chained: `kiln serve` adds a hint for the cause's type (an op kiln's ONNX importer refuses).
+        raise KilnError(f"loading models failed: {e if isinstance(e, KilnError) else f'{type(e).__name__}: {e}'}") \
+            from e
     if server.signalled:
         print("kiln serve: stopped", file=sys.stderr, flush=True)
     return 0

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import shlex
 import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -181,7 +185,10 @@ ERRORS = [
     ("{examples}:MLP", ["--input", "x:2x64", "--dynamic", "y:0:batch"], "'y', which is not an input"),
     ("{examples}:MLP", ["--input", "y:2x64"], "not parameters of"),
     ("{examples}:NoSuchModel", ["--input", "x:2x64"], "has no attribute 'NoSuchModel'"),
-    ("{examples}", ["--input", "x:2x64"], "expected MODULE:ATTR"),
+    ("{examples}", ["--input", "x:2x64"], "names the file but not the model in it: give MODULE:ATTR, e.g. '"),
+    ("{examples}", ["--input", "x:2x64"], "nn.Module classes there: MLP, SmallCNN, TinyTransformer"),
+    ("models", ["--input", "x:2x64"], "expected MODULE:ATTR"),
+    ("missing.pt", ["--input", "x:2x64"], "no such file: missing.pt"),
     ("missing_file.py:MLP", ["--input", "x:2x64"], "no such file: missing_file.py"),
     ("no_such_module_here:MLP", ["--input", "x:2x64"], "no module named 'no_such_module_here'"),
     ("{bad}:not_a_model", ["--input", "x:4"], "a factory returning one (it returned int)"),
@@ -309,3 +316,175 @@ def test_export_with_int8_weights(tmp_path):
         want = model(x).numpy()
     got = next(iter(kiln.load(out).run({"x": x.numpy()}).values()))
     assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
+
+
+# ---------------------------------------------------------------------------- a model file instead of MODULE:ATTR
+TINY_MODELS = """
+import torch
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x).relu()
+"""
+
+
+@pytest.fixture
+def model_files(tmp_path, monkeypatch) -> Path:
+    """tinymodels.py (class Net) and what people save from it: TorchScript, a state_dict, a training
+    checkpoint, the pickled module, and a state_dict in torch.save's pre-1.6 format."""
+    (tmp_path / "tinymodels.py").write_text(TINY_MODELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import tinymodels
+    try:
+        torch.manual_seed(7)
+        net = tinymodels.Net().eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit is deprecated, and still in use
+            torch.jit.save(torch.jit.script(net), tmp_path / "scripted.pt")
+        torch.save(net.state_dict(), tmp_path / "weights.pt")
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        torch.save({"epoch": 3, "model_state_dict": net.state_dict(), "optimizer_state_dict": optimizer.state_dict()},
+                   tmp_path / "checkpoint.pth")
+        torch.save(net, tmp_path / "whole.pt")
+        torch.save(net.state_dict(), tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+        torch.save(net.state_dict(), tmp_path / "expected_weights.pt")
+    finally:
+        sys.modules.pop("tinymodels", None)
+    return tmp_path
+
+
+def _expected_output(folder: Path, x: np.ndarray) -> np.ndarray:
+    weights = torch.load(folder / "expected_weights.pt", weights_only=True)
+    return np.maximum(x @ weights["fc.weight"].numpy().T + weights["fc.bias"].numpy(), 0)
+
+
+def _suggested(message: str, prefix: str) -> list:
+    """The arguments of the command after ``prefix`` in an error message."""
+    line = next(ln for ln in message.splitlines() if ln.strip().startswith(prefix))
+    return shlex.split(line.strip()[len(prefix):].split("   (")[0])
+
+
+def _factory_code(message: str) -> str:
+    """The indented example code of an error message."""
+    return "\n".join(ln[4:] for ln in message.splitlines() if ln.startswith("    ") or not ln.strip()).strip() + "\n"
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("weights.pt", "holds a state_dict (2 tensors: fc.weight, fc.bias)"),
+    ("checkpoint.pth", "holds a checkpoint with a state_dict under 'model_state_dict' (2 tensors: fc.weight, fc.bias)"),
+    ("legacy.pt", "holds a state_dict (2 tensors: fc.weight, fc.bias)"),
+])
+def test_a_state_dict_gets_a_factory_that_works(model_files, name, kind):
+    r = kiln_cli("export", name, "--input", "x:2x4", "-o", "m.kiln", cwd=model_files)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"kiln export: error: {name} {kind}: weights without the code" in r.stderr, r.stderr
+    assert "Point MODULE:ATTR at the model's class and load the weights in a factory function" in r.stderr
+    # What the message says to do, done: its factory (with the class imported) and its command.
+    code = _factory_code(r.stderr).replace("from mymodels import Net", "from tinymodels import Net")
+    (model_files / "export_model.py").write_text(code)
+    args = _suggested(r.stderr, "then: kiln ")
+    assert args == ["export", "export_model.py:model", "--input", "x:2x4", "-o", "m.kiln"]
+    done = kiln_cli(*args, cwd=model_files)
+    assert done.returncode == 0, done.stderr
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    got = kiln.load(model_files / "m.kiln").run({"x": x}, as_list=True)[0]
+    np.testing.assert_allclose(got, _expected_output(model_files, x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_pickled_module_gets_a_factory_that_works(model_files):
+    r = kiln_cli("export", "whole.pt", "--input", "x:2x4", "-o", "m.kiln", cwd=model_files)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "whole.pt is a pickled tinymodels.Net module (torch.save(model)): kiln loads models from code" \
+        in r.stderr, r.stderr
+    assert "(unpickling needs the class tinymodels.Net: run it where `import tinymodels` works)" in r.stderr
+    (model_files / "export_model.py").write_text(_factory_code(r.stderr))
+    done = kiln_cli(*_suggested(r.stderr, "then: kiln "), cwd=model_files)
+    assert done.returncode == 0, done.stderr
+    x = np.ones((2, 4), np.float32)
+    got = kiln.load(model_files / "m.kiln").run({"x": x}, as_list=True)[0]
+    np.testing.assert_allclose(got, _expected_output(model_files, x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_torchscript_archive_gets_both_ways_out(model_files, monkeypatch):
+    r = kiln_cli("export", "scripted.pt", "--input", "x:2x4", "-o", "m.kiln", cwd=model_files)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "scripted.pt is a TorchScript archive (torch.jit.save) of tinymodels.Net: kiln traces eager" in r.stderr
+    # The code route names the class TorchScript compiled, which exists here.
+    assert _suggested(r.stderr, "- export from the model's code, if you have it: kiln ") == \
+        ["export", "tinymodels.py:Net", "--input", "x:2x4", "-o", "m.kiln"]
+    # The ONNX route, run as printed (the python -c in this process, then kiln convert).
+    script = _suggested(r.stderr, "python -c ")[0]
+    assert "torch.randn(2, 4)" in script
+    monkeypatch.chdir(model_files)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(script, {})
+    convert = _suggested(r.stderr, "kiln convert ")
+    assert convert == ["scripted.onnx", "scripted.kiln"]
+    done = kiln_cli("convert", *convert, cwd=model_files)
+    assert done.returncode == 0, done.stderr
+    x = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
+    got = kiln.load(model_files / "scripted.kiln").run({"x": x}, as_list=True)[0]
+    np.testing.assert_allclose(got, _expected_output(model_files, x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name,message", [
+    ("m.onnx", "m.onnx is an ONNX file: kiln export starts from PyTorch code. Compile it with kiln convert m.onnx "
+               "m.kiln"),
+    ("m.kiln", "m.kiln is already a .kiln file: kiln run, kiln bench, kiln serve and kiln inspect take it"),
+    ("notes.txt", "notes.txt is neither a Python file nor a model file kiln recognizes"),
+    ("m.safetensors", "m.safetensors holds safetensors weights: weights without the code that uses them. Point "
+                      "MODULE:ATTR at the model's class"),
+])
+def test_other_files_are_named_for_what_they_are(tmp_path, name, message):
+    (tmp_path / name).write_bytes(b"KILN\x89\r\n\x1a" if name.endswith(".kiln") else b"hello")
+    r = kiln_cli("export", name, "--input", "x:2x4", "-o", "out.kiln", cwd=tmp_path)
+    assert r.returncode == 1 and f"kiln export: error: {message}" in r.stderr, r.stderr
+    r = kiln_cli("export", f"{name}:Net", "--input", "x:2x4", "-o", "out.kiln", cwd=tmp_path)
+    assert r.returncode == 1 and f"kiln export: error: {message}" in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------------------- progress
+def _progress_lines(stderr: str) -> list:
+    return [ln.split(" ...")[0] for ln in stderr.splitlines() if " ..." in ln]
+
+
+def test_piped_progress_is_one_plain_line_per_step(tmp_path):
+    r = kiln_cli("export", f"{EXAMPLES}:MLP", "-o", tmp_path / "m.kiln", "--input", "x:2x64", "--dynamic-batch")
+    assert r.returncode == 0, r.stderr
+    assert _progress_lines(r.stderr) == [f"loading {EXAMPLES}:MLP", "tracing", "checking", "optimizing",
+                                         f"saving {tmp_path / 'm.kiln'}"]
+    assert re.fullmatch(r"(.* \.\.\. \d+\.\d\d s\n){5}", r.stderr), r.stderr  # nothing else: no \r, no escapes
+    assert "input set" not in r.stderr and "--no-check" not in r.stderr
+
+
+def test_terminal_progress_ticks_counts_the_check_and_names_no_check(tmp_path, monkeypatch):
+    from kiln.frontend import export_cli
+    monkeypatch.setattr(export_cli, "_is_terminal", lambda stream: True)
+    monkeypatch.setattr(export_cli, "_SLOW_CHECK_S", 0.0)  # every check is "slow"
+    r = kiln_cli("export", f"{EXAMPLES}:MLP", "-o", tmp_path / "m.kiln", "--input", "x:2x64", "--dynamic-batch")
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.split("\n")
+    finals = [ln.rsplit("\r", 1)[-1] for ln in lines if ln]  # what a terminal shows once a step is done
+    assert [f.split(" ...")[0] for f in finals] == [f"loading {EXAMPLES}:MLP", "tracing", "checking", "optimizing",
+                                                    f"saving {tmp_path / 'm.kiln'}"]
+    assert all(re.fullmatch(r".* \.\.\. \d+\.\d\d s( \(--no-check skips this step\))?\x1b\[K", f) for f in finals)
+    check = next(ln for ln in lines if "checking" in ln)
+    for k, label in enumerate(["the example inputs", "fresh random inputs #1", "fresh random inputs #2",
+                               "fresh random inputs #3"], 1):  # as soon as each starts, not at the next tick
+        assert re.search(rf"\rchecking \.\.\. \d+ s, input set {k} of 4: {label}", check), check
+    assert "(--no-check skips this step)" in check.rsplit("\r", 1)[-1]
+    assert "wrote " in r.stdout and "\r" not in r.stdout
+
+
+def test_a_failing_step_ends_its_live_line(tmp_path, monkeypatch):
+    from kiln.frontend import export_cli
+    monkeypatch.setattr(export_cli, "_is_terminal", lambda stream: True)
+    r = kiln_cli("export", f"{EXAMPLES}:MLP", "-o", tmp_path / "m.kiln", "--input", "x:2x65")
+    assert r.returncode == 1
+    assert "\rtracing ... failed\x1b[K\nkiln export: error: tracing failed: " in r.stderr, r.stderr

@@ -1,6 +1,7 @@
 """``kiln run`` / ``python -m kiln.runtime`` and ``kiln bench``: inputs, outputs, errors, timing, profile."""
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -111,7 +112,7 @@ def test_repeat_prints_latency_stats(capsys):
     assert main(["run", MODEL, "-i", str(INPUTS), "--repeat", "20", "--warmup", "2"]) == 0
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("latency over 20 runs (after 2 warm-up): median ")
-    assert all(k in last for k in ("p90", "min", "mean"))
+    assert all(k in last for k in ("p90", "min", "mean", "max"))
 
 
 def test_random_inputs_fill_float_inputs_only(tmp_path, capsys):
@@ -129,7 +130,12 @@ def test_random_inputs_fill_float_inputs_only(tmp_path, capsys):
     ([MODEL, "-i", "x=[[1,2"], "is not a .npy/.npz/.json file name nor valid JSON"),
     ([MODEL, "-i", "x=[[1, 2]]"], "input 'x': expected float32[batch,16], got float32[1, 2]"),
     ([MODEL, "-i", "x=" + json.dumps([[True] * 16])], "input 'x': expected float32[batch,16], got bool[1, 16]"),
-    ([MODEL], "no data for input(s) x: float32[batch,16]"),
+    ([MODEL], "no data for input(s) x: float32[batch,16]: give each with --input NAME=..."),
+    ([MODEL, "-i", "img=[[1]]"], "the model has no input 'img' (--input img=[[1]]); it takes x: float32[batch,16]. "
+                                 "Did you mean --input x=[[1]]?"),
+    ([MODEL, "-i", "img=[[1]]", "--random-inputs", "1"], "the model has no input 'img' (--input img=[[1]]); it takes"),
+    ([MODEL, "-i", "x=[[1]]", "-i", "y=[2]", "-i", "z=[3]"],
+     "the model has no inputs 'y' (--input y=[2]), 'z' (--input z=[3]); it takes x: float32[batch,16]"),
     ([MODEL, "-i", "x=[[1]]", "-i", "x=[[2]]"], "input 'x' is given twice"),
     ([MODEL, "--random-inputs", "1", "-o", "out.npy"], "the model has 2 outputs (logits, probs)"),
     ([MODEL, "--random-inputs", "1", "-o", "out.csv"], "-o takes a .npz file"),
@@ -138,6 +144,20 @@ def test_errors_are_one_line_exit_1(args, message, capsys):
     assert main(["run", *args]) == 1
     err = capsys.readouterr().err
     assert err.startswith("kiln run: error: ") and message in err, err
+
+
+def test_an_npz_with_other_arrays_says_to_pick_by_name(tmp_path, capsys):
+    np.savez(tmp_path / "all.npz", x=x_input(), probs=np.zeros(3))
+    assert main(["run", MODEL, "-i", str(tmp_path / "all.npz")]) == 1
+    err = capsys.readouterr().err
+    assert f"the model has no input 'probs' (an array of {tmp_path / 'all.npz'}); it takes x: float32[batch,16]. " \
+           f"Pick arrays by name from {tmp_path / 'all.npz'}: --input NAME=FILE.npz" in err, err
+    assert main(["run", MODEL, "-i", f"x={tmp_path / 'all.npz'}"]) == 0
+
+
+def test_input_names_are_checked_by_python_m_kiln_runtime_too():
+    r = kiln_cmd(MODEL, "-i", "img=[[1]]", module="kiln.runtime")
+    assert r.returncode == 1 and r.stderr.startswith("kiln run: error: the model has no input 'img'"), r.stderr
 
 
 def test_wrong_dtype_in_a_real_process_has_no_traceback(tmp_path):
@@ -185,3 +205,83 @@ def test_profile_counts_every_instruction_and_names_kernels():
     assert {s.op: s.kernel for s in p.ops}["Relu"] in ("fast", "reference")
     table = format_profile(p)
     assert "share %" in table and "mean µs" in table
+
+
+# ---------------------------------------------------------------------------- an .onnx file kiln refuses
+def unsupported_onnx(tmp_path: Path) -> str:
+    """A model of one op kiln does not have (RandomUniformLike) and ONNX Runtime runs."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+    node = helper.make_node("RandomUniformLike", ["x"], ["y"], seed=1.0)
+    graph = helper.make_graph([node], "random", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    path = tmp_path / "random.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return str(path)
+
+
+ORT_HINT = "\nhint: ONNX Runtime is installed and may run this file: add --backend onnxruntime to the command\n"
+
+
+@pytest.mark.parametrize("command", [["run", "--random-inputs", "1"], ["bench", "--repeat", "2"]])
+def test_a_refused_onnx_file_points_to_the_op_list_and_onnxruntime(tmp_path, capsys, command):
+    pytest.importorskip("onnxruntime")
+    model = unsupported_onnx(tmp_path)
+    assert main([command[0], model, *command[1:]]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"kiln {command[0]}: error: op 'RandomUniformLike' (domain ai.onnx, opset 17) in the unnamed "
+                          "node writing 'y' is not supported by kiln (`kiln info --ops` lists the "), err
+    assert err.endswith(ORT_HINT), err
+    # The hint is right for this file: ONNX Runtime runs it.
+    assert main([command[0], model, *command[1:], "--backend", "onnxruntime"]) == 0
+
+
+def test_convert_and_serve_give_the_hint_too(tmp_path, capsys):
+    pytest.importorskip("onnxruntime")
+    model = unsupported_onnx(tmp_path)
+    assert main(["convert", model, str(tmp_path / "random.kiln")]) == 1
+    assert capsys.readouterr().err.endswith(
+        f"\nhint: ONNX Runtime is installed and may run this file as it is: kiln run {model} --backend onnxruntime "
+        "(kiln bench and kiln serve take --backend onnxruntime too)\n")
+    # kiln serve wraps the load error ("loading models failed: ..."): the hint follows its cause.
+    r = kiln_cmd("serve", model, "--port", "0", "--workers", "0")
+    assert r.returncode == 1 and "kiln serve: error: loading models failed: op 'RandomUniformLike'" in r.stderr
+    assert r.stderr.endswith(ORT_HINT), r.stderr
+    from kiln.runtime.cli import with_hints
+    from kiln.errors import KilnError, UnsupportedOpError
+
+    def serve(args):
+        try:
+            raise UnsupportedOpError("op 'RandomUniformLike' ... is not supported by kiln")
+        except UnsupportedOpError as e:
+            raise KilnError(f"loading models failed: {e}") from e
+
+    for path, says in ((model, "may run this file: add --backend onnxruntime"),
+                       (str(tmp_path), 'or set "backend": "onnxruntime" in that model\'s config.json')):
+        with pytest.raises(KilnError) as e:
+            with_hints("serve", serve)(argparse.Namespace(path=path, backend=None))
+        assert str(e.value).startswith("loading models failed: op 'RandomUniformLike'") and says in str(e.value)
+    with pytest.raises(KilnError) as e:  # asked for ONNX Runtime already: no hint
+        with_hints("serve", serve)(argparse.Namespace(path=model, backend="onnxruntime"))
+    assert "hint" not in str(e.value)
+
+
+def test_no_onnxruntime_hint_where_it_cannot_be_imported(tmp_path, capsys, monkeypatch):
+    model = unsupported_onnx(tmp_path)
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    assert main(["run", model, "--random-inputs", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "is not supported by kiln (`kiln info --ops` lists the " in err and "hint" not in err, err
+
+
+def test_a_refused_kiln_file_gets_no_onnxruntime_hint(tmp_path, capsys):
+    """Only .onnx files: a .kiln file's errors are kiln's own."""
+    from kiln.runtime.cli import with_hints
+    from kiln.errors import UnsupportedOpError
+
+    def run(args):
+        raise UnsupportedOpError("refused")
+
+    with pytest.raises(UnsupportedOpError) as e:
+        with_hints("run", run)(argparse.Namespace(model=str(tmp_path / "m.kiln"), backend="kiln"))
+    assert str(e.value) == "refused"
