@@ -273,10 +273,12 @@ def add_deploy_args(p: argparse.ArgumentParser) -> None:
                                    "absolute path: it must be readable at that path on every node (shared storage).")
     r.add_argument("path", metavar="PATH", help="a .kiln/.onnx file or a kiln model repository directory")
     r.add_argument("-o", "--output", required=True, metavar="FILE", help="the config to write (serve.yaml)")
-    r.add_argument("--replicas", type=int, default=1, metavar="N")
+    r.add_argument("--replicas", type=int, default=1, metavar="N", help="Ray Serve replicas (default 1)")
     r.add_argument("--autoscale", metavar="MIN:MAX", help="autoscale between MIN and MAX replicas instead")
-    r.add_argument("--replica-cpus", type=float, default=1.0, metavar="C")
-    r.add_argument("--replica-gpus", type=float, default=0.0, metavar="G")
+    r.add_argument("--replica-cpus", type=float, default=1.0, metavar="C",
+                   help="CPUs Ray reserves per replica (default 1)")
+    r.add_argument("--replica-gpus", type=float, default=0.0, metavar="G",
+                   help="GPUs per replica, e.g. 1, or 0.5 for two replicas on one GPU (default 0)")
     r.add_argument("--replica-max-ongoing", type=int, default=128, metavar="N",
                    help="requests Ray Serve sends one replica at a time (default 128; Ray's 5 starves kiln's batcher)")
     r.add_argument("--host", default="0.0.0.0", help="Ray Serve's HTTP proxy host (default 0.0.0.0)")
