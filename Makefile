@@ -11,7 +11,7 @@ DEMO_MODEL ?= examples/models.py:SmallCNN
 DEMO_SHAPE ?= 1x3x32x32
 DEMO_REPEAT ?= 200
 
-.PHONY: help demo demo-install test lint clean
+.PHONY: help demo demo-install test lint clean docs
 
 help:  ## list the targets
 	@echo "make demo    install (.venv with torch), export a bundled model with kiln export, run it with kiln run,"
@@ -19,6 +19,7 @@ help:  ## list the targets
 	@echo "make test    install the test dependencies into .venv and run the test suite (the README's command)"
 	@echo "make lint    pyflakes' checks (flake8 --select=F) over the package and its tests"
 	@echo "make clean   remove build outputs, caches and the demo's files (not .venv)"
+	@echo "make docs    build the user guide (docs/guide/, mkdocs --strict) into build/site/ (installs .venv-docs)"
 
 # The README's test command (and CI's, through .ci/run).
 test:
@@ -28,6 +29,15 @@ test:
 lint:
 	@test -x $(BIN)/flake8 || $(BIN)/pip install -q flake8
 	$(BIN)/flake8 --select=F $$(git ls-files '*.py' | grep -v '^bench/')
+
+# The user guide (docs/guide/*.md, mkdocs.yml) into build/site/, as CI builds it (--strict), in a venv of its
+# own: mkdocs and its plugins bring their own Markdown stack. The site opens from disk: build/site/index.html.
+DOCS_VENV ?= .venv-docs
+docs:
+	@$(DOCS_VENV)/bin/python -c "import kiln, mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null \
+		|| ($(PYTHON) -m venv $(DOCS_VENV) && $(DOCS_VENV)/bin/pip install -q -e '.[docs]')
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
+	@echo "the guide is in build/site/: open build/site/index.html"
 
 clean:
 	rm -rf build/ dist/ .pytest_cache .hypothesis

@@ -41,7 +41,7 @@ def test_python_m_kiln_runtime_in_a_core_only_venv(tmp_path):
     listing = subprocess.run([py, "-m", "pip", "list", "--format=json"], capture_output=True, text=True,
                              check=True, env=env).stdout
     installed = sorted(p["name"].lower() for p in json.loads(listing) if p["name"].lower() not in ("pip", "setuptools"))
-    assert installed == ["flatbuffers", "kiln", "numpy"], installed
+    assert installed == ["flatbuffers", "kiln-compiler", "numpy"], installed
 
     model, inputs, out = FIXTURES / "mlp_runtime.kiln", FIXTURES / "mlp_runtime_inputs.npz", tmp_path / "out.npz"
     r = subprocess.run([py, "-m", "kiln.runtime", str(model), "--input", f"x={inputs}", "-o", str(out)],
