@@ -14,7 +14,9 @@ thread variables are T: BLAS reads them once, when numpy is imported, so a fresh
 one way that works for every BLAS numpy may be built with, with no optional dependency.
 
 ``kiln bench --trace FILE.json`` writes the instrumented (``--profile``) runs as a Chrome trace
-(runtime/profile.py). On a terminal, ``kiln bench`` shows its progress (loading, warm-up, timed and
+(runtime/profile.py); with ``--device cuda`` the instrumented runs are eager (CUDA events around each
+kernel, on a "GPU stream" track of the trace) while the timed runs replay a CUDA graph where the
+model can be captured. On a terminal, ``kiln bench`` shows its progress (loading, warm-up, timed and
 instrumented runs) on one line of stderr, rewritten in place between runs, outside the timed code,
 and erased before anything is printed; piped or redirected, it shows nothing.
 """
@@ -46,13 +48,13 @@ _TRACE_RUNS = 10      # of those, how many `--trace` writes by default: each run
 BACKENDS = ("kiln", "onnxruntime")  # runtime.program.BACKENDS, repeated so --help imports nothing
 
 
-def load_program(path: str, backend: str = "kiln", threads: Optional[int] = None):
+def load_program(path: str, backend: str = "kiln", threads: Optional[int] = None, device: str = "cpu"):
     """``kiln.load`` with a one-line error for a missing file."""
     from kiln.runtime.program import load
 
     if not os.path.isfile(path):
         raise KilnError(f"no such file: {path}")
-    return load(path, backend=backend, threads=threads)
+    return load(path, device, backend=backend, threads=threads)
 
 
 def read_inputs(specs: Sequence[str], program, sources: Optional[dict] = None) -> dict:
@@ -375,14 +377,23 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=10, metavar="W", help="untimed runs first (default 10)")
     p.add_argument("--repeat", type=int, metavar="N",
                    help=f"timed runs (default: as many as fit in {_BENCH_SECONDS:g} s, 10 to 10000)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model runs: the CPU (default) or the GPU (cuda: kiln's CUDA runtime through "
+                        "CuPy, pip install 'kiln-compiler[gpu]'; with --backend onnxruntime, its CUDA provider). "
+                        "On the GPU the inputs are uploaded once, outputs stay on the device and each timed run "
+                        "is waited for; timed runs replay a CUDA graph where the model can be captured")
     p.add_argument("--profile", action="store_true",
                    help=f"also time every instruction over up to {_PROFILE_RUNS} more runs and print a per-op "
-                        "table (total, share, calls, mean); kiln backend only")
+                        "table (total, share, calls, mean); kiln backend only. With --device cuda these runs are "
+                        "eager (each kernel launched on its own, not a replay of a CUDA graph) and the table's times "
+                        "are GPU times from a pair of CUDA events around each instruction")
     p.add_argument("--trace", metavar="FILE.json",
                    help="write the instrumented runs as a Chrome trace (the JSON that torch.profiler and "
                         "onnxruntime's profiler write; open it at https://ui.perfetto.dev or chrome://tracing): "
                         "an event per run and, inside it, one per instruction named by its op, with the node, "
                         "module path, input/output shapes and dtypes; If/Loop and fused bodies as nested events. "
+                        "With --device cuda, a second track (GPU stream) holds each instruction's GPU time from "
+                        "CUDA events, beside the host's launch spans, over eager runs. "
                         "Implies --profile; kiln backend only")
     p.add_argument("--trace-runs", type=_positive_int, metavar="N",
                    help=f"how many instrumented runs --trace writes (default {_TRACE_RUNS}; each adds an "
@@ -411,6 +422,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise KilnError(f"{flag} times kiln's own instructions: it works with --backend kiln only "
                         "(ONNX Runtime has its own profiler: SessionOptions.enable_profiling, which writes "
                         "the same trace format)")
+    if args.device == "cuda" and not ort:
+        if args.threads is not None:
+            raise KilnError("--threads sets the CPU runtime's BLAS threads: --device cuda does not take it")
+        _check_cuda()  # before the model is read
     if args.trace:
         _check_writable(args.trace)  # before the benchmark, not after it
     if not ort and args.threads is not None and not _threads_already(args.threads):
@@ -420,6 +435,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench(args, ort, status)
     finally:
         status.clear()
+
+
+def _check_cuda() -> None:
+    """``kiln bench --device cuda`` (kiln backend): CuPy and a visible GPU, or an error naming what is missing."""
+    try:
+        import cupy as cp
+    except ImportError as e:
+        raise KilnError(f"--device cuda needs CuPy (pip install 'kiln-compiler[gpu]'): {e}") from None
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001 - no driver, a broken CUDA install: said as it is
+        raise KilnError(f"--device cuda: no usable CUDA GPU ({type(e).__name__}: {e}); bench on the CPU "
+                        "without --device") from None
+    if count == 0:
+        raise KilnError("--device cuda: no CUDA GPU is visible to this process (CUDA_VISIBLE_DEVICES="
+                        f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); bench on the CPU without --device")
 
 
 def _check_writable(path: str) -> None:
@@ -435,9 +466,10 @@ def _check_writable(path: str) -> None:
 
 def _bench(args: argparse.Namespace, ort: bool, status: "StatusLine") -> int:
     status.show(f"loading {args.model}", force=True)
-    program = load_program(args.model, args.backend, args.threads if ort else None)
+    program = load_program(args.model, args.backend, args.threads if ort else None, args.device)
     inputs = random_inputs(program.inputs, args.batch, parse_dims(args.dim), floats_only=False)
     status.clear()
+    gpu = args.device == "cuda" and not ort  # kiln's CudaProgram
     if ort:
         print(f"model    {args.model} (onnxruntime, {', '.join(program.providers)})")
         threads = "ORT default" if args.threads is None else f"{args.threads} (ORT intra-op threads)"
@@ -446,22 +478,38 @@ def _bench(args: argparse.Namespace, ort: bool, status: "StatusLine") -> int:
               f"{len(program.plan.instructions)} instructions)")
         threads = "BLAS default" if args.threads is None else f"{args.threads} (BLAS thread variables of this process)"
     print("inputs   " + ", ".join(f"{n}: {a.dtype}{format_shape(a.shape)}" for n, a in inputs.items()))
-    print(f"threads  {threads}")
+    if gpu:
+        import cupy as cp
+        device = cp.cuda.Device()
+        name = cp.cuda.runtime.getDeviceProperties(device.id)["name"]
+        print(f"device   {name.decode() if isinstance(name, bytes) else name} (cuda:{device.id}); inputs uploaded "
+              "once, outputs left on the device, each run waited for")
+        feeds = {n: cp.asarray(a) for n, a in inputs.items()}
+        stream = cp.cuda.get_current_stream()
 
-    def run() -> object:
-        return program.run(inputs)
+        def run() -> object:
+            out = program.run(feeds)
+            stream.synchronize()
+            return out
+    else:
+        print(f"threads  {threads}")
+
+        def run() -> object:
+            return program.run(inputs)
 
     warm = time_runs(run, max(args.warmup, 1), 0, status.counter("warm-up"))
     repeat = args.repeat or int(np.clip(_BENCH_SECONDS / max(np.median(warm), 1e-7), 10, 10000))
     times = time_runs(run, repeat, 0, status.counter("timed runs"))
     status.clear()
     print(format_latency(times, len(warm)))
+    if gpu:
+        print(f"runs     {_cuda_runs(program)}")
     if args.profile or args.trace:
         from kiln.runtime.profile import format_profile, profile_program, write_trace
 
         trace_runs = (args.trace_runs or _TRACE_RUNS) if args.trace else 0
         runs = max(min(repeat, _PROFILE_RUNS), trace_runs)
-        p = profile_program(program, inputs, runs=runs, trace_runs=trace_runs,
+        p = profile_program(program, feeds if gpu else inputs, runs=runs, trace_runs=trace_runs,
                             progress=status.counter("instrumented runs"))
         status.clear()
         print()
@@ -474,8 +522,21 @@ def _bench(args: argparse.Namespace, ort: bool, status: "StatusLine") -> int:
                                       "instructions": len(program.plan.instructions)})
             status.clear()
             print(f"\ntrace    {args.trace}: {trace_runs} runs, {n} events; open it at https://ui.perfetto.dev "
-                  "or chrome://tracing")
+                  "or chrome://tracing" + ("; the GPU's CUDA-event times are on the 'GPU stream' track" if gpu else ""))
     return 0
+
+
+def _cuda_runs(program) -> str:
+    """How a CudaProgram's timed runs ran: a CUDA-graph replay, or eager and why."""
+    if program.captured_graphs():
+        return "CUDA-graph replay (one launch per run)"
+    if not program.cuda_graphs:
+        from kiln.runtime.cuda_program import GRAPH_MIN_INSTRUCTIONS
+        return (f"eager (CUDA graphs off: cuda_graphs='auto' captures plans of at least {GRAPH_MIN_INSTRUCTIONS} "
+                f"instructions, this one has {len(program.plan.instructions)})"
+                if program.options.cuda_graphs == "auto" else "eager (CUDA graphs off)")
+    why = next(iter(program.graph_failures.values()), "not captured")
+    return f"eager (the plan could not be captured into a CUDA graph: {why})"
 
 
 class StatusLine:

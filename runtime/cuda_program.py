@@ -74,7 +74,7 @@ from kiln.runtime.kernels import cpu, cuda
 from kiln.runtime.cuda_options import CudaOptions, set_process_tf32
 from kiln.runtime.kernels.cuda.codegen import EXPRESSIONS
 from kiln.runtime.kernels.cuda.elementwise import host_fallback
-from kiln.runtime.plan import Plan, PlanBuilder, execute
+from kiln.runtime.plan import Plan, PlanBuilder, execute, nested_executor
 from kiln.runtime.program import TensorSpec, _execution_error, check_inputs
 
 # Values of at most this many elements may live on the host (shape arithmetic, small constants).
@@ -426,9 +426,11 @@ class CudaProgram:
         records.raise_first_failure()
         return outs
 
-    def _execute(self, arrays: list, records: Optional["_GuardRecords"] = None) -> tuple:
+    def _execute(self, arrays: list, records: Optional["_GuardRecords"] = None, executor=execute) -> tuple:
         """(outputs, the run's _GuardRecords), unchecked. ``records`` where the guards write
-        (the default: fresh device records, for an eager run)."""
+        (the default: fresh device records, for an eager run). ``executor`` runs the plan over the
+        slots: ``plan.execute``, or the profiler's timed loop (runtime/profile.py, ``kiln bench
+        --device cuda --profile``), which so gets this run's inputs, guards, options and errors."""
         slots = list(self._template)
         for s, a in zip(self.plan.input_slots, arrays):
             slots[s] = a
@@ -436,7 +438,7 @@ class CudaProgram:
         slots[self._guard_slot] = records
         token = cuda.bind(self.options)  # what kernels decide per call follows this program
         try:
-            execute(self.plan, slots)
+            executor(self.plan, slots)
         except KilnError:
             raise
         except Exception as e:  # noqa: BLE001 - re-raised naming the node
@@ -769,7 +771,7 @@ def _control_kernel(node: Node, builder: PlanBuilder, program: CudaProgram):
 
         def run_if(slots: list, cond) -> Any:
             plan = then_plan if bool(cuda.host(cond).reshape(-1)[0]) else else_plan
-            execute(plan, slots)
+            nested_executor()(plan, slots)  # execute, or the profiler's timed loop (plan.NESTED_EXECUTOR)
             outs = tuple(slots[s] for s in plan.output_slots)
             return outs[0] if len(outs) == 1 else outs
         run_if.with_slots = True
@@ -789,11 +791,12 @@ def _control_kernel(node: Node, builder: PlanBuilder, program: CudaProgram):
         go = True if cond is None else bool(cuda.host(cond).reshape(-1)[0])
         values = list(carried)
         scans: list = [[] for _ in scan_types]
+        run_body = nested_executor()  # execute, or the profiler's timed loop (plan.NESTED_EXECUTOR)
         i = 0
         while go and (trips is None or i < trips):
             for s, a in zip(plan.input_slots, [np.array(i, np.int64), np.array(go), *values]):
                 slots[s] = a
-            execute(plan, slots)
+            run_body(plan, slots)
             outs = [slots[s] for s in plan.output_slots]
             if cond is not None:
                 go = bool(cuda.host(outs[0]).reshape(-1)[0])

@@ -200,8 +200,8 @@ def test_write_trace_reports_an_unwritable_path(tmp_path):
 def test_profile_refuses_what_is_not_the_cpu_runtime():
     class Other:
         plan, _template = None, []
-    with pytest.raises(kiln.KilnError, match=r"times the instructions of kiln's CPU runtime \(a Program\); a Other "
-                                             r"is not one \(per-op GPU times: bench/gpu_profile.py\)"):
+    with pytest.raises(kiln.KilnError, match=r"times the instructions of kiln's own runtimes \(a Program, or a "
+                                             r"CudaProgram from kiln.load\(..., device='cuda'\)\); a Other is not one"):
         profile_program(Other(), {})
 
 
@@ -246,6 +246,29 @@ def test_bench_trace_mistakes_are_said_before_any_run(tmp_path, capsys, argv, me
     out, err = capsys.readouterr()
     assert out == ""  # refused before loading or timing anything
     assert err.strip() == "kiln bench: error: " + message.format(tmp=tmp_path)
+
+
+def test_bench_device_cuda_without_cupy_is_refused_by_name(tmp_path, capsys, monkeypatch):
+    """No CuPy (CI, a CPU-only install): said before the model is read or anything timed, naming the
+    package to install; --threads (the CPU's BLAS threads) is refused with --device cuda by name too."""
+    monkeypatch.setitem(sys.modules, "cupy", None)  # what `import cupy` meets where CuPy is not installed
+    assert main(["bench", str(tmp_path / "not-read.kiln"), "--device", "cuda", "--trace", str(tmp_path / "t.json")]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and not (tmp_path / "t.json").exists()
+    assert err.startswith("kiln bench: error: --device cuda needs CuPy (pip install 'kiln-compiler[gpu]'): ")
+    assert main(["bench", MODEL, "--device", "cuda", "--threads", "2"]) == 1
+    assert capsys.readouterr().err.strip() == ("kiln bench: error: --threads sets the CPU runtime's BLAS threads: "
+                                               "--device cuda does not take it")
+
+
+def test_bench_help_says_instrumented_gpu_runs_are_eager(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--device {cpu,cuda}" in text and "timed runs replay a CUDA graph where the model can be captured" in text
+    assert ("With --device cuda these runs are eager (each kernel launched on its own, not a replay of a CUDA "
+            "graph)") in text
+    assert "a second track (GPU stream) holds each instruction's GPU time from CUDA events" in text
 
 
 def test_bench_trace_runs_must_be_positive(capsys):
