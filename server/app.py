@@ -1010,11 +1010,16 @@ def _unavailable(message: str, retry_after_s: float = RETRY_AFTER_S) -> ApiError
     return ApiError(503, message, {"Retry-After": str(max(1, math.ceil(retry_after_s)))}, outcome="rejected")
 
 
-async def _infer_model(state: ServerState, model: ServedModel, request: Request) -> Response:
+def admit(state: ServerState, model: ServedModel) -> None:
+    """Refuse a request before reading it while the server drains or the model is not loaded (503)."""
     if state.draining:
         raise _unavailable("server is shutting down")
     if not model.loaded:
         raise _unavailable(_model_not_ready_reason(state, model))
+
+
+async def _infer_model(state: ServerState, model: ServedModel, request: Request) -> Response:
+    admit(state, model)
 
     headers = request.headers
     media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
@@ -1053,6 +1058,31 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
     except protocol.ProtocolError as e:
         raise ApiError(e.status, e.message) from None
     del body
+    decode_seconds = time.perf_counter() - decode_started
+    outputs = await run_infer(state, model, req)
+    encode = protocol.encode_infer_response
+    args = (model.name, model.version, req.id, outputs, req.outputs, req.binary_default, state.shared)
+    encode_started = time.perf_counter()
+    try:
+        if sum(np.asarray(a).nbytes for a in outputs.values()) > _OFFLOAD_BYTES:
+            body, extra = await asyncio.to_thread(encode, *args)
+        else:
+            body, extra = encode(*args)
+    except protocol.ProtocolError as e:  # an output the protocol cannot carry: the server's fault (500)
+        log.error("encoding the response of model %s version %s failed: %s", model.name, model.version, e)
+        raise ApiError(e.status, f"cannot encode the response: {e.message}",
+                       outcome="backend" if e.status >= 500 else "invalid_request") from None
+    state.metrics.observe_codec(model.name, model.version, decode_seconds, time.perf_counter() - encode_started)
+    return Response(content=body, status_code=200, headers=extra)
+
+
+async def run_infer(state: ServerState, model: ServedModel, req: Any,
+                    deadline_ms: Optional[float] = None) -> dict:
+    """The part of an inference request every front end shares (HTTP here, gRPC in server/grpc_server.py),
+    after the request is parsed into a :class:`protocol.InferRequest`: the checks against the model's
+    signature, the deadline (``min`` of the model's, the request's and ``deadline_ms``, the transport's own),
+    the batcher, and the error mapping (ApiError with the HTTP status). Returns the outputs to send, in the
+    requested order."""
 
     ex = model.executor
     try:
@@ -1069,12 +1099,13 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
         if unknown:
             raise ApiError(400, f"unknown output(s) {unknown}; the model's outputs are {output_names}")
 
-    decode_seconds = time.perf_counter() - decode_started
     timeout_ms = model.entry.config.timeout_ms
     if req.timeout_ms is not None:
         if req.timeout_ms <= 0:
             raise ApiError(400, f"timeout_ms must be positive, got {req.timeout_ms}")
         timeout_ms = min(timeout_ms, req.timeout_ms)
+    if deadline_ms is not None:
+        timeout_ms = min(timeout_ms, max(deadline_ms, 0.001))
 
     try:
         outputs = await model.batcher.submit(req.inputs, timeout_ms / 1000.0,
@@ -1103,20 +1134,7 @@ async def _infer_model(state: ServerState, model: ServedModel, request: Request)
         outputs = {o.name: outputs[o.name] for o in req.outputs}
     for o, _ in cuda_outputs:  # the GPU worker wrote them with the batch (the HTTP process never touches CUDA)
         o.written = int(np.asarray(outputs[o.name]).nbytes)
-    encode = protocol.encode_infer_response
-    args = (model.name, model.version, req.id, outputs, req.outputs, req.binary_default, state.shared)
-    encode_started = time.perf_counter()
-    try:
-        if sum(np.asarray(a).nbytes for a in outputs.values()) > _OFFLOAD_BYTES:
-            body, extra = await asyncio.to_thread(encode, *args)
-        else:
-            body, extra = encode(*args)
-    except protocol.ProtocolError as e:  # an output the protocol cannot carry: the server's fault (500)
-        log.error("encoding the response of model %s version %s failed: %s", model.name, model.version, e)
-        raise ApiError(e.status, f"cannot encode the response: {e.message}",
-                       outcome="backend" if e.status >= 500 else "invalid_request") from None
-    state.metrics.observe_codec(model.name, model.version, decode_seconds, time.perf_counter() - encode_started)
-    return Response(content=body, status_code=200, headers=extra)
+    return outputs
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -48,6 +48,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; 0.0.0.0 listens on every interface)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks a free one)")
+    p.add_argument("--grpc-port", type=int, metavar="P",
+                   help="port for the V2 protocol over gRPC (Triton's GRPCInferenceService, what tritonclient.grpc "
+                        "calls; default 8001, or 0 with --port 0; 0 picks a free one, printed when ready)")
+    p.add_argument("--no-grpc", action="store_true", help="serve HTTP only (no gRPC endpoint)")
     p.add_argument("--name", help="model name for a single model file (default: the file's stem)")
     p.add_argument("--workers", type=int, metavar="N",
                    help="worker processes per model version (0: threads in the server process; default 1). "
@@ -241,6 +245,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_cpu_only(entries)  # a gpu instance_group on the CPU is refused before any port is bound
     from kiln.server.gpu import check_gpus
     check_gpus(entries)  # --device cuda: CuPy and the GPUs named, before any port is bound
+    grpc_server = _grpc_server(args)  # before any port is bound: a missing grpcio is one clear error
     sock = bind_socket(args.host, args.port)
     url = _url(sock, args.host)
     failure: list[BaseException] = []
@@ -271,6 +276,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"  connections: at most {limits.max_connections:,} ({per_client} per client, the last "
               f"{limits.health_reserve} for health checks); a request head within {limits.header_timeout_s:g} s, "
               f"a body within {limits.body_timeout_s:g} s + 1 s per {limits.body_min_rate >> 10} KiB", flush=True)
+        if grpc_server is not None:
+            print(f"  gRPC at {grpc_server.address} (Triton's GRPCInferenceService: tritonclient.grpc)", flush=True)
         print(f"  {url}/v2/models/{entries[0].name}/infer, metrics at {url}/metrics, docs at {url}/docs",
               flush=True)
 
@@ -283,6 +290,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      on_ready=on_ready, on_load_error=on_load_error,
                      allow_client_shm=True if args.allow_client_shm else None)
     state = app.state.kiln
+    if grpc_server is not None:
+        grpc_server.state, grpc_server.max_message_bytes = state, int(args.max_body_mb * (1 << 20))
     # Drained: the batchers' drain (started by the signal) is over, or none was started (uvicorn is stopping
     # for another reason, a failed load say), so idle connections need not wait for one.
     tracker = ConnectionTracker(limits, drained=lambda: state._drain_task is None or state._drain_task.done())
@@ -294,7 +303,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=grace, server_header=False,
                             http=protocol_class or "auto", timeout_keep_alive=limits.keep_alive_s)
     logging.getLogger("kiln.server").setLevel(args.log_level.upper())
-    server = _make_server(config, state, tracker if protocol_class is not None else None)
+    server = _make_server(config, state, tracker if protocol_class is not None else None, grpc_server, grace)
     try:
         server.run(sockets=[sock])
     finally:
@@ -309,9 +318,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _make_server(config, state, tracker=None):
+def _grpc_server(args: argparse.Namespace):
+    """The gRPC endpoint (server/grpc_server.py) ``kiln serve`` starts next to HTTP, or None (--no-grpc, or
+    grpcio missing while --grpc-port was not asked for: a warning, HTTP only). Default port 8001 (Triton's),
+    or 0 when --port is 0, so servers started on free ports never collide on 8001."""
+    asked = getattr(args, "grpc_port", None)
+    if getattr(args, "no_grpc", False):
+        if asked is not None:
+            raise KilnError("--grpc-port and --no-grpc contradict each other")
+        return None
+    port = asked
+    if port is None:
+        port = 0 if args.port == 0 else 8001
+    if not 0 <= port <= 65535:
+        raise KilnError(f"--grpc-port must be between 0 and 65535, got {port}")
+    try:
+        from kiln.server.grpc_server import GrpcServer
+    except ImportError as e:
+        if asked is not None:
+            raise KilnError(f"--grpc-port needs grpcio and tritonclient[grpc]: pip install 'kiln-compiler[serve]' "
+                            f"({e.name} is missing)") from None
+        print(f"kiln serve: no gRPC endpoint ({e.name} is missing: pip install 'kiln-compiler[serve]'); "
+              "serving HTTP only", file=sys.stderr, flush=True)
+        return None
+    return GrpcServer(None, args.host, port, 0)
+
+
+def _make_server(config, state, tracker=None, grpc_server=None, grace: float = 30.0):
     """uvicorn.Server, plus: a signal starts draining at once, the listener hands over its accept queue
-    before it closes, and a graceful stop exits 0."""
+    before it closes, a graceful stop exits 0, and the gRPC endpoint (if any) starts and stops with it."""
     import asyncio
 
     import uvicorn
@@ -324,9 +359,13 @@ def _make_server(config, state, tracker=None):
 
         async def serve(self, sockets=None) -> None:
             self._loop = asyncio.get_running_loop()
+            if grpc_server is not None:
+                await grpc_server.start()  # a KilnError (port taken) ends the serve before anything loads
             await super().serve(sockets=sockets)
 
         async def shutdown(self, sockets=None) -> None:
+            if grpc_server is not None:  # open streams answer what they read, then end (server/grpc_server.py)
+                await grpc_server.stop(grace)
             # uvicorn closes the listening socket first, which resets every connection still in the kernel's
             # accept queue: clients that connected (and maybe wrote a request) and get no answer. Instead:
             # stop new handshakes, accept what is queued and serve it like any connection (503 + close while
