@@ -36,7 +36,10 @@ recorded. The whole run takes about 5 minutes.
 Run: .venv/bin/python bench/serve_bench.py [--models mlp,bert2] [--clients 1,8,64] [--scale 1.0]
      [--time-cap 10] [--max-batch-size 32] [--max-queue-delay-ms 0.5] [--servers on,off,peer]
      [--shutdown-requests 32] [--blas-threads N] [--kiln "CMD"] [--no-memory] [--no-shutdown]
-     [--results FILE|-]
+     [--results FILE|-] [--grpc [--grpc-requests N]]
+--grpc measures only the gRPC rows (issue 25) and prints them: tritonclient.grpc against tritonclient.http
+(binary tensors) on one kiln serve, MLP: single-request overhead over Program.run and closed-loop
+throughput at --clients (sync clients, one per thread).
 Servers get this environment minus the BLAS thread variables (unless --blas-threads), so they pick
 the thread counts a user's server would.
 """
@@ -694,6 +697,129 @@ def memory_and_shutdown(args: argparse.Namespace, folder: Path) -> tuple[list[di
     return mems, shuts, info, failed
 
 
+# ---------------------------------------------------------------------------- gRPC rows (issue 25)
+def grpc_rows(args: argparse.Namespace, folder: Path) -> str:
+    """gRPC against HTTP binary on one ``kiln serve`` (batching on, the default flags plus ``--grpc-port``),
+    both through tritonclient (``tritonclient.grpc`` and ``tritonclient.http`` with binary inputs and
+    outputs): single-request p50 over ``Program.run`` (sequential, one client, rounds interleaved), and
+    closed-loop throughput at each client count, each client a thread with its own sync client (its own
+    channel / connection), every response checked against ``Program.run``."""
+    import threading
+
+    import tritonclient.grpc as tg
+    import tritonclient.http as th
+
+    _, kiln_path, _ = export_model("mlp", folder)
+    program = kiln.load(kiln_path)
+    in_name = program.inputs[0].name
+    work = make_workload("mlp", program)
+    gport = free_port()
+    s = kiln_server("kiln serve", kiln_path, folder / "grpc.log", "--max-batch-size", str(args.max_batch_size),
+                    "--max-queue-delay-ms", f"{args.max_queue_delay_ms:g}", "--grpc-port", str(gport)).start()
+
+    def caller(kind: str):
+        if kind == "gRPC":
+            c = tg.InferenceServerClient(f"{HOST}:{gport}")
+            ins = [tg.InferInput(in_name, list(x.shape), "FP32") for x in work.inputs]
+            for i, x in zip(ins, work.inputs):
+                i.set_data_from_numpy(x)
+            return c, lambda k: c.infer("mlp", [ins[k % len(ins)]]).as_numpy(program.outputs[0].name)
+        c = th.InferenceServerClient(f"{HOST}:{s.port}")
+        ins = [th.InferInput(in_name, list(x.shape), "FP32") for x in work.inputs]
+        for i, x in zip(ins, work.inputs):
+            i.set_data_from_numpy(x, binary_data=True)
+        outs = [th.InferRequestedOutput(o.name, binary_data=True) for o in program.outputs]
+        return c, lambda k: c.infer("mlp", [ins[k % len(ins)]], outputs=outs).as_numpy(program.outputs[0].name)
+
+    def ok(k: int, got) -> bool:
+        want = work.expected[k % len(work.expected)]
+        return got.shape == want.shape and np.allclose(got, want, rtol=1e-3, atol=1e-4)
+
+    lines = []
+    try:
+        s.wait_ready()
+        run = median_run(lambda: program.run([work.inputs[0]]), 2000)
+        p50: dict[str, list[float]] = {"gRPC": [], "HTTP binary": []}
+        clients = {kind: caller(kind) for kind in p50}
+        for _ in range(3):  # interleaved rounds
+            for kind, (_, call) in clients.items():
+                for k in range(50):
+                    call(k)
+                times = []
+                for k in range(args.grpc_requests):
+                    t = time.perf_counter()
+                    got = call(0)
+                    times.append(time.perf_counter() - t)
+                    if k == 0 and not ok(0, got):
+                        raise RuntimeError(f"{kind}: wrong answer")
+                p50[kind].append(statistics.median(times))
+        for c, _ in clients.values():
+            c.close()
+        med = {k: statistics.median(v) for k, v in p50.items()}
+        lines.append(f"Single request, {MODELS['mlp'].label} batch 1 ({work.inputs[0].size} floats), one client, "
+                     f"{args.grpc_requests} sequential requests x 3 interleaved rounds (p50 of each round; median "
+                     f"of the rounds): `Program.run` in-process {run * 1e3:.3f} ms; "
+                     + "; ".join(f"{k} {med[k] * 1e3:.3f} ms (overhead {(med[k] - run) * 1e3:.3f} ms; rounds "
+                                 + ", ".join(f"{v * 1e3:.3f}" for v in p50[k]) + ")" for k in med) + ".")
+        lines += ["", "| transport | clients | requests | req/s | p50 ms | p99 ms | CPU ms/request: server / workers "
+                  "/ client | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for n in args.clients:
+            count = max(n, round(REQUESTS["mlp"].get(n, REQUESTS["mlp"][64]) * args.scale))
+            for kind in ("gRPC", "HTTP binary"):
+                time.sleep(PAUSE)
+                # Each thread makes its own client: tritonclient.http's (gevent) works only in its own thread.
+                lat, errors, nxt, lock = [], [], [0], threading.Lock()
+                ready, go, deadline = threading.Barrier(n + 1), threading.Event(), [0.0]
+
+                def client() -> None:
+                    c, call = caller(kind)
+                    try:
+                        call(0)  # opens the connection, untimed
+                    finally:
+                        ready.wait()
+                    go.wait()
+                    try:
+                        while time.perf_counter() < deadline[0]:
+                            with lock:
+                                if nxt[0] >= count:
+                                    return
+                                k = nxt[0]
+                                nxt[0] += 1
+                            t = time.perf_counter()
+                            try:
+                                good = ok(k, call(k))
+                            except Exception as e:  # noqa: BLE001 - counted
+                                errors.append(f"{type(e).__name__}: {e}")
+                                continue
+                            lat.append(time.perf_counter() - t)
+                            if not good:
+                                errors.append("values differ from Program.run")
+                    finally:
+                        c.close()
+
+                threads = [threading.Thread(target=client) for _ in range(n)]
+                for t in threads:
+                    t.start()
+                ready.wait()
+                cpu0 = cpu_split(s.proc.pid)
+                start = time.perf_counter()
+                deadline[0] = start + args.time_cap
+                go.set()
+                for t in threads:
+                    t.join()
+                wall = time.perf_counter() - start
+                cpu = {k: (v - cpu0[k]) / max(len(lat), 1) * 1e3 for k, v in cpu_split(s.proc.pid).items()}
+                ms = np.array(lat) * 1e3
+                row = (f"| {kind} | {n} | {len(lat)}{' (cap)' if len(lat) < count else ''} | {len(lat) / wall:.0f} | "
+                       f"{np.percentile(ms, 50):.2f} | {np.percentile(ms, 99):.2f} | {cpu['server']:.2f} / "
+                       f"{cpu['workers']:.2f} / {cpu['client']:.2f} | {len(errors)} |")
+                print(row + (f" first error: {errors[0]}" if errors else ""), flush=True)
+                lines.append(row)
+    finally:
+        s.stop()
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------- report
 def machine(load_start: tuple) -> str:
     cpu, date = cpu_name(), utc_now()
@@ -702,6 +828,11 @@ def machine(load_start: tuple) -> str:
             f"at the end), Python {platform.python_version()}; kiln {kiln.__version__}, numpy {np.__version__}, "
             f"onnxruntime {ort.__version__}, fastapi {fastapi.__version__}, uvicorn {uvicorn.__version__}, "
             f"httpx {httpx.__version__}, {extras()}; {date}")
+
+
+def grpc_version() -> str:
+    import importlib.metadata as md
+    return f"{md.version('grpcio')}, tritonclient {md.version('tritonclient')}"
 
 
 def extras() -> str:
@@ -879,6 +1010,9 @@ def main() -> None:
     ap.add_argument("--kiln", default="", help="command line that runs kiln, split on spaces (default: the kiln "
                     "script next to this Python)")
     ap.add_argument("--results", default=str(RESULTS), help="markdown file to update, '-' to only print")
+    ap.add_argument("--grpc", action="store_true", help="only the gRPC rows (issue 25): gRPC against HTTP binary "
+                    "through tritonclient on one kiln serve, MLP; printed, not written to --results")
+    ap.add_argument("--grpc-requests", type=int, default=1000, help="sequential requests per round, --grpc")
     args = ap.parse_args()
     args.clients = [int(c) for c in args.clients.split(",") if c]
     args.servers = [s for s in args.servers.split(",") if s]
@@ -888,6 +1022,11 @@ def main() -> None:
     if unknown := [k for k in keys if k not in REQUESTS]:
         ap.error(f"unknown models {unknown}; choose from {', '.join(REQUESTS)}")
     load_start = os.getloadavg()
+    if args.grpc:
+        with tempfile.TemporaryDirectory(prefix="kiln-serve-bench-") as d:
+            text = grpc_rows(args, Path(d))
+        print(f"\n`bench/serve_bench.py --grpc`; {machine(load_start)}; grpcio {grpc_version()}.\n\n{text}")
+        return
     rows, over, mems, shuts, info, failed = [], None, [], [], None, []
     with tempfile.TemporaryDirectory(prefix="kiln-serve-bench-") as d:
         folder = Path(d)

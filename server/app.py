@@ -698,12 +698,7 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
     @app.post("/v2/systemsharedmemory/region/{region_name}/register", tags=["shared memory"],
               summary="Register a region: {key, offset, byte_size} of /dev/shm/<key>", responses=_error_doc(400))
     async def shm_register(region_name: str, request: Request):
-        body = await _small_json(request, "register request", empty_ok=False)
-        if region_name in state.cuda_shm:
-            raise ApiError(400, f"a shared memory region named '{region_name}' is already registered "
-                                "(a CUDA region; unregister it first)")
-        _shm_call(shm.register, region_name, body)
-        log.info("registered system shared memory region %s: %s", region_name, shm.status(region_name)[0])
+        register_system_region(state, region_name, await _small_json(request, "register request", empty_ok=False))
         return {}
 
     @app.post("/v2/systemsharedmemory/unregister", tags=["shared memory"], summary="Unregister every region")
@@ -733,9 +728,7 @@ def create_app(entries: list[ModelEntry], *, max_body_bytes: int = DEFAULT_MAX_B
               summary="Register a CUDA region: {raw_handle: {b64}, device_id, byte_size} (a CUDA IPC handle)",
               responses=_error_doc(400))
     async def cuda_shm_register(region_name: str, request: Request):
-        body = await _small_json(request, "register request", empty_ok=False)
-        region = _shm_call(cuda_shm.register, region_name, body)
-        log.info("registered CUDA shared memory region %s: %s", region_name, region.status())
+        register_cuda_region(state, region_name, await _small_json(request, "register request", empty_ok=False))
         return {}
 
     @app.post("/v2/cudasharedmemory/unregister", tags=["shared memory"], summary="Unregister every CUDA region")
@@ -972,6 +965,24 @@ def _shm_call(fn: Callable, *args: Any) -> Any:
         return fn(*args)
     except protocol.ProtocolError as e:
         raise ApiError(e.status, e.message) from None
+
+
+def register_system_region(state: ServerState, name: str, body: Any) -> None:
+    """Register system shared memory region ``name`` from its ``{key, offset, byte_size}`` (the HTTP route's
+    JSON body, or server/grpc_server.py's SystemSharedMemoryRegisterRequest as a dict); ApiError 400 if
+    refused. One namespace with the CUDA regions, as in Triton."""
+    if name in state.cuda_shm:
+        raise ApiError(400, f"a shared memory region named '{name}' is already registered "
+                            "(a CUDA region; unregister it first)")
+    _shm_call(state.shm.register, name, body)
+    log.info("registered system shared memory region %s: %s", name, state.shm.status(name)[0])
+
+
+def register_cuda_region(state: ServerState, name: str, body: Any) -> None:
+    """Register CUDA shared memory region ``name`` from ``{raw_handle: {b64}, device_id, byte_size}`` (HTTP's
+    body, or gRPC's request as a dict); ApiError 400 if refused (also on a server with no model on a GPU)."""
+    region = _shm_call(state.cuda_shm.register, name, body)
+    log.info("registered CUDA shared memory region %s: %s", name, region.status())
 
 
 def _not_ready_reason(state: ServerState) -> str:

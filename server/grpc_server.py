@@ -2,8 +2,10 @@
 calls; a superset of KServe's ``grpc_predict_v2.proto``) on the same request path as the HTTP routes.
 
 RPCs: ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata, ModelConfig, ModelStatistics,
-RepositoryIndex, ModelInfer and ModelStreamInfer. The shared-memory, repository load/unload, trace and log
-RPCs answer UNIMPLEMENTED naming themselves (use the HTTP routes for shared memory).
+RepositoryIndex, ModelInfer, ModelStreamInfer, and the system and CUDA shared memory Register/Unregister/
+Status (on the HTTP app's own registries, so a region registered over one protocol serves requests over
+the other; inputs and outputs name regions with the same ``shared_memory_*`` parameters as over HTTP). The
+repository load/unload, trace and log RPCs answer UNIMPLEMENTED naming themselves.
 
 Design decisions, and why:
 
@@ -43,6 +45,7 @@ Design decisions, and why:
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import time
@@ -54,8 +57,8 @@ from google.protobuf import json_format
 
 from kiln.errors import KilnError
 from kiln.server import protocol
-from kiln.server.app import _OFFLOAD_BYTES, ApiError, _index_entry, _model_not_ready_reason, admit, run_infer, \
-    triton_model_config
+from kiln.server.app import _OFFLOAD_BYTES, ApiError, _close_cuda_regions, _index_entry, _model_not_ready_reason, \
+    _shm_call, admit, register_cuda_region, register_system_region, run_infer, triton_model_config
 from kiln.version import __version__
 
 try:  # tritonclient >= 2.41 names them service_pb2; older ones grpc_service_pb2
@@ -99,19 +102,39 @@ def _params(params: Any) -> dict:
 
 def to_v2_body(request: Any) -> tuple[bytes, Optional[int]]:
     """A ModelInferRequest as the V2 HTTP body (and Inference-Header-Content-Length) carrying the same
-    request: raw contents as the binary extension, typed contents as JSON ``data``."""
+    request: raw contents as the binary extension, typed contents as JSON ``data``. (The server parses
+    :func:`v2_request`'s objects directly; this is their HTTP spelling, for tests and tools.)"""
+    body, parts = v2_request(request)
+    header = protocol._dumps(body)
+    if parts is None:
+        return header, None
+    return b"".join([header, *(p for p in parts if p is not None)]), len(header)
+
+
+def v2_request(request: Any) -> tuple[dict, Optional[list]]:
+    """A ModelInferRequest as the V2 request object its HTTP body's JSON would parse to (raw contents named
+    by ``binary_data_size``, typed contents as ``data``), and its raw contents, one per input in input order
+    (None for an input in shared memory), or None when it has none: what
+    :func:`protocol.parse_request_object` checks, with no JSON written or parsed and no bytes copied."""
     raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise ApiError(400, f"the request has {len(request.inputs)} inputs but {len(raw)} raw_input_contents: "
-                            "give raw contents for every input or for none")
-    inputs = []
-    for i, t in enumerate(request.inputs):
+    # An input in shared memory has no raw contents: raw_input_contents belong, in order, to the other
+    # inputs (what tritonclient sends, and how Triton reads them).
+    n_shm = sum("shared_memory_region" in t.parameters for t in request.inputs)
+    n_raw = len(request.inputs) - n_shm
+    if raw and len(raw) != n_raw:
+        raise ApiError(400, f"the request has {n_raw} inputs{' not in shared memory' if n_shm else ''} but "
+                            f"{len(raw)} raw_input_contents: give raw contents for every such input or for none")
+    inputs, parts, k = [], [], 0
+    for t in request.inputs:
         item: dict = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
         params = _params(t.parameters)
-        if raw:
+        part = None
+        if raw and "shared_memory_region" not in params:
             if t.HasField("contents"):
                 raise ApiError(400, f"input '{t.name}' has both contents and raw_input_contents; give one")
-            params["binary_data_size"] = len(raw[i])
+            part = raw[k]  # one bytes object (each access to the repeated field makes a new one)
+            params["binary_data_size"] = len(part)
+            k += 1
         elif t.HasField("contents"):
             field = _CONTENTS.get(t.datatype)
             given = [f.name for f, _ in t.contents.ListFields()]
@@ -128,6 +151,7 @@ def to_v2_body(request: Any) -> tuple[bytes, Optional[int]]:
         if params:
             item["parameters"] = params
         inputs.append(item)
+        parts.append(part)
     body: dict = {"inputs": inputs}
     if request.id:
         body["id"] = request.id
@@ -137,10 +161,16 @@ def to_v2_body(request: Any) -> tuple[bytes, Optional[int]]:
     if request.outputs:
         body["outputs"] = [{"name": o.name, **({"parameters": _params(o.parameters)} if o.parameters else {})}
                            for o in request.outputs]
-    header = protocol._dumps(body)
-    if not raw:
-        return header, None
-    return b"".join([header, *raw]), len(header)
+    return body, parts if raw else None
+
+
+def _parse(request: Any, state: Any) -> protocol.InferRequest:
+    """A ModelInferRequest parsed and checked as HTTP's body would be (one validation path, HTTP's
+    messages), straight from the message: no V2 JSON written and parsed again, raw contents never joined.
+    ProtocolError or ApiError if refused."""
+    body, parts = v2_request(request)
+    return protocol.parse_request_object(body, b"" if parts is None else parts, max_elements=state.max_body_bytes,
+                                         shared_memory=state.shared, binary_header=parts is not None)
 
 
 def encode_response(model: Any, request_id: str, outputs: dict, requested: Any, shared: Any) -> Any:
@@ -205,6 +235,10 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ServerMetadata(self, request, context):
         extensions = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
+        if self.state.shm.enabled:  # as the HTTP app's GET /v2
+            extensions.append("system_shared_memory")
+            if self.state.cuda_shm.devices:
+                extensions.append("cuda_shared_memory")
         return pb.ServerMetadataResponse(name="kiln", version=__version__, extensions=extensions)
 
     async def ModelMetadata(self, request, context):
@@ -257,14 +291,13 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         started = time.perf_counter()
         try:
             admit(state, model)
-            body, header_length = to_v2_body(request)
             try:
-                if len(body) > _OFFLOAD_BYTES and not request.raw_input_contents:
-                    req = await asyncio.to_thread(protocol.parse_infer_request, body, header_length,
-                                                  max_elements=state.max_body_bytes, shared_memory=state.shared)
+                # Only large typed contents are worth a thread (a Python list per input to check and convert):
+                # raw contents become zero-copy numpy views of the message's bytes.
+                if not request.raw_input_contents and request.ByteSize() > _OFFLOAD_BYTES:
+                    req = await asyncio.to_thread(_parse, request, state)
                 else:
-                    req = protocol.parse_infer_request(body, header_length, max_elements=state.max_body_bytes,
-                                                       shared_memory=state.shared)
+                    req = _parse(request, state)
             except protocol.ProtocolError as e:
                 raise ApiError(e.status, e.message) from None
             decode_s = time.perf_counter() - started
@@ -276,10 +309,11 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
                 raise ApiError(e.status, f"cannot encode the response: {e.message}",
                                outcome="backend" if e.status >= 500 else "invalid_request") from None
         except ApiError as e:
-            state.metrics.observe_request(model.name, model.version, e.outcome, time.perf_counter() - started)
+            state.metrics.observe_request(model.name, model.version, e.outcome, time.perf_counter() - started,
+                                          "grpc")
             raise
         state.metrics.observe_codec(model.name, model.version, decode_s, time.perf_counter() - encode_started)
-        state.metrics.observe_request(model.name, model.version, "success", time.perf_counter() - started)
+        state.metrics.observe_request(model.name, model.version, "success", time.perf_counter() - started, "grpc")
         return resp
 
     async def ModelInfer(self, request, context):
@@ -344,28 +378,56 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
             reader.cancel()
             closing.cancel()
 
+    # ------------------------------------------------------------------ shared memory
+    # The HTTP app's own registries (state.shm: server/shm.py, state.cuda_shm: server/cuda_shm.py), through
+    # the functions its routes call: a region registered over one protocol is named in requests over the
+    # other, refusals carry HTTP's messages (400 -> INVALID_ARGUMENT), and an empty name means every region,
+    # as in Triton. Without client shm allowed, or (CUDA) without a model on a GPU, register is refused
+    # saying so and status lists nothing, as over HTTP.
+    async def SystemSharedMemoryStatus(self, request, context):
+        async def run():
+            shm = self.state.shm
+            regions = _shm_call(shm.status, request.name) if request.name else shm.status()
+            status = pb.SystemSharedMemoryStatusResponse.RegionStatus
+            return pb.SystemSharedMemoryStatusResponse(regions={r["name"]: status(**r) for r in regions})
+        return await self._call(context, run)
+
+    async def SystemSharedMemoryRegister(self, request, context):
+        async def run():
+            register_system_region(self.state, request.name, {"key": request.key, "offset": request.offset,
+                                                              "byte_size": request.byte_size})
+            return pb.SystemSharedMemoryRegisterResponse()
+        return await self._call(context, run)
+
+    async def SystemSharedMemoryUnregister(self, request, context):
+        self.state.shm.unregister(request.name or None)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(self, request, context):
+        async def run():
+            cuda = self.state.cuda_shm
+            regions = _shm_call(cuda.status, request.name) if request.name else cuda.status()
+            status = pb.CudaSharedMemoryStatusResponse.RegionStatus
+            return pb.CudaSharedMemoryStatusResponse(regions={r["name"]: status(**r) for r in regions})
+        return await self._call(context, run)
+
+    async def CudaSharedMemoryRegister(self, request, context):
+        async def run():  # the raw 64-byte handle, as HTTP's JSON carries it (base64)
+            handle = base64.b64encode(request.raw_handle).decode("ascii")
+            register_cuda_region(self.state, request.name, {"raw_handle": {"b64": handle},
+                                                            "device_id": request.device_id,
+                                                            "byte_size": request.byte_size})
+            return pb.CudaSharedMemoryRegisterResponse()
+        return await self._call(context, run)
+
+    async def CudaSharedMemoryUnregister(self, request, context):
+        await _close_cuda_regions(self.state, self.state.cuda_shm.unregister(request.name or None))
+        return pb.CudaSharedMemoryUnregisterResponse()
+
     # ------------------------------------------------------------------ not served over gRPC
     async def _unimplemented(self, context, what: str):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{what} is not implemented by kiln serve's gRPC "
-                                                           "endpoint (the HTTP endpoint has the shared memory routes)")
-
-    async def SystemSharedMemoryStatus(self, request, context):
-        await self._unimplemented(context, "SystemSharedMemoryStatus")
-
-    async def SystemSharedMemoryRegister(self, request, context):
-        await self._unimplemented(context, "SystemSharedMemoryRegister")
-
-    async def SystemSharedMemoryUnregister(self, request, context):
-        await self._unimplemented(context, "SystemSharedMemoryUnregister")
-
-    async def CudaSharedMemoryStatus(self, request, context):
-        await self._unimplemented(context, "CudaSharedMemoryStatus")
-
-    async def CudaSharedMemoryRegister(self, request, context):
-        await self._unimplemented(context, "CudaSharedMemoryRegister")
-
-    async def CudaSharedMemoryUnregister(self, request, context):
-        await self._unimplemented(context, "CudaSharedMemoryUnregister")
+                                                           "endpoint")
 
     async def RepositoryModelLoad(self, request, context):
         await self._unimplemented(context, "RepositoryModelLoad")
@@ -411,6 +473,7 @@ class GrpcServer:
             raise KilnError(f"cannot listen for gRPC on {where} (is the port in use? pick another with "
                             "--grpc-port, or --no-grpc)")
         self.port = port
+        self.state.metrics.add_protocol("grpc")  # kiln_request_duration_seconds{protocol="grpc"} at zero
         await self.server.start()
         return port
 

@@ -25,7 +25,8 @@ nv_inference_compute_input_duration_us         counter    total time decoding su
                                                           (JSON, binary or shared memory into arrays), us
 nv_inference_compute_output_duration_us        counter    total time encoding successful responses, us
 nv_inference_pending_request_count             gauge      requests queued, not yet executing
-kiln_request_duration_seconds{outcome}         histogram  end-to-end request latency, every outcome
+kiln_request_duration_seconds{outcome,         histogram  end-to-end request latency, every outcome, by the
+  protocol}                                               transport that carried it: ``http`` or ``grpc``
 kiln_queue_duration_seconds                    histogram  time each request waited before its batch ran
 kiln_compute_duration_seconds                  histogram  time each batch took to execute
 kiln_batch_size                                histogram  rows per executed batch
@@ -49,6 +50,15 @@ only ``compute_infer`` durations, with ``compute_input``/``compute_output`` coun
 ``outcome`` is ``"success"`` or a failure reason. The server reports these reasons: ``invalid_request``
 (4xx: bad input), ``rejected`` (503: queue full or shutting down), ``timeout`` (504), ``backend`` (500:
 the model or a worker failed); ``reason`` on ``nv_inference_request_failure`` is the same string.
+
+``protocol`` (``"http"`` or ``"grpc"``, server/grpc_server.py) is on ``kiln_request_duration_seconds`` only,
+its last label: its ``_count`` and buckets give requests and latency per transport and outcome. Triton's
+``nv_inference_*`` families keep Triton's label set (``model``, ``version``[, ``reason``]) and count both
+transports together, as Triton's do, so Triton's dashboards and alerts see the series they expect. A query
+that aggregates ``kiln_request_duration_seconds`` (``sum by (le) (rate(..._bucket[5m]))``) is unchanged; one
+that selects a single series by ``model``/``version``/``outcome`` without aggregating now gets one series per
+protocol that served traffic. Each model version's ``outcome="success"`` series is created at zero for each
+protocol the server speaks (:meth:`Metrics.add_protocol`; ``http`` always).
 """
 from __future__ import annotations
 
@@ -308,8 +318,8 @@ class Metrics:
     """The server's metrics (see the module docstring for names and meanings).
 
     The batcher calls :meth:`observe_batch` once per executed batch and :meth:`set_queue_depth` when its
-    queue changes; the HTTP layer calls :meth:`observe_request` once per inference request with its
-    outcome; ``GET /metrics`` returns :meth:`render` with :data:`CONTENT_TYPE`.
+    queue changes; the HTTP and gRPC layers call :meth:`observe_request` once per inference request with
+    its outcome and protocol; ``GET /metrics`` returns :meth:`render` with :data:`CONTENT_TYPE`.
     """
 
     def __init__(self):
@@ -340,8 +350,9 @@ class Metrics:
         self.pending = r.gauge("nv_inference_pending_request_count",
                                "Number of inference requests queued and not yet executing", _MV)
         self.request_seconds = r.histogram("kiln_request_duration_seconds",
-                                           "End-to-end inference request latency in seconds, by outcome",
-                                           _MV + ("outcome",), LATENCY_BUCKETS)
+                                           "End-to-end inference request latency in seconds, by outcome "
+                                           "and protocol (http, grpc)",
+                                           _MV + ("outcome", "protocol"), LATENCY_BUCKETS)
         self.queue_seconds = r.histogram("kiln_queue_duration_seconds",
                                          "Time each request waited in the queue before its batch ran, in seconds",
                                          _MV, LATENCY_BUCKETS)
@@ -362,6 +373,8 @@ class Metrics:
         # the last successful request (ms since the epoch), the number of decoded/encoded requests, and
         # {exact batch size: [executions, total compute ns]}.
         self._stats: dict[tuple[str, str], dict] = {}
+        #: The transports whose request series :meth:`add_model` creates at zero (:meth:`add_protocol`).
+        self.protocols: tuple[str, ...] = ("http",)
 
     def _model_stats(self, labels: dict) -> dict:  # caller holds the lock
         key = (labels["model"], labels["version"])
@@ -379,15 +392,29 @@ class Metrics:
                            self.compute_output_us, self.pending, self.queue_seconds,
                            self.compute_seconds, self.batch_size, self.batch_requests):
                 metric.touch(**labels)
-            self.request_seconds.touch(outcome="success", **labels)
+            for protocol in self.protocols:
+                self.request_seconds.touch(outcome="success", protocol=protocol, **labels)
             self._model_stats(labels)
+
+    def add_protocol(self, protocol: str) -> None:
+        """The server also answers over ``protocol`` (``"grpc"``): create each known model version's
+        ``kiln_request_duration_seconds{outcome="success",protocol=...}`` series at zero, and those of models
+        added later."""
+        with self.registry.lock:
+            if protocol in self.protocols:
+                return
+            self.protocols += (protocol,)
+            for model, version in self._stats:
+                self.request_seconds.touch(model=model, version=version, outcome="success", protocol=protocol)
 
     # The hot paths below (every request and batch) build each series key once, as a tuple in the metrics'
     # labelnames order (model, version[, extra]), and update the children under the one registry lock:
     # keyword dicts and per-metric key building were 9% of the HTTP process under load (py-spy, BERT).
 
-    def observe_request(self, model: str, version: str, outcome: str, seconds: float) -> None:
-        """One inference request finished: ``outcome`` is ``"success"`` or a failure reason."""
+    def observe_request(self, model: str, version: str, outcome: str, seconds: float,
+                        protocol: str = "http") -> None:
+        """One inference request finished: ``outcome`` is ``"success"`` or a failure reason; ``protocol``
+        the transport that carried it (``"http"``, ``"grpc"``)."""
         mv = (model, str(version))
         with self.registry.lock:
             if outcome == "success":
@@ -396,7 +423,7 @@ class Metrics:
                 self._model_stats({"model": mv[0], "version": mv[1]})["last_inference"] = int(time.time() * 1000)
             else:
                 self.request_failure.inc(reason=outcome, model=model, version=mv[1])
-            self.request_seconds._observe_locked(mv + (str(outcome),), (seconds,))
+            self.request_seconds._observe_locked(mv + (str(outcome), protocol), (seconds,))
 
     def observe_batch(self, model: str, version: str, size: int, queue_seconds: Sequence[float],
                       compute_seconds: float) -> None:

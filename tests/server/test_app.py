@@ -283,7 +283,7 @@ def test_metrics_after_requests(tmp_path, program):
     assert _sample(text, 'nv_inference_request_failure{model="mlp",version="1",reason="invalid_request"}') == 1
     assert _sample(text, 'nv_inference_count{model="mlp",version="1"}') == 6  # 3 requests x 2 rows
     assert _sample(text, 'kiln_batch_size_count{model="mlp",version="1"}') >= 1
-    assert _sample(text, 'kiln_request_duration_seconds_count{model="mlp",version="1",outcome="success"}') == 3
+    assert _sample(text, 'kiln_request_duration_seconds_count{model="mlp",version="1",outcome="success",protocol="http"}') == 3
     assert "# TYPE kiln_queue_duration_seconds histogram" in text
     assert "nv_inference_pending_request_count" in text
 

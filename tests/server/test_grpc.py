@@ -4,11 +4,14 @@ gRPC status codes with the message HTTP gives, a stream of 1,000 distinct reques
 and SIGTERM with a stream open (what the server read is answered, then exit 0)."""
 from __future__ import annotations
 
+import base64
 import json
+import os
 import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +38,7 @@ def grpc_address(server: ServeProcess) -> str:
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServeProcess([str(MLP), "--name", "mlp", "--workers", "1", "--max-batch-size", "32"])
+    s = ServeProcess([str(MLP), "--name", "mlp", "--workers", "1", "--max-batch-size", "32", "--allow-client-shm"])
     yield s
     assert s.stop() == 0, "".join(s.output)
 
@@ -122,8 +125,8 @@ def test_typed_contents(server, program):
             stub.ModelInfer(req)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "fp32_contents" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:
-            stub.SystemSharedMemoryStatus(pb.SystemSharedMemoryStatusRequest())
-        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "SystemSharedMemoryStatus" in e.value.details()
+            stub.TraceSetting(pb.TraceSettingRequest())
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "TraceSetting" in e.value.details()
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -237,3 +240,165 @@ def test_cli_grpc_flags():
     r = subprocess.run([sys.executable, "-m", "kiln", "serve", str(MLP), "--grpc-port", "5", "--no-grpc"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--no-grpc" in r.stderr
+
+
+# ------------------------------------------------------------------------------------------------ shared memory
+def test_system_shared_memory_over_grpc(client, server, program):
+    """tritonclient's shared memory utilities end to end: regions registered over gRPC (the HTTP app's one
+    registry: HTTP lists them and serves requests naming them), an input read from one and both outputs
+    written into another at offsets, HTTP's messages on refusals, unregister one and all."""
+    import tritonclient.utils.shared_memory as shm
+    x = np.random.default_rng(5).standard_normal((4, 16)).astype(np.float32)
+    want = program.run({"x": x})
+    out_bytes = want["logits"].nbytes
+    key = f"/kiln_test_grpc_{os.getpid()}"
+    h_in = shm.create_shared_memory_region("in", key + "_in", x.nbytes)
+    h_out = shm.create_shared_memory_region("out", key + "_out", 2 * out_bytes)
+    try:
+        shm.set_shared_memory_region(h_in, [x])
+        client.register_system_shared_memory("g_in", key + "_in", x.nbytes)
+        client.register_system_shared_memory("g_out", key + "_out", 2 * out_bytes)
+        status = client.get_system_shared_memory_status()
+        assert sorted(status.regions) == ["g_in", "g_out"]
+        assert (status.regions["g_in"].key, status.regions["g_in"].byte_size) == (key + "_in", x.nbytes)
+        assert [r["name"] for r in httpx.get(f"{server.url}/v2/systemsharedmemory/status").json()] == ["g_in", "g_out"]
+        assert list(client.get_system_shared_memory_status("g_out").regions) == ["g_out"]
+        assert "system_shared_memory" in client.get_server_metadata(as_json=True)["extensions"]
+
+        i = tc.InferInput("x", [4, 16], "FP32")
+        i.set_shared_memory("g_in", x.nbytes)
+        outs = [tc.InferRequestedOutput("logits"), tc.InferRequestedOutput("probs")]
+        outs[0].set_shared_memory("g_out", out_bytes)
+        outs[1].set_shared_memory("g_out", out_bytes, offset=out_bytes)
+        r = client.infer("mlp", [i], outputs=outs, request_id="shm")
+        resp = r.get_response()
+        assert resp.id == "shm" and list(resp.raw_output_contents) == [b"", b""]
+        probs = r.get_output("probs")
+        assert probs.parameters["shared_memory_region"].string_param == "g_out"
+        assert probs.parameters["shared_memory_offset"].int64_param == out_bytes
+        assert probs.parameters["shared_memory_byte_size"].int64_param == out_bytes
+        for k, name in enumerate(("logits", "probs")):
+            got = shm.get_contents_as_numpy(h_out, np.float32, list(want[name].shape), offset=k * out_bytes)
+            np.testing.assert_allclose(got, want[name], rtol=1e-5, atol=1e-6)
+        # the input from shared memory, the outputs in the response
+        r = client.infer("mlp", [i])
+        np.testing.assert_allclose(r.as_numpy("logits"), want["logits"], rtol=1e-5, atol=1e-6)
+        # HTTP serves a request naming a region registered over gRPC
+        body = {"inputs": [{"name": "x", "shape": [4, 16], "datatype": "FP32", "parameters": {
+            "shared_memory_region": "g_in", "shared_memory_byte_size": x.nbytes}}]}
+        http = httpx.post(f"{server.url}/v2/models/mlp/infer", content=json.dumps(body))
+        assert http.status_code == 200, http.text
+        np.testing.assert_allclose(np.array(http.json()["outputs"][0]["data"]).reshape(4, 4), want["logits"],
+                                   rtol=1e-5, atol=1e-6)
+
+        # refusals: the HTTP side's messages, INVALID_ARGUMENT
+        def same_as_http(grpc_call, http_path, http_body=None):
+            code, message = status_of(grpc_call)
+            r = httpx.post(f"{server.url}{http_path}", content=json.dumps(http_body)) if http_body is not None \
+                else httpx.get(f"{server.url}{http_path}")
+            assert code == "StatusCode.INVALID_ARGUMENT" and r.status_code == 400, (code, r.text)
+            assert message == r.json()["error"]
+            return message
+
+        bad = tc.InferInput("x", [4, 16], "FP32")
+        bad.set_shared_memory("g_in", x.nbytes - 4)  # the wrong byte size for the shape
+        body["inputs"][0]["parameters"]["shared_memory_byte_size"] = x.nbytes - 4
+        assert "needs 256" in same_as_http(lambda: client.infer("mlp", [bad]), "/v2/models/mlp/infer", body)
+        assert "already registered" in same_as_http(
+            lambda: client.register_system_shared_memory("g_in", key + "_in", x.nbytes),
+            "/v2/systemsharedmemory/region/g_in/register", {"key": key + "_in", "byte_size": x.nbytes})
+        assert "past the end" in same_as_http(
+            lambda: client.register_system_shared_memory("g_big", key + "_in", x.nbytes + 1),
+            "/v2/systemsharedmemory/region/g_big/register", {"key": key + "_in", "byte_size": x.nbytes + 1})
+        assert "no system shared memory region named 'nope'" in same_as_http(
+            lambda: client.get_system_shared_memory_status("nope"), "/v2/systemsharedmemory/region/nope/status")
+        # a CUDA region on this CPU-only server: refused as over HTTP; none listed
+        handle = base64.b64encode(bytes(64))
+        assert "GPU" in same_as_http(
+            lambda: client.register_cuda_shared_memory("g_cuda", handle, 0, 64),
+            "/v2/cudasharedmemory/region/g_cuda/register",
+            {"raw_handle": {"b64": handle.decode()}, "device_id": 0, "byte_size": 64})
+        assert not client.get_cuda_shared_memory_status().regions
+        client.unregister_cuda_shared_memory()
+
+        client.unregister_system_shared_memory("g_in")
+        client.unregister_system_shared_memory("g_in")  # an unknown name is not an error
+        assert list(client.get_system_shared_memory_status().regions) == ["g_out"]
+        code, message = status_of(lambda: client.infer("mlp", [i]))
+        assert code == "StatusCode.INVALID_ARGUMENT" and "no system shared memory region named 'g_in'" in message
+    finally:
+        client.unregister_system_shared_memory()  # every region
+        assert not client.get_system_shared_memory_status().regions
+        shm.destroy_shared_memory_region(h_in)
+        shm.destroy_shared_memory_region(h_out)
+
+
+# ------------------------------------------------------------------------------------------------ queue, deadline
+def slow_model(path: Path, layers: int = 48, width: int = 256) -> Path:
+    """``layers`` x Tanh(MatMul(h, W)): about 1.5 s for 16,384 rows on one core, microseconds for one row."""
+    from kiln.ir import Graph
+    rng = np.random.default_rng(0)
+    g = Graph("slow")
+    h = g.add_input("x", "float32", ("batch", width))
+    w = g.add_initializer("w", (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32))
+    for _ in range(layers):
+        h = g.op("Tanh", g.op("MatMul", h, w))
+    g.outputs = [g.op("Identity", h, name="y")]
+    kiln.save(g, path)
+    return path
+
+
+def test_full_queue_is_unavailable_and_deadlines_are_deadline_exceeded(tmp_path):
+    """One worker busy with a big request, a queue of 2: a queued request past its deadline (Triton's
+    ``timeout`` parameter: the server's) gets DEADLINE_EXCEEDED with HTTP's 504 message, the request past a
+    full queue UNAVAILABLE with HTTP's 503 message, a client deadline shorter than the wait
+    DEADLINE_EXCEEDED; the metrics count them under protocol="grpc". Also: this server does not allow client
+    shared memory, and says so over gRPC as over HTTP."""
+    s = ServeProcess([str(slow_model(tmp_path / "slow.kiln")), "--workers", "1", "--max-batch-size", "0",
+                      "--queue-size", "2"])
+    try:
+        c = tc.InferenceServerClient(grpc_address(s))
+        small = np.full((1, 256), 0.01, np.float32)
+        done = Collector()
+        pending = 'nv_inference_pending_request_count{model="slow",version="1"}'
+
+        def wait_pending(n: int) -> None:
+            deadline = time.monotonic() + 20
+            while s.metric(pending) != n:
+                assert time.monotonic() < deadline, f"{s.metric(pending)} queued, waited for {n}"
+                time.sleep(0.01)
+
+        c.async_infer("slow", [infer_input(np.full((16384, 256), 0.01, np.float32))], done, request_id="big")
+        time.sleep(0.3)  # sent and running (the worker is free): what follows queues behind it
+        c.async_infer("slow", [infer_input(small)], done, request_id="queued")
+        c.async_infer("slow", [infer_input(small)], done, request_id="short", timeout=150_000)  # 150 ms
+        wait_pending(2)
+        code, message = status_of(lambda: c.infer("slow", [infer_input(small)]))
+        http = httpx.post(f"{s.url}/v2/models/slow/infer", content=json.dumps(
+            {"inputs": [{"name": "x", "shape": [1, 256], "datatype": "FP32", "data": small.ravel().tolist()}]}))
+        assert code == "StatusCode.UNAVAILABLE" and http.status_code == 503, (code, message, http.text)
+        assert message == http.json()["error"] and "queue" in message
+        done.wait(1)  # "short" expires in the queue while "big" runs
+        assert not done.results and len(done.errors) == 1, done.errors
+        assert done.errors[0].status() == "StatusCode.DEADLINE_EXCEEDED"
+        assert re.fullmatch(r"model 'slow': no answer within the request's timeout of 150 ms \(.*\)",
+                            done.errors[0].message()), done.errors[0].message()
+        wait_pending(1)
+        code, _ = status_of(lambda: c.infer("slow", [infer_input(small)], client_timeout=0.2))
+        assert code == "StatusCode.DEADLINE_EXCEEDED"
+        done.wait(3)
+        assert sorted(r.get_response().id for r in done.results) == ["big", "queued"]
+        count = 'kiln_request_duration_seconds_count{model="slow",version="1",outcome="%s",protocol="%s"}'
+        assert s.metric(count % ("rejected", "grpc")) == 1 and s.metric(count % ("rejected", "http")) == 1
+        assert s.metric(count % ("timeout", "grpc")) >= 1 and s.metric(count % ("success", "grpc")) == 2
+        assert s.metric('nv_inference_request_failure{model="slow",version="1",reason="rejected"}') == 2
+
+        # client shared memory is off here: register refused with HTTP's message, status empty
+        code, message = status_of(lambda: c.register_system_shared_memory("r", "/nope", 64))
+        r = httpx.post(f"{s.url}/v2/systemsharedmemory/region/r/register", content=b'{"key": "/nope", "byte_size": 64}')
+        assert code == "StatusCode.INVALID_ARGUMENT" and message == r.json()["error"] and "KILN_ALLOW_CLIENT_SHM" in message
+        assert not c.get_system_shared_memory_status().regions
+        assert "system_shared_memory" not in c.get_server_metadata(as_json=True)["extensions"]
+        c.close()
+    finally:
+        assert s.stop() == 0, "".join(s.output)

@@ -256,7 +256,41 @@ def test_add_model_creates_zero_series():
     assert _value(fams, "nv_inference_pending_request_count", model="mlp", version="1") == 0
     assert _value(fams, "kiln_batch_size", "kiln_batch_size_count", model="mlp", version="1") == 0
     assert _value(fams, "kiln_request_duration_seconds", "kiln_request_duration_seconds_count",
-                  model="mlp", version="1", outcome="success") == 0
+                  model="mlp", version="1", outcome="success", protocol="http") == 0
+    assert not [l for _, l, _ in fams["kiln_request_duration_seconds"]["samples"] if l["protocol"] != "http"]
+
+
+def test_protocol_label_splits_request_latency_but_not_tritons_counters():
+    """``protocol`` is on kiln_request_duration_seconds only (last label); nv_* keep Triton's label set and
+    count both transports; add_protocol creates the gRPC series at zero for known and later models."""
+    m = Metrics()
+    m.add_model("mlp", "1")
+    m.add_protocol("grpc")
+    m.add_protocol("grpc")  # idempotent
+    m.add_model("bert", "2")
+    fams = parse_exposition(m.render())
+    for model, version in (("mlp", "1"), ("bert", "2")):
+        for protocol in ("http", "grpc"):
+            assert _value(fams, "kiln_request_duration_seconds", "kiln_request_duration_seconds_count",
+                          model=model, version=version, outcome="success", protocol=protocol) == 0
+    m.observe_request("mlp", "1", "success", 0.002)  # http by default
+    m.observe_request("mlp", "1", "success", 0.001, protocol="grpc")
+    m.observe_request("mlp", "1", "success", 0.001, protocol="grpc")
+    m.observe_request("mlp", "1", "timeout", 0.5, protocol="grpc")
+    text = m.render()
+    fams = parse_exposition(text)
+    count = "kiln_request_duration_seconds_count"
+    assert _value(fams, "kiln_request_duration_seconds", count, model="mlp", version="1", outcome="success",
+                  protocol="http") == 1
+    assert _value(fams, "kiln_request_duration_seconds", count, model="mlp", version="1", outcome="success",
+                  protocol="grpc") == 2
+    assert _value(fams, "kiln_request_duration_seconds", count, model="mlp", version="1", outcome="timeout",
+                  protocol="grpc") == 1
+    assert 'kiln_request_duration_seconds_count{model="mlp",version="1",outcome="success",protocol="grpc"} 2' in text
+    assert _value(fams, "nv_inference_request_success", model="mlp", version="1") == 3
+    assert _value(fams, "nv_inference_request_failure", model="mlp", version="1", reason="timeout") == 1
+    stats = m.model_stats("mlp", "1")["inference_stats"]
+    assert stats["success"]["count"] == 3 and stats["fail"] == {"count": 1, "ns": 500_000_000}
 
 
 def test_observe_request_counts_by_outcome_and_fills_latency_histogram():
@@ -276,13 +310,15 @@ def test_observe_request_counts_by_outcome_and_fills_latency_histogram():
     assert _value(fams, "nv_inference_request_duration_us", model="mlp", version="1") == \
         pytest.approx((0.0004 + 0.003 + 0.003 + 2.0) * 1e6)
 
-    ok = _buckets(fams, "kiln_request_duration_seconds", model="mlp", version="1", outcome="success")
+    ok = _buckets(fams, "kiln_request_duration_seconds", model="mlp", version="1", outcome="success",
+                  protocol="http")
     assert ok[0.00025] == 0 and ok[0.0005] == 1 and ok[0.0025] == 1 and ok[0.005] == 3
     assert ok[1.0] == 3 and ok[2.5] == 4 and ok[math.inf] == 4
     assert set(ok) == set(LATENCY_BUCKETS) | {math.inf}
     assert _value(fams, "kiln_request_duration_seconds", "kiln_request_duration_seconds_sum",
-                  model="mlp", version="1", outcome="success") == pytest.approx(2.0064)
-    bad = _buckets(fams, "kiln_request_duration_seconds", model="mlp", version="1", outcome="invalid_request")
+                  model="mlp", version="1", outcome="success", protocol="http") == pytest.approx(2.0064)
+    bad = _buckets(fams, "kiln_request_duration_seconds", model="mlp", version="1", outcome="invalid_request",
+                   protocol="http")
     assert bad[0.0001] == 1 and bad[0.00025] == 2
 
 
