@@ -206,7 +206,7 @@ class CudaProgram:
         """float8, float4 and the sub-byte integers (issue 22) have no CuPy type: a model holding them runs on the
         CPU runtime only, refused here by name rather than failing in an upload."""
         for g in self.graph.all_graphs():
-            for v in [*g.inputs, *g.initializers.values(), *(o for n in g.nodes for o in n.outputs)]:
+            for v in g.values():
                 if v.type is not None and v.type.dtype.is_storage:
                     raise KilnError(f"value '{v.name}' is {v.type.dtype}, which the GPU runtime does not take yet "
                                     f"(CuPy has no {v.type.dtype} type): run this model on the CPU (device='cpu')")

@@ -173,13 +173,7 @@ def _timed_execute(plan: Plan, slots: list, seconds: Optional[dict], calls: Opti
         if events is not None:
             outs = (result,) if ins.single else result
             events.append((depth, ins, start, end, [_describe(a) for a in args], [_describe(a) for a in outs]))
-        if ins.single:
-            slots[ins.outputs[0]] = result
-        else:
-            for s, r in zip(ins.outputs, result):
-                slots[s] = r
-        for s in ins.release:
-            slots[s] = None
+        _store(ins, slots, result)
 
 
 # ---------------------------------------------------------------------------- the GPU
@@ -315,13 +309,7 @@ class _GpuLoop:
                                 [_describe(x) for x in outs]))
             else:
                 records.append((depth, ins, start, end, a, b, None, None))
-            if ins.single:
-                slots[ins.outputs[0]] = result
-            else:
-                for s, r in zip(ins.outputs, result):
-                    slots[s] = r
-            for s in ins.release:
-                slots[s] = None
+            _store(ins, slots, result)
 
 
 def _describe(a: Any) -> tuple:
@@ -348,6 +336,18 @@ def _json_type(desc: tuple, names: dict) -> tuple:
             name = names[dtype] = str(dtype)
         dtype = name
     return (None if shape is None else [int(d) for d in shape]), dtype
+
+
+def _store(ins, slots: list, result) -> None:
+    """What the plan's own loop does after a kernel (kiln.runtime.plan.execute, kept inline there, a hot path):
+    the result(s) into their slots, the values that die here released."""
+    if ins.single:
+        slots[ins.outputs[0]] = result
+    else:
+        for s, r in zip(ins.outputs, result):
+            slots[s] = r
+    for s in ins.release:
+        slots[s] = None
 
 
 def _op_name(key: tuple) -> str:

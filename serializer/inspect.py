@@ -226,7 +226,8 @@ def _type_text(v: dict) -> str:
     return v["dtype"] + format_shape(shape)
 
 
-def _size(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """``n`` bytes for people: 512 B, 1.5 KiB, 3.2 MiB ... (kiln view shows sizes so too)."""
     if n < 1024:
         return f"{n} B"
     value = float(n)
@@ -234,5 +235,9 @@ def _size(n: int) -> str:
         value /= 1024
         if value < 1024 or unit == "TiB":
             break
-    return f"{value:.1f} {unit} ({n:,} bytes)"
+    return f"{value:.1f} {unit}"
+
+
+def _size(n: int) -> str:
+    return format_bytes(n) if n < 1024 else f"{format_bytes(n)} ({n:,} bytes)"
 

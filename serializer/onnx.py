@@ -1260,8 +1260,7 @@ def _storage_opset(graph: Graph) -> Optional[tuple[int, Value]]:
     """The opset the graph's storage types need, and the value needing it (None: no storage type)."""
     worst = None
     for g in graph.all_graphs():
-        values = list(g.inputs) + list(g.initializers.values()) + [v for n in g.nodes for v in n.outputs]
-        for v in values:
+        for v in g.values():
             need = STORAGE_TYPE_OPSET.get(v.type.dtype) if v.type is not None else None
             if need is not None and (worst is None or need > worst[0]):
                 worst = (need, v)

@@ -37,6 +37,7 @@ import numpy as np
 from kiln.errors import KilnError
 from kiln.ir.graph import Graph, Node, Value
 from kiln.ir.types import format_shape
+from kiln.serializer.inspect import format_bytes
 from kiln.version import __version__
 
 PathLike = Union[str, os.PathLike]
@@ -243,17 +244,6 @@ def attr_text(a) -> str:
     else:
         text = repr(a)
     return text if len(text) <= MAX_ATTR_CHARS else text[:MAX_ATTR_CHARS - 3] + "..."
-
-
-def format_bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        value /= 1024
-        if value < 1024 or unit == "TiB":
-            break
-    return f"{value:.1f} {unit}"
 
 
 def _category(n: Node) -> str:

@@ -384,13 +384,14 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
     # other, refusals carry HTTP's messages (400 -> INVALID_ARGUMENT), and an empty name means every region,
     # as in Triton. Without client shm allowed, or (CUDA) without a model on a GPU, register is refused
     # saying so and status lists nothing, as over HTTP.
-    async def SystemSharedMemoryStatus(self, request, context):
+    async def _shm_status(self, registry, name: str, response, context):
         async def run():
-            shm = self.state.shm
-            regions = _shm_call(shm.status, request.name) if request.name else shm.status()
-            status = pb.SystemSharedMemoryStatusResponse.RegionStatus
-            return pb.SystemSharedMemoryStatusResponse(regions={r["name"]: status(**r) for r in regions})
+            regions = _shm_call(registry.status, name) if name else registry.status()
+            return response(regions={r["name"]: response.RegionStatus(**r) for r in regions})
         return await self._call(context, run)
+
+    async def SystemSharedMemoryStatus(self, request, context):
+        return await self._shm_status(self.state.shm, request.name, pb.SystemSharedMemoryStatusResponse, context)
 
     async def SystemSharedMemoryRegister(self, request, context):
         async def run():
@@ -404,12 +405,8 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.SystemSharedMemoryUnregisterResponse()
 
     async def CudaSharedMemoryStatus(self, request, context):
-        async def run():
-            cuda = self.state.cuda_shm
-            regions = _shm_call(cuda.status, request.name) if request.name else cuda.status()
-            status = pb.CudaSharedMemoryStatusResponse.RegionStatus
-            return pb.CudaSharedMemoryStatusResponse(regions={r["name"]: status(**r) for r in regions})
-        return await self._call(context, run)
+        return await self._shm_status(self.state.cuda_shm, request.name, pb.CudaSharedMemoryStatusResponse,
+                                      context)
 
     async def CudaSharedMemoryRegister(self, request, context):
         async def run():  # the raw 64-byte handle, as HTTP's JSON carries it (base64)

@@ -117,7 +117,7 @@ def check_backends(g: Graph, feeds: list, want: list) -> None:
     bf16_io = any(v.dtype is DType.BFLOAT16 for v in [*g.inputs, *g.outputs])
     # float8/int4...: the GPU runtime refuses them at load by design (tests/runtime/test_cuda_storage_types.py).
     storage = any(v.type is not None and v.type.dtype.is_storage
-                  for v in [*g.inputs, *g.initializers.values(), *(o for n in g.nodes for o in n.outputs)])
+                  for sub in g.all_graphs() for v in sub.values())
     if _gpu_present() and not bf16_io and not storage:
         backends.append(("CUDA runtime", lambda: _run_cuda(g, feeds), 1e-4))
     backends.append(("mobile stub", lambda: _run_mobile(g, feeds), 1e-4))

@@ -152,24 +152,30 @@ _CONV_ATTRS = [Attr("auto_pad", AttrKind.STRING, "NOTSET"), Attr("dilations", At
 # --------------------------------------------------------------------------- inference shared by both convs
 
 
+def check_conv_shapes(ctx: InferContext, xs: Optional[tuple], ws: Optional[tuple], names=("X", "W")) -> None:
+    """group, the ranks of X and W ([N, C, *spatial], one rank) and kernel_shape against W; shapes may be None.
+    ``names`` are what messages call X and W (the quantized convs' x and w take these rules too)."""
+    xn, wn = names
+    if ctx.attrs["group"] < 1:
+        ctx.fail(f"group must be >= 1, got {ctx.attrs['group']}")
+    for name, s in ((xn, xs), (wn, ws)):
+        if s is not None and len(s) < 3:
+            ctx.fail(f"{name} must have rank >= 3 ([N, C, *spatial]), got shape {list(s)}")
+    if xs is not None and ws is not None and len(xs) != len(ws):
+        ctx.fail(f"{xn} of shape {list(xs)} and {wn} of shape {list(ws)} must have the same rank")
+    ks = ctx.attrs["kernel_shape"]
+    if ks is not None and ws is not None:
+        if len(ks) != len(ws) - 2 or not all(dims_compatible(k, d) for k, d in zip(ks, ws[2:])):
+            ctx.fail(f"kernel_shape {list(ks)} does not match {wn} of shape {list(ws)}")
+
+
 def _conv_inputs(ctx: InferContext) -> tuple:
     """(dtype, X shape, W shape) with dtypes, ranks and kernel_shape checked; shapes may be None."""
     x, w = ctx.input(0), ctx.input(1)
     if x.dtype is not w.dtype or (ctx.has_input(2) and ctx.input(2).dtype is not x.dtype):
         ctx.fail(f"X, W and B must share one dtype, got X {x.dtype}, W {w.dtype}")
-    if ctx.attrs["group"] < 1:
-        ctx.fail(f"group must be >= 1, got {ctx.attrs['group']}")
-    xs, ws = x.shape, w.shape
-    for name, s in (("X", xs), ("W", ws)):
-        if s is not None and len(s) < 3:
-            ctx.fail(f"{name} must have rank >= 3 ([N, C, *spatial]), got shape {list(s)}")
-    if xs is not None and ws is not None and len(xs) != len(ws):
-        ctx.fail(f"X of shape {list(xs)} and W of shape {list(ws)} must have the same rank")
-    ks = ctx.attrs["kernel_shape"]
-    if ks is not None and ws is not None:
-        if len(ks) != len(ws) - 2 or not all(dims_compatible(k, d) for k, d in zip(ks, ws[2:])):
-            ctx.fail(f"kernel_shape {list(ks)} does not match W of shape {list(ws)}")
-    return x.dtype, xs, ws
+    check_conv_shapes(ctx, x.shape, w.shape)
+    return x.dtype, x.shape, w.shape
 
 
 def _kernel(ctx: InferContext, ws: Optional[tuple], n: int) -> tuple:
@@ -196,24 +202,29 @@ def _check_divisible(ctx: InferContext, what: str, d: Dim, group: int) -> None:
 # --------------------------------------------------------------------------- Conv
 
 
-def infer_conv(ctx: InferContext) -> TensorType:
-    dtype, xs, ws = _conv_inputs(ctx)
-    if xs is None:
-        return TensorType(dtype, None)
+def conv_output_shape(ctx: InferContext, xs: tuple, ws: Optional[tuple], names=("X", "W")) -> list:
+    """Conv's output dims for X of shape ``xs`` (known rank) and W of shape ``ws`` (or None), with the channel
+    and group checks; after :func:`check_conv_shapes`."""
+    xn, wn = names
     group = ctx.attrs["group"]
-    n = len(xs) - 2
-    kernel = _kernel(ctx, ws, n)
+    kernel = _kernel(ctx, ws, len(xs) - 2)
     m = ws[0] if ws is not None else None
     if ws is not None:
         c_per_group = ws[1]
         if isinstance(xs[1], int) and isinstance(c_per_group, int) and xs[1] != c_per_group * group:
-            ctx.fail(f"X has {xs[1]} channels but W{list(ws)} with group={group} expects "
+            ctx.fail(f"{xn} has {xs[1]} channels but {wn}{list(ws)} with group={group} expects "
                      f"{c_per_group * group}")
         _check_divisible(ctx, "output channels M", m, group)
     _check_divisible(ctx, "input channels C", xs[1], group)
-    _check_bias(ctx, m)
-    window = conv_window_attrs(ctx.attrs, kernel)
-    return TensorType(dtype, [xs[0], m] + window_out_shape(window, xs[2:]))
+    return [xs[0], m] + window_out_shape(conv_window_attrs(ctx.attrs, kernel), xs[2:])
+
+
+def infer_conv(ctx: InferContext) -> TensorType:
+    dtype, xs, ws = _conv_inputs(ctx)
+    if xs is None:
+        return TensorType(dtype, None)
+    _check_bias(ctx, ws[0] if ws is not None else None)
+    return TensorType(dtype, conv_output_shape(ctx, xs, ws))
 
 
 @op("Conv", traits=("anchor",), inputs=[In("X", FLOAT), In("W", FLOAT), In("B", FLOAT, optional=True)],

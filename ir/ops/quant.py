@@ -46,7 +46,7 @@ from kiln.ir.dtypes import dtype as as_dtype
 from kiln.ir.ops._common import FLOAT
 from kiln.ir.ops._dims import check_axis, scalar_input
 from kiln.ir.ops.logic import cast_array
-from kiln.ir.ops.nn import _CONV_ATTRS, conv, conv_window_attrs, window_out_shape
+from kiln.ir.ops.nn import _CONV_ATTRS, check_conv_shapes, conv, conv_output_shape
 from kiln.ir.registry import Attr, AttrKind, In, InferContext, Out, op
 from kiln.ir.types import Dim, TensorType, broadcast_shapes, dims_compatible
 
@@ -398,29 +398,10 @@ def matmul_integer(a, b, a_zero_point=None, b_zero_point=None):
 def _conv_shape(ctx: InferContext, xi: int, wi: int, dtype: DType) -> TensorType:
     """The output of a Conv of x (input ``xi``) by w (input ``wi``): Conv's rules (ir/ops/nn.py)."""
     xs, ws = ctx.input(xi).shape, ctx.input(wi).shape
-    group = ctx.attrs["group"]
-    if group < 1:
-        ctx.fail(f"group must be >= 1, got {group}")
-    for name, s in (("x", xs), ("w", ws)):
-        if s is not None and len(s) < 3:
-            ctx.fail(f"{name} must have rank >= 3 ([N, C, *spatial]), got shape {list(s)}")
-    if xs is not None and ws is not None and len(xs) != len(ws):
-        ctx.fail(f"x of shape {list(xs)} and w of shape {list(ws)} must have the same rank")
-    ks = ctx.attrs["kernel_shape"]
-    if ks is not None and ws is not None and (
-            len(ks) != len(ws) - 2 or not all(dims_compatible(k, d) for k, d in zip(ks, ws[2:]))):
-        ctx.fail(f"kernel_shape {list(ks)} does not match w of shape {list(ws)}")
+    check_conv_shapes(ctx, xs, ws, names=("x", "w"))
     if xs is None:
         return TensorType(dtype, None)
-    n = len(xs) - 2
-    kernel = tuple(ks) if ks is not None else (tuple(ws[2:]) if ws is not None else (None,) * n)
-    m: Dim = ws[0] if ws is not None else None
-    for what, d in (("input channels C", xs[1]), ("output channels M", m)):
-        if isinstance(d, int) and d % group:
-            ctx.fail(f"{what} ({d}) is not divisible by group ({group})")
-    if ws is not None and isinstance(xs[1], int) and isinstance(ws[1], int) and xs[1] != ws[1] * group:
-        ctx.fail(f"x has {xs[1]} channels but w{list(ws)} with group={group} expects {ws[1] * group}")
-    return TensorType(dtype, [xs[0], m] + window_out_shape(conv_window_attrs(ctx.attrs, kernel), xs[2:]))
+    return TensorType(dtype, conv_output_shape(ctx, xs, ws, names=("x", "w")))
 
 
 def _out_channels(ctx: InferContext, wi: int) -> Dim:

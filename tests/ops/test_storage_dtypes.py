@@ -12,12 +12,11 @@ import kiln
 from kiln.errors import KilnError
 from kiln.ir import Graph
 from kiln.ir.dtypes import FLOAT8_TYPES, STORAGE_TYPES, DType
-from op_harness import check_op
+from op_harness import check_op, onnx_reference
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
-from onnx.reference import ReferenceEvaluator  # noqa: E402
 
 SPECIAL = np.array([0.0, -0.0, 1.0, -1.5, 0.3, 3.7, 448.0, 460.0, 57344.0, 1e6, -1e6, np.inf, -np.inf, np.nan,
                     1e-7, 2.0 ** -9, 2.0 ** -17], np.float32)
@@ -25,12 +24,7 @@ SPECIAL = np.array([0.0, -0.0, 1.0, -1.5, 0.3, 3.7, 448.0, 460.0, 57344.0, 1e6, 
 
 def onnx_cast(x: np.ndarray, to: int, **attrs) -> np.ndarray:
     """ONNX's reference evaluator running one Cast-25."""
-    node = helper.make_node("Cast", ["x"], ["y"], to=to, **attrs)
-    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", helper.np_dtype_to_tensor_dtype(x.dtype),
-                                                                      x.shape)],
-                          [helper.make_tensor_value_info("y", to, None)])
-    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 25)])
-    return ReferenceEvaluator(model).run(None, {"x": x})[0]
+    return onnx_reference("Cast", [x], {"to": to, **attrs}, opset=25)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> None:

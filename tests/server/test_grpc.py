@@ -26,6 +26,9 @@ httpx = pytest.importorskip("httpx")
 import kiln  # noqa: E402
 from kiln.server.attacks import ServeProcess  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the tests' own helpers, under --import-mode=importlib
+from test_serve_process import slow_model  # noqa: E402  (layers x Tanh(MatMul): about 1.5 s for 16,384 rows of 256)
+
 MLP = Path(__file__).resolve().parents[1] / "fixtures" / "mlp_runtime.kiln"
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 
@@ -334,27 +337,13 @@ def test_system_shared_memory_over_grpc(client, server, program):
 
 
 # ------------------------------------------------------------------------------------------------ queue, deadline
-def slow_model(path: Path, layers: int = 48, width: int = 256) -> Path:
-    """``layers`` x Tanh(MatMul(h, W)): about 1.5 s for 16,384 rows on one core, microseconds for one row."""
-    from kiln.ir import Graph
-    rng = np.random.default_rng(0)
-    g = Graph("slow")
-    h = g.add_input("x", "float32", ("batch", width))
-    w = g.add_initializer("w", (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32))
-    for _ in range(layers):
-        h = g.op("Tanh", g.op("MatMul", h, w))
-    g.outputs = [g.op("Identity", h, name="y")]
-    kiln.save(g, path)
-    return path
-
-
 def test_full_queue_is_unavailable_and_deadlines_are_deadline_exceeded(tmp_path):
     """One worker busy with a big request, a queue of 2: a queued request past its deadline (Triton's
     ``timeout`` parameter: the server's) gets DEADLINE_EXCEEDED with HTTP's 504 message, the request past a
     full queue UNAVAILABLE with HTTP's 503 message, a client deadline shorter than the wait
     DEADLINE_EXCEEDED; the metrics count them under protocol="grpc". Also: this server does not allow client
     shared memory, and says so over gRPC as over HTTP."""
-    s = ServeProcess([str(slow_model(tmp_path / "slow.kiln")), "--workers", "1", "--max-batch-size", "0",
+    s = ServeProcess([str(slow_model(tmp_path / "slow.kiln", layers=48, width=256)), "--workers", "1", "--max-batch-size", "0",
                       "--queue-size", "2"])
     try:
         c = tc.InferenceServerClient(grpc_address(s))
