@@ -536,13 +536,18 @@ def _cudashm():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAVE_GPU, reason="needs CuPy and a CUDA GPU")
-def test_cuda_shared_memory_with_tritonclient(resnet, monkeypatch):
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_cuda_shared_memory_with_tritonclient(resnet, monkeypatch, transport):
     """16 clients, each with its own CUDA regions (tritonclient's cuda_shared_memory: cudaMalloc + IPC
     handle), 8 distinct inputs each: inputs from a region, outputs into a region (or in the response), every
     answer equal to CudaProgram.run on that input alone; device rows stack in batches (mean batch > 1);
-    unregistered regions are refused afterwards."""
+    unregistered regions are refused afterwards. Over HTTP (tritonclient.http) and over gRPC
+    (tritonclient.grpc, issue 25): one set of regions serves both protocols."""
     cudashm = _cudashm()
-    import tritonclient.http as tc
+    if transport == "grpc":
+        tc = pytest.importorskip("tritonclient.grpc")
+    else:
+        import tritonclient.http as tc
     path, program = resnet
     out_name = program.outputs[0].name
     monkeypatch.setenv("KILN_ALLOW_CLIENT_SHM", "1")
@@ -550,6 +555,8 @@ def test_cuda_shared_memory_with_tritonclient(resnet, monkeypatch):
                      "--max-queue-delay-ms", "2"])
     try:
         url = server.url.split("://", 1)[-1]
+        if transport == "grpc":
+            url = re.search(r"gRPC at (127\.0\.0\.1:\d+)", "".join(server.output)).group(1)
         rng = np.random.default_rng(31)
         per_client, n_clients = 8, 16
         xs = [rng.standard_normal((1, 3, 32, 32)).astype(np.float32) for _ in range(per_client * n_clients)]
@@ -574,7 +581,8 @@ def test_cuda_shared_memory_with_tritonclient(resnet, monkeypatch):
                         cudashm.set_shared_memory_region(hin, [xs[i]])
                     inp = tc.InferInput("x", list(xs[i].shape), "FP32")
                     inp.set_shared_memory(f"in{k}", xs[i].nbytes)
-                    out = tc.InferRequestedOutput(out_name, binary_data=True)
+                    out = tc.InferRequestedOutput(out_name) if transport == "grpc" else \
+                        tc.InferRequestedOutput(out_name, binary_data=True)
                     to_region = i % 2 == 0  # every other answer comes in the response instead
                     if to_region:
                         out.set_shared_memory(f"out{k}", y_bytes)
@@ -605,8 +613,12 @@ def test_cuda_shared_memory_with_tritonclient(resnet, monkeypatch):
             np.testing.assert_allclose(y, wants[i], rtol=1e-3, atol=1e-4)
         assert _mean_batch(server) > 1.0
         c = tc.InferenceServerClient(url)
-        assert c.get_cuda_shared_memory_status() == []
-        assert "cuda_shared_memory" in c.get_server_metadata()["extensions"]
+        if transport == "grpc":
+            assert not c.get_cuda_shared_memory_status().regions
+            assert "cuda_shared_memory" in c.get_server_metadata().extensions
+        else:
+            assert c.get_cuda_shared_memory_status() == []
+            assert "cuda_shared_memory" in c.get_server_metadata()["extensions"]
         c.close()
     finally:
         assert server.stop() == 0, "".join(server.output)

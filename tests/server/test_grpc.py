@@ -337,14 +337,27 @@ def test_system_shared_memory_over_grpc(client, server, program):
 
 
 # ------------------------------------------------------------------------------------------------ queue, deadline
+def busy_model(path: Path, rows: int, seconds: float) -> Path:
+    """slow_model, deep enough that a ``rows`` x 256 request keeps a worker busy at least ``seconds`` on
+    this machine (timed here with every core: a worker has no more); 48 layers take ~1.5 s on 2 cores but
+    ~0.1 s on 16, where the queue this test builds would drain before it is looked at."""
+    probe = kiln.load(slow_model(path, layers=8, width=256))
+    x = np.full((2048, 256), 0.01, np.float32)
+    probe.run({"x": x})
+    t0 = time.perf_counter()
+    probe.run({"x": x})
+    per_layer = (time.perf_counter() - t0) / 8 * (rows / 2048)
+    return slow_model(path, layers=max(48, int(np.ceil(seconds / per_layer))), width=256)
+
+
 def test_full_queue_is_unavailable_and_deadlines_are_deadline_exceeded(tmp_path):
     """One worker busy with a big request, a queue of 2: a queued request past its deadline (Triton's
     ``timeout`` parameter: the server's) gets DEADLINE_EXCEEDED with HTTP's 504 message, the request past a
     full queue UNAVAILABLE with HTTP's 503 message, a client deadline shorter than the wait
     DEADLINE_EXCEEDED; the metrics count them under protocol="grpc". Also: this server does not allow client
     shared memory, and says so over gRPC as over HTTP."""
-    s = ServeProcess([str(slow_model(tmp_path / "slow.kiln", layers=48, width=256)), "--workers", "1", "--max-batch-size", "0",
-                      "--queue-size", "2"])
+    s = ServeProcess([str(busy_model(tmp_path / "slow.kiln", rows=16384, seconds=2.5)), "--workers", "1",
+                      "--max-batch-size", "0", "--queue-size", "2"])
     try:
         c = tc.InferenceServerClient(grpc_address(s))
         small = np.full((1, 256), 0.01, np.float32)
