@@ -22,10 +22,11 @@ Design decisions, and why:
   uvicorn (server/cli.py): the models, batchers, workers, metrics and limits are the HTTP app's own
   objects (``app.state.kiln``), so there is one queue per model and one drain. A sibling process would
   need a second copy of every batcher or an extra hop to the first.
-- **One request path.** A ModelInferRequest is turned into the V2 request the HTTP binary extension
-  would carry (a JSON header naming each input's ``binary_data_size``, then ``raw_input_contents``; typed
-  ``contents`` become the JSON ``data``) and parsed by :func:`kiln.server.protocol.parse_infer_request`;
-  the checks against the model, the deadline, the batcher and the error mapping are
+- **One request path.** A ModelInferRequest's fields become the request object HTTP's JSON header would
+  hold (each raw input as a ``binary_data_size`` over ``raw_input_contents``, read as zero-copy numpy
+  views, never joined; typed ``contents`` become its ``data``) and are checked by
+  :func:`kiln.server.protocol.parse_request_object`, the function HTTP's body goes through after its JSON
+  is read; the checks against the model, the deadline, the batcher and the error mapping are
   :func:`kiln.server.app.run_infer`, the HTTP route's own. So every bad input is refused with the message
   HTTP gives, and the HTTP status maps to a gRPC code: 400/415 INVALID_ARGUMENT, 404 NOT_FOUND, 413
   RESOURCE_EXHAUSTED (also grpc's own refusal of a message over ``--max-body-mb``), 503 UNAVAILABLE, 504
