@@ -15,7 +15,9 @@ kiln therefore sets the BLAS thread count itself, through the library's own ``*_
   the cores this process may use. The sample is instantaneous, so a run adapts within milliseconds.
 - ``blas_threads(n)``: sets the count when it differs from the last one set (one C call).
 
-A run sets the count once; small products are single-threaded by OpenBLAS itself. The count is a process-wide
+A run sets the count once; small products are single-threaded by OpenBLAS itself. kiln's own parallel kernels
+(the native convolutions, runtime/kernels/cpu/native.py) take the same count (``kernel_threads()``), so they
+go single-threaded on a busy host too; their threads are created per call and joined, never left spinning. The count is a process-wide
 setting: runs on several threads at once share it (the server's workers pin it through the environment and
 run with ``threads=`` equal to it).
 """
@@ -99,11 +101,33 @@ def blas() -> Optional[Blas]:
     return _BLAS[0]
 
 
+# The thread count kiln's own parallel kernels (the native convolutions) use: the last count a run set for the
+# BLAS, or the BLAS's own count before any run (a process-wide setting, as the BLAS's is).
+_KERNEL_THREADS: list = []
+
+
+def kernel_threads() -> int:
+    """Threads for kiln's own parallel kernels: what the run now going set for the BLAS (1 on a busy host)."""
+    if not _KERNEL_THREADS:
+        b = blas()
+        _KERNEL_THREADS.append(b.default if b is not None else usable_cores())
+    return _KERNEL_THREADS[0]
+
+
+def _set_kernel_threads(n: int) -> None:
+    if _KERNEL_THREADS:
+        _KERNEL_THREADS[0] = n
+    else:
+        _KERNEL_THREADS.append(n)
+
+
 def blas_threads(n: int) -> None:
-    """Set numpy's BLAS to ``n`` threads (nothing where the BLAS is not found)."""
+    """Set numpy's BLAS to ``n`` threads (nothing where the BLAS is not found), and kiln's own kernels."""
+    n = max(1, int(n))
+    _set_kernel_threads(n)
     b = blas()
     if b is not None:
-        b.set(max(1, int(n)))
+        b.set(n)
 
 
 def usable_cores() -> int:
@@ -162,6 +186,7 @@ class ThreadPolicy:
     def apply(self) -> None:
         """Set the BLAS count for the run about to start."""
         n = self.threads_for_run()
+        _set_kernel_threads(n)
         b = blas()
         if b is not None:
             b.set(n)

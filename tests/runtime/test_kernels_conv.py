@@ -3,7 +3,7 @@ of the stride, windows that never reach the input's end (cropped rows), the flat
 column layouts, batch chunks (a short last chunk included), the bias added while the result is
 copied out or folded into the GEMM of the direct layout; and the separable MaxPool: row and
 column taps clipped at the padding, plane blocks. Each case runs the fast kernel against the
-op's reference."""
+op's reference. The native direct convolution is off here (its own tests: test_native.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,10 +12,18 @@ import pytest
 from kiln.ir import evaluate
 from kiln.ir.ops.nn import make_window
 from kiln.runtime import Program
-from kiln.runtime.kernels.cpu import nn, pool
+from kiln.runtime.kernels.cpu import native, nn, pool
 from op_harness import build_single, check_backends
 
 RNG = np.random.default_rng(5)
+
+
+@pytest.fixture(autouse=True)
+def numpy_kernels(monkeypatch):
+    """These are the numpy kernels' tests (the reference and the fallback where the native extension is not
+    built): the native direct convolution, which would take the depthwise and few-tap cases, is off here
+    (tests/runtime/test_native.py tests it)."""
+    monkeypatch.setattr(native, "_native", None)
 
 
 def rand(*shape: int, dtype=np.float32) -> np.ndarray:

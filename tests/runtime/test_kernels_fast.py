@@ -43,7 +43,10 @@ CONVS = [  # (x shape, w shape, attrs, fast path)
 
 @pytest.mark.parametrize("x_shape,w_shape,attrs,path", CONVS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_conv_fast_paths(x_shape, w_shape, attrs, path, bias):
+def test_conv_fast_paths(monkeypatch, x_shape, w_shape, attrs, path, bias):
+    """The numpy paths (the native direct convolution, tested in test_native.py, is off here)."""
+    from kiln.runtime.kernels.cpu import native
+    monkeypatch.setattr(native, "_native", None)
     inputs = [rand(*x_shape), rand(*w_shape)] + ([rand(w_shape[0])] if bias else [])
     g, feeds = build_single("Conv", inputs, attrs, const_inputs=(1, 2), symbolic_batch=True)
     run = Program(g).plan.instructions[0].kernel
@@ -60,7 +63,8 @@ def test_conv_fast_paths(x_shape, w_shape, attrs, path, bias):
 def test_depthwise_both_ways(monkeypatch, x_shape, w_shape, attrs, limit):
     """The depthwise kernel's two ways (a sum over taps; one batched product over the columns where they fit in
     cache, issue 24) against the reference, on strides, dilations, asymmetric pads and several samples."""
-    from kiln.runtime.kernels.cpu import nn as cpu_nn
+    from kiln.runtime.kernels.cpu import native, nn as cpu_nn
+    monkeypatch.setattr(native, "_native", None)  # the numpy kernel's two ways
     monkeypatch.setattr(cpu_nn, "DEPTHWISE_GEMM_BYTES", limit)
     inputs = [rand(*x_shape), rand(*w_shape), rand(w_shape[0])]
     g, feeds = build_single("Conv", inputs, attrs, const_inputs=(1, 2), symbolic_batch=True)

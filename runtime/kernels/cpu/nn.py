@@ -1,6 +1,8 @@
 """Conv: 2-D convolutions as GEMMs over an im2col buffer, 1x1 convs as one GEMM on a view,
 depthwise convs as a batched per-channel product over their columns where those fit in cache, else as a sum over
-kernel taps of shifted slices times per-channel weights.
+kernel taps of shifted slices times per-channel weights. Where the optional native extension is built, the float32
+convs it covers (depthwise, few taps: native.covers_conv) run its direct convolution instead, and these numpy
+kernels are the fallback.
 
 The im2col is built from contiguous slices, not 2-D strided windows: the input is copied
 straight into zeroed stride-phase images (one strided copy per phase, no np.pad and no padded
@@ -27,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kiln.ir.ops.nn import make_window, static_pads, window_out_shape
-from kiln.runtime.kernels.cpu import kernel, reference_kernel
+from kiln.runtime.kernels.cpu import kernel, native, reference_kernel
 from kiln.runtime.kernels.cpu.linalg import BLAS_DTYPES, const_input, input_dtype
 
 
@@ -45,7 +47,9 @@ def conv(node, attrs) -> Callable[..., Any]:
     # _im2col and _depthwise add the bias while copying their result out; _pointwise's GEMM
     # writes the result directly, so the bias is one more pass here.
     bias_col = None
-    if group == m and w.shape[1] == 1 and group > 1:
+    if native.covers_conv(input_dtype(node), w, window, group):
+        body = native.direct_conv2d(w, window, group, bias)
+    elif group == m and w.shape[1] == 1 and group > 1:
         body = _depthwise(w, window, bias)
     elif w.shape[2:] == (1, 1) and group == 1 and window.pads == (0,) * 4 and window.auto_pad == "NOTSET":
         body = _pointwise(w, window)

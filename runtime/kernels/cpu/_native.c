@@ -1,0 +1,340 @@
+/* kiln's optional native CPU kernels (issue 21, issue 24 item 2): convolutions numpy cannot do in one pass.
+
+   Built at install when a C compiler is there (setup.py: an optional extension, so an install without one
+   still succeeds and kiln runs its numpy kernels); wheels carry it prebuilt. The numpy kernels stay the
+   reference and the fallback: runtime/kernels/cpu/native.py binds these only for float32 NCHW inputs they
+   cover, and tests/runtime/test_native.py checks every one against the reference.
+
+   direct_conv2d: a grouped 2-D convolution computed directly, output row by output row: for each output
+   plane (sample n, channel m) and output row, every (input channel of m's group, kernel row) pair whose
+   input row exists adds w * x over the output columns whose input column exists (the valid column range is
+   computed per kernel column, so the inner loop has no branch and the compiler vectorizes it: AVX2 through
+   target_clones where the CPU has it, SSE2 otherwise). The accumulator is one output row in L1. This is the
+   depthwise case (one input channel per group: 9 or 25 multiply-adds per output where numpy makes two
+   passes over memory per tap) and small dense convs (the 3-channel stem), where im2col + GEMM copies more
+   than it multiplies.
+
+   Threads: the output planes are split into contiguous ranges over `threads` POSIX threads (the caller's
+   count: native.py gives 1 when the cores are taken, kiln's busy-host policy, or when the work is too
+   small to pay for a thread); the GIL is released throughout. A thread is created per call and joined:
+   nothing spins between calls. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_THREADS 64
+#define MAX_STRIDE 16
+
+typedef struct {
+    const float *x, *w, *bias;
+    float *y;
+    Py_ssize_t n, c, h, wd, m, oh, ow, kh, kw, group;
+    Py_ssize_t sh, sw, dh, dw, pt, pl;
+    /* the phase images of one input plane (see prepare_plane): sh * sw images of hq rows of lq floats */
+    Py_ssize_t hq, lq;
+    Py_ssize_t col_lo[MAX_STRIDE], col_hi[MAX_STRIDE];  /* per column phase: its columns from the input */
+    float *prepared;  /* every input plane's phase images (dense convs), or NULL: each thread makes its own */
+    Py_ssize_t plane_begin, plane_end;
+} conv_job;
+
+/* x86-64: the hot loop is compiled twice, for AVX2 + FMA and for the baseline (SSE2), and picked once at
+   run time by what the CPU has (feature bits, not CPU models: target_clones("arch=...") keys on models). */
+#if defined(__GNUC__) && defined(__x86_64__)
+#define KILN_X86_DISPATCH 1
+#endif
+
+static Py_ssize_t ceil_div(Py_ssize_t a, Py_ssize_t b) { return a >= 0 ? (a + b - 1) / b : -((-a) / b); }
+
+/* Input plane `src` ([h, wd]) written zero-padded and split by stride phase into `dst` ([sh, sw, hq, lq]):
+   phase (a, b) holds the padded rows a, a + sh, ... and columns b, b + sw, ... (padded row t is input row
+   t - pt). Kernel tap (i, q) then reads, for every output (r, o), phase ((i*dh) % sh, (q*dw) % sw) at row
+   r + (i*dh) / sh, column o + (q*dw) / sw: over the phase image flattened row by row, one contiguous run of
+   oh * lq floats starting at ((i*dh) / sh) * lq + (q*dw) / sw (the columns past ow in each row are computed
+   and dropped). So each tap is one long, branch-free, vectorized multiply-add. */
+static inline __attribute__((always_inline)) void prepare_plane(const conv_job *j, const float *src, float *dst) {
+    const Py_ssize_t sh = j->sh, sw = j->sw, hq = j->hq, lq = j->lq;
+    for (Py_ssize_t a = 0; a < sh; a++) {
+        for (Py_ssize_t k = 0; k < hq; k++) {
+            const Py_ssize_t ih = a + k * sh - j->pt;
+            for (Py_ssize_t b = 0; b < sw; b++) {
+                float *restrict out = dst + ((a * sw + b) * hq + k) * lq;
+                if (ih < 0 || ih >= j->h) {  /* a padding row */
+                    memset(out, 0, sizeof(float) * (size_t)lq);
+                    continue;
+                }
+                const Py_ssize_t lo = j->col_lo[b], hi = j->col_hi[b];
+                const float *restrict in = src + ih * j->wd + b - j->pl;
+                memset(out, 0, sizeof(float) * (size_t)lo);
+                if (sw == 1) {
+                    memcpy(out + lo, in + lo, sizeof(float) * (size_t)(hi - lo));
+                } else if (sw == 2) {
+                    for (Py_ssize_t kk = lo; kk < hi; kk++) out[kk] = in[2 * kk];
+                } else {
+                    for (Py_ssize_t kk = lo; kk < hi; kk++) out[kk] = in[kk * sw];
+                }
+                memset(out + hi, 0, sizeof(float) * (size_t)(lq - hi));
+            }
+        }
+    }
+}
+
+#define BLOCK 32  /* outputs per register block: four 8-float vectors (AVX2: four ymm accumulators) */
+typedef float v8sf __attribute__((vector_size(32)));
+
+#define MB 4  /* dense convs: output channels per register block */
+
+static inline __attribute__((always_inline)) v8sf load8(const float *p) {
+    v8sf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The output planes [plane_begin, plane_end): per block of BLOCK flat outputs, bias + every tap's
+   w * run (held in registers across the taps: one store per output, not one per tap); then the first ow
+   columns of each lq-wide row are the output row. `off` (taps entries) is each tap's run start within the
+   group's phase images; `acc` has room for span rounded up to BLOCK, and the phase images BLOCK floats of
+   slack past their end, so the last block reads and writes inside its buffers. */
+static inline __attribute__((always_inline)) void compute_planes_body(const conv_job *j, float *scratch,
+                                                                       float *restrict acc, Py_ssize_t *off) {
+    const Py_ssize_t cpg = j->c / j->group, mpg = j->m / j->group;
+    const Py_ssize_t sh = j->sh, sw = j->sw, hq = j->hq, lq = j->lq, plane_in = sh * sw * hq * lq;
+    const Py_ssize_t taps = cpg * j->kh * j->kw, ow = j->ow, span = j->oh * lq;
+    const Py_ssize_t stride_acc = span + BLOCK;
+    for (Py_ssize_t ci = 0, t = 0; ci < cpg; ci++)
+        for (Py_ssize_t i = 0; i < j->kh; i++)
+            for (Py_ssize_t q = 0; q < j->kw; q++, t++)
+                off[t] = ci * plane_in + (((i * j->dh) % sh * sw + (q * j->dw) % sw) * hq + (i * j->dh) / sh) * lq +
+                         (q * j->dw) / sw;
+    /* Dense convs: MB output channels of one group and sample at a time, so each input vector loaded feeds
+       MB multiply-adds (the GEMM micro-kernel's reuse); depthwise convs have one output per input plane. */
+    const Py_ssize_t mb = j->prepared ? MB : 1;
+    for (Py_ssize_t p = j->plane_begin; p < j->plane_end;) {
+        const Py_ssize_t s = p / j->m, mo = p % j->m, g = mo / mpg;
+        Py_ssize_t cnt = mb;  /* planes in this step: same sample and group, inside the thread's range */
+        if (cnt > j->plane_end - p) cnt = j->plane_end - p;
+        if (cnt > (g + 1) * mpg - mo) cnt = (g + 1) * mpg - mo;
+        const float *in0;
+        if (j->prepared) {
+            in0 = j->prepared + (s * j->c + g * cpg) * plane_in;
+        } else {  /* depthwise: the input plane is the output plane's channel */
+            prepare_plane(j, j->x + (s * j->c + g) * j->h * j->wd, scratch);
+            in0 = scratch;
+        }
+        if (cnt == MB) {
+            const float *w0 = j->w + mo * taps, *w1 = w0 + taps, *w2 = w1 + taps, *w3 = w2 + taps;
+            float *a0 = acc, *a1 = acc + stride_acc, *a2 = a1 + stride_acc, *a3 = a2 + stride_acc;
+            for (Py_ssize_t f = 0; f < span; f += 16) {
+                v8sf x0 = {0}, y0 = x0, x1 = x0, y1 = x0, x2 = x0, y2 = x0, x3 = x0, y3 = x0;
+                for (Py_ssize_t t = 0; t < taps; t++) {
+                    const float *src = in0 + off[t] + f;
+                    const v8sf u = load8(src), v = load8(src + 8);
+                    /* scalar * vector: a broadcast load (a vector initializer here became lane inserts) */
+                    x0 += w0[t] * u; y0 += w0[t] * v;
+                    x1 += w1[t] * u; y1 += w1[t] * v;
+                    x2 += w2[t] * u; y2 += w2[t] * v;
+                    x3 += w3[t] * u; y3 += w3[t] * v;
+                }
+                memcpy(a0 + f, &x0, sizeof x0); memcpy(a0 + f + 8, &y0, sizeof y0);
+                memcpy(a1 + f, &x1, sizeof x1); memcpy(a1 + f + 8, &y1, sizeof y1);
+                memcpy(a2 + f, &x2, sizeof x2); memcpy(a2 + f + 8, &y2, sizeof y2);
+                memcpy(a3 + f, &x3, sizeof x3); memcpy(a3 + f + 8, &y3, sizeof y3);
+            }
+        } else {
+            for (Py_ssize_t e = 0; e < cnt; e++) {
+                const float *wm = j->w + (mo + e) * taps;
+                float *ae = acc + e * stride_acc;
+                for (Py_ssize_t f = 0; f < span; f += BLOCK) {
+                    v8sf v0 = {0}, v1 = v0, v2 = v0, v3 = v0;
+                    for (Py_ssize_t t = 0; t < taps; t++) {
+                        const float wv = wm[t];
+                        const float *src = in0 + off[t] + f;
+                        v0 += wv * load8(src);
+                        v1 += wv * load8(src + 8);
+                        v2 += wv * load8(src + 16);
+                        v3 += wv * load8(src + 24);
+                    }
+                    memcpy(ae + f, &v0, sizeof v0);
+                    memcpy(ae + f + 8, &v1, sizeof v1);
+                    memcpy(ae + f + 16, &v2, sizeof v2);
+                    memcpy(ae + f + 24, &v3, sizeof v3);
+                }
+            }
+        }
+        for (Py_ssize_t e = 0; e < cnt; e++) {  /* the first ow columns of each row, plus the bias */
+            float *restrict yp = j->y + (p + e) * j->oh * ow;
+            const float *restrict ae = acc + e * stride_acc;
+            const float b0 = j->bias ? j->bias[mo + e] : 0.0f;
+            for (Py_ssize_t r = 0; r < j->oh; r++)
+                for (Py_ssize_t o = 0; o < ow; o++) yp[r * ow + o] = ae[r * lq + o] + b0;
+        }
+        p += cnt;
+    }
+}
+
+static void compute_planes_base(const conv_job *j, float *scratch, float *acc, Py_ssize_t *off) {
+    compute_planes_body(j, scratch, acc, off);
+}
+
+#ifdef KILN_X86_DISPATCH
+__attribute__((target("avx2,fma"))) static void compute_planes_avx2(const conv_job *j, float *scratch, float *acc,
+                                                                   Py_ssize_t *off) {
+    compute_planes_body(j, scratch, acc, off);
+}
+#endif
+
+static void (*compute_planes)(const conv_job *, float *, float *, Py_ssize_t *) = compute_planes_base;
+
+static void *conv_worker(void *arg) {
+    const conv_job *j = (const conv_job *)arg;
+    const size_t plane_in = (size_t)(j->sh * j->sw * j->hq * j->lq) + BLOCK;
+    const size_t span = (size_t)(j->oh * j->lq) + BLOCK;  /* one plane's accumulator (stride_acc) */
+    const size_t taps = (size_t)((j->c / j->group) * j->kh * j->kw);
+    float *acc = malloc(sizeof(float) * (j->prepared ? MB * span : span + plane_in));
+    Py_ssize_t *off = malloc(sizeof(Py_ssize_t) * taps);
+    if (!acc || !off) {
+        free(acc);
+        free(off);
+        return (void *)1;
+    }
+    compute_planes(j, j->prepared ? NULL : acc + span, acc, off);
+    free(acc);
+    free(off);
+    return NULL;
+}
+
+static int as_float32(PyObject *obj, Py_buffer *view, const char *what, int writable) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    const char *f = view->format;  /* "f", or with a native/little-endian prefix ("<f" from numpy's '<f4') */
+    if (f != NULL && (f[0] == '@' || f[0] == '=' || f[0] == '<')) f++;
+    if (view->itemsize != 4 || f == NULL || strcmp(f, "f") != 0) {
+        PyErr_Format(PyExc_TypeError, "%s: a C-contiguous float32 buffer is needed", what);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(direct_conv2d_doc,
+"direct_conv2d(x, w, bias, y, n, c, h, w_in, m, oh, ow, kh, kw, group, sh, sw, dh, dw, pad_top, pad_left, threads)\n\n"
+"y[n, m, oh, ow] = bias[m] + sum over the group's input channels and the kernel taps of w * x (NCHW, float32,\n"
+"C-contiguous buffers; bias may be None). Sizes are the caller's, checked against the buffers here.");
+
+static PyObject *direct_conv2d(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *xo, *wo, *bo, *yo;
+    conv_job j;
+    Py_ssize_t threads;
+    if (!PyArg_ParseTuple(args, "OOOOnnnnnnnnnnnnnnnnn", &xo, &wo, &bo, &yo, &j.n, &j.c, &j.h, &j.wd, &j.m, &j.oh,
+                          &j.ow, &j.kh, &j.kw, &j.group, &j.sh, &j.sw, &j.dh, &j.dw, &j.pt, &j.pl, &threads))
+        return NULL;
+    if (j.n < 0 || j.c <= 0 || j.h <= 0 || j.wd <= 0 || j.m <= 0 || j.oh < 0 || j.ow < 0 || j.kh <= 0 || j.kw <= 0 ||
+        j.group <= 0 || j.c % j.group || j.m % j.group || j.sh <= 0 || j.sw <= 0 || j.dh <= 0 || j.dw <= 0 ||
+        j.kw > 64 || j.sw > MAX_STRIDE) {
+        PyErr_SetString(PyExc_ValueError, "direct_conv2d: sizes out of range");
+        return NULL;
+    }
+    Py_buffer xb, wb, bb, yb;
+    if (as_float32(xo, &xb, "x", 0) < 0) return NULL;
+    if (as_float32(wo, &wb, "w", 0) < 0) { PyBuffer_Release(&xb); return NULL; }
+    int has_bias = bo != Py_None;
+    if (has_bias && as_float32(bo, &bb, "bias", 0) < 0) { PyBuffer_Release(&xb); PyBuffer_Release(&wb); return NULL; }
+    if (as_float32(yo, &yb, "y", 1) < 0) {
+        PyBuffer_Release(&xb); PyBuffer_Release(&wb); if (has_bias) PyBuffer_Release(&bb);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (xb.len != (Py_ssize_t)4 * j.n * j.c * j.h * j.wd || wb.len != (Py_ssize_t)4 * j.m * (j.c / j.group) * j.kh * j.kw ||
+        (has_bias && bb.len != (Py_ssize_t)4 * j.m) || yb.len != (Py_ssize_t)4 * j.n * j.m * j.oh * j.ow) {
+        PyErr_SetString(PyExc_ValueError, "direct_conv2d: a buffer's size does not match the sizes given");
+        goto done;
+    }
+    j.x = xb.buf; j.w = wb.buf; j.bias = has_bias ? bb.buf : NULL; j.y = yb.buf;
+    /* phase image sizes: the output plus the largest tap shift, and one spare row for the last tap's run */
+    j.hq = j.oh + ((j.kh - 1) * j.dh) / j.sh + 1;
+    j.lq = j.ow + ((j.kw - 1) * j.dw) / j.sw;
+    for (Py_ssize_t b = 0; b < j.sw; b++) {  /* columns kk with 0 <= b + kk*sw - pl < wd come from the input */
+        Py_ssize_t lo = ceil_div(j.pl - b, j.sw), hi = ceil_div(j.wd + j.pl - b, j.sw);
+        if (lo < 0) lo = 0;
+        if (hi > j.lq) hi = j.lq;
+        if (hi < lo) hi = lo;
+        j.col_lo[b] = lo;
+        j.col_hi[b] = hi;
+    }
+    j.prepared = NULL;
+    Py_ssize_t planes = j.n * j.m;
+    int failed = 0;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > planes) threads = planes > 0 ? planes : 1;
+    conv_job jobs[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    Py_BEGIN_ALLOW_THREADS
+    if (j.c / j.group > 1 && j.n * j.m > 0) {  /* dense: each input plane is read by several output planes */
+        const Py_ssize_t plane_in = j.sh * j.sw * j.hq * j.lq;
+        j.prepared = calloc((size_t)(j.n * j.c * plane_in + BLOCK), sizeof(float));  /* BLOCK of slack */
+        if (j.prepared) {
+            for (Py_ssize_t k = 0; k < j.n * j.c; k++) prepare_plane(&j, j.x + k * j.h * j.wd, j.prepared + k * plane_in);
+        } else {
+            failed = 1;
+        }
+    }
+    for (Py_ssize_t t = 0; t < threads; t++) {
+        jobs[t] = j;
+        jobs[t].plane_begin = planes * t / threads;
+        jobs[t].plane_end = planes * (t + 1) / threads;
+    }
+    if (!failed) {
+        for (Py_ssize_t t = 1; t < threads; t++)
+            started[t] = pthread_create(&tids[t], NULL, conv_worker, &jobs[t]) == 0;
+        failed |= conv_worker(&jobs[0]) != NULL;
+        for (Py_ssize_t t = 1; t < threads; t++) {
+            void *rc = NULL;
+            if (started[t]) pthread_join(tids[t], &rc);
+            else rc = conv_worker(&jobs[t]);  /* no thread to be had: this one does the range */
+            failed |= rc != NULL;
+        }
+    }
+    free(j.prepared);
+    Py_END_ALLOW_THREADS
+    if (failed) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    PyBuffer_Release(&xb); PyBuffer_Release(&wb); if (has_bias) PyBuffer_Release(&bb); PyBuffer_Release(&yb);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"direct_conv2d", direct_conv2d, METH_VARARGS, direct_conv2d_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_native", "kiln's optional native CPU kernels (see runtime/kernels/cpu/native.py).", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    const char *isa = "baseline";
+#ifdef KILN_X86_DISPATCH
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        compute_planes = compute_planes_avx2;
+        isa = "avx2+fma";
+    }
+#endif
+    if (PyModule_AddStringConstant(m, "isa", isa) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

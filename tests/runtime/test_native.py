@@ -1,0 +1,166 @@
+"""kiln's optional native CPU kernels (runtime/kernels/cpu/_native.c, native.py): the direct convolution
+against the Conv reference over the geometry it covers (depthwise, few-tap dense, 1x1 over few channels;
+strides, dilations, pads, auto_pad, groups, batches, no bias), one thread and several; which convs it
+takes and which it leaves to the GEMM; KILN_NATIVE=0; the argument checks of the C entry point; and, where
+a C compiler is installed, that the install built it (an optional extension fails silently otherwise)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kiln.ir import evaluate
+from kiln.ir.ops.nn import make_window
+from kiln.runtime import Program
+from kiln.runtime.kernels.cpu import native
+from op_harness import build_single
+
+RNG = np.random.default_rng(21)
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels not built: {native.UNAVAILABLE}")
+
+
+def test_the_install_built_the_extension_where_a_compiler_is():
+    """setup.py's extension is optional: without this test a broken build would silently leave the numpy
+    kernels running (correct, slower). Where a C compiler is on PATH and nothing turned it off, it must be
+    there."""
+    if os.name != "posix" or not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler here: the numpy kernels run")
+    if os.environ.get("KILN_NATIVE", "1") == "0" or os.environ.get("KILN_BUILD_NATIVE", "1") == "0":
+        pytest.skip("turned off in the environment")
+    assert native.available(), f"the native extension is missing: {native.UNAVAILABLE} (pip install -e . again)"
+
+
+def conv_case(x_shape, w_shape, attrs, bias=True):
+    x = RNG.standard_normal(x_shape).astype(np.float32)
+    w = RNG.standard_normal(w_shape).astype(np.float32)
+    inputs = [x, w] + ([RNG.standard_normal(w_shape[0]).astype(np.float32)] if bias else [])
+    return build_single("Conv", inputs, attrs, const_inputs=(1, 2), symbolic_batch=True)
+
+
+CASES = [  # (x shape, w shape, attrs)
+    ((1, 16, 112, 112), (16, 1, 3, 3), {"group": 16, "strides": [2, 2], "pads": [1, 1, 1, 1]}),  # MobileNet
+    ((2, 8, 15, 13), (8, 1, 5, 5), {"group": 8, "pads": [2, 2, 2, 2]}),
+    ((3, 6, 17, 19), (6, 1, 3, 3), {"group": 6, "strides": [3, 2], "dilations": [2, 3], "pads": [0, 1, 2, 3]}),
+    ((1, 4, 9, 9), (4, 1, 4, 4), {"group": 4, "auto_pad": "SAME_UPPER", "strides": [2, 2]}),
+    ((1, 4, 9, 8), (4, 1, 3, 2), {"group": 4, "auto_pad": "SAME_LOWER", "strides": [2, 3]}),
+    ((2, 5, 7, 7), (5, 1, 7, 7), {"group": 5, "auto_pad": "VALID"}),
+    ((1, 3, 1, 1), (3, 1, 3, 3), {"group": 3, "pads": [1, 1, 1, 1]}),  # every tap but the centre in padding
+    ((2, 3, 32, 30), (16, 3, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1]}),  # the stem: dense, 27 taps
+    ((2, 3, 20, 20), (6, 3, 3, 3), {"dilations": [2, 2], "pads": [2, 2, 2, 2]}),  # 6 outputs: a block of 4 + 2
+    ((2, 4, 11, 11), (6, 2, 3, 3), {"group": 2, "pads": [1, 1, 1, 1]}),  # grouped, 18 taps
+    ((2, 16, 14, 14), (24, 16, 1, 1), {}),  # 1x1 over 16 channels
+    ((1, 24, 9, 7), (10, 24, 1, 1), {"strides": [2, 2]}),  # 1x1, strided
+    ((1, 1, 5, 70), (3, 1, 1, 9), {"pads": [0, 4, 0, 4]}),  # a row filter wider than a register block
+]
+
+
+@needs_native
+@pytest.mark.parametrize("x_shape,w_shape,attrs", CASES)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_direct_conv_equals_the_reference(monkeypatch, x_shape, w_shape, attrs, threads):
+    g, feeds = conv_case(x_shape, w_shape, attrs, bias=threads == 1)
+    monkeypatch.setattr(native, "kernel_threads", lambda: threads)
+    monkeypatch.setattr(native, "MACS_PER_THREAD", 1)  # every thread asked for, however small the conv
+    calls = []
+    real = native._native
+
+    class Spy:  # the C entry point, counted: the Program must take the native kernel for every case
+        def direct_conv2d(self, *args):
+            calls.append(args[-1])
+            return real.direct_conv2d(*args)
+    monkeypatch.setattr(native, "_native", Spy())
+    got = Program(g).run(feeds, as_list=True)[0]
+    want = evaluate(g, feeds)[0]
+    assert calls == [threads]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_random_geometries_against_float64(monkeypatch):
+    """300 random convs (kernel 1-5, stride 1-3, dilation 1-2, pads 0-2 or auto_pad, groups) against a float64
+    sum over the taps, so the check does not lean on the numpy kernels it replaces."""
+    from kiln.ir.ops.nn import static_pads, window_out_shape
+    ran = 0
+    for trial in range(300):
+        kh, kw = (int(v) for v in RNG.integers(1, 6, 2))
+        sh, sw = (int(v) for v in RNG.integers(1, 4, 2))
+        dh, dw = (int(v) for v in RNG.integers(1, 3, 2))
+        n, h, wd = int(RNG.integers(1, 3)), int(RNG.integers(1, 20)), int(RNG.integers(1, 20))
+        kind = trial % 3
+        if kind == 0:
+            c = m = group = int(RNG.integers(1, 9))
+        elif kind == 1:
+            group = int(RNG.integers(1, 4))
+            c, m = group * int(RNG.integers(1, 3)), group * int(RNG.integers(1, 3))
+        else:
+            group, c, m = 1, 3, int(RNG.integers(1, 9))
+        auto = ["NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"][int(RNG.integers(4))]
+        pads = [int(v) for v in RNG.integers(0, 3, 4)] if auto == "NOTSET" else None
+        try:
+            window = make_window((kh, kw), strides=(sh, sw), dilations=(dh, dw), pads=pads, auto_pad=auto)
+            oh, ow = window_out_shape(window, (h, wd))
+        except ValueError:  # the window does not fit the padded input
+            continue
+        x = RNG.standard_normal((n, c, h, wd)).astype(np.float32)
+        w = RNG.standard_normal((m, c // group, kh, kw)).astype(np.float32)
+        b = RNG.standard_normal(m).astype(np.float32) if trial % 2 else None
+        got = native.direct_conv2d(w, window, group, b)(x)
+        begin, end, _ = static_pads(window, (h, wd))
+        xp = np.zeros((n, c, h + begin[0] + end[0] + kh * dh, wd + begin[1] + end[1] + kw * dw))
+        xp[:, :, begin[0]:begin[0] + h, begin[1]:begin[1] + wd] = x
+        want = np.zeros((n, m, oh, ow)) + (0 if b is None else b.astype(np.float64)[:, None, None])
+        cpg, mpg = c // group, m // group
+        for mo in range(m):
+            for ci in range(cpg):
+                for i in range(kh):
+                    for j in range(kw):
+                        want[:, mo] += float(w[mo, ci, i, j]) * xp[:, (mo // mpg) * cpg + ci,
+                                                                    i * dh: i * dh + sh * (oh - 1) + 1: sh,
+                                                                    j * dw: j * dw + sw * (ow - 1) + 1: sw]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"{(n, c, h, wd)} {w.shape} {window}")
+        ran += 1
+    assert ran > 200
+
+
+@needs_native
+def test_which_convs_go_direct():
+    w = np.zeros
+    k3 = make_window((3, 3), pads=(1, 1, 1, 1))
+    k1 = make_window((1, 1))
+    assert native.covers_conv(np.float32, w((32, 1, 3, 3), np.float32), k3, 32)  # depthwise
+    assert native.covers_conv(np.float32, w((16, 3, 3, 3), np.float32), k3, 1)  # the stem, 27 taps
+    assert not native.covers_conv(np.float32, w((16, 4, 3, 3), np.float32), k3, 1)  # 36 taps: the GEMM's
+    assert native.covers_conv(np.float32, w((64, 24, 1, 1), np.float32), k1, 1)
+    assert not native.covers_conv(np.float32, w((64, 48, 1, 1), np.float32), k1, 1)
+    assert not native.covers_conv(np.float64, w((32, 1, 3, 3), np.float64), k3, 32)  # float32 only
+    assert not native.covers_conv(np.float16, w((32, 1, 3, 3), np.float16), k3, 32)
+
+
+@needs_native
+def test_entry_point_refuses_what_does_not_match():
+    from kiln.runtime.kernels.cpu import _native
+    x, w, y = np.zeros((1, 2, 4, 4), np.float32), np.zeros((2, 1, 3, 3), np.float32), np.zeros((1, 2, 2, 2), np.float32)
+    args = (1, 2, 4, 4, 2, 2, 2, 3, 3, 2, 1, 1, 1, 1, 0, 0, 1)
+    _native.direct_conv2d(x, w, None, y, *args)
+    with pytest.raises(TypeError, match="float32"):
+        _native.direct_conv2d(x.astype(np.float64), w, None, y, *args)
+    with pytest.raises(TypeError, match="float32"):
+        _native.direct_conv2d(x.astype(">f4"), w, None, y, *args)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        _native.direct_conv2d(x[:, :, ::2], w, None, y, *args)
+    with pytest.raises(ValueError, match="does not match"):
+        _native.direct_conv2d(x, w, None, np.zeros((1, 2, 3, 3), np.float32), *args)
+    with pytest.raises(ValueError, match="out of range"):
+        _native.direct_conv2d(x, w, None, y, *args[:9], 3, *args[10:])  # 2 channels in 3 groups
+
+
+def test_kiln_native_0_turns_it_off():
+    code = ("from kiln.runtime.kernels.cpu import native; import sys; "
+            "print(native.available(), native.UNAVAILABLE)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KILN_NATIVE": "0"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.startswith("False turned off by KILN_NATIVE"), out
