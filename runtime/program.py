@@ -439,6 +439,10 @@ def _load(model, device: str, *, optimize: bool, backend: str, threads: Optional
         if memory_budget is not None:
             raise KilnError("memory_budget= is checked by the CPU runtime; device='cuda' does not take it yet")
         return CudaProgram(graph, **cuda_options)
+    from kiln.runtime.kernels.cpu import native
+    if native.available():  # a Conv and its activation in one native call (runtime/kernels/cpu/native.py)
+        from kiln.ir.passes.fuse import fuse_epilogues
+        fuse_epilogues(graph, anchors=("Conv",), accept=native.fusable)
     return Program(graph, memory_budget=memory_budget if memory_budget is not None else default_memory_budget(),
                    threads=threads)
 

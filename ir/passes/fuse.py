@@ -111,7 +111,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
@@ -275,11 +275,14 @@ def fuse_elementwise(graph: Graph, *, min_ops: int = 2, ops: Iterable[str] = ELE
     return made
 
 
-def fuse_epilogues(graph: Graph, *, anchors: Iterable[str] = ANCHOR_OPS) -> int:
+def fuse_epilogues(graph: Graph, *, anchors: Iterable[str] = ANCHOR_OPS,
+                   accept: Optional[Callable[[Node, Node], bool]] = None) -> int:
     """Fuse each Conv/Gemm/MatMul of ``anchors`` with the elementwise consumer of its output (a
     FusedElementwise or a single elementwise op) into one FusedEpilogue node, in ``graph`` and
     its If/Loop bodies; returns the number of nodes made. Meant to run after
-    :func:`fuse_elementwise` (module docstring: "Epilogues")."""
+    :func:`fuse_elementwise` (module docstring: "Epilogues"). ``accept(anchor, consumer)``, where
+    given, keeps only the pairs a backend can run fused (the CPU's native convolution takes a
+    Conv with one activation op, runtime/kernels/cpu/native.py)."""
     anchors = frozenset(anchors)
     if not anchors <= ANCHOR_OPS:
         raise ValueError(f"anchors must be among {sorted(ANCHOR_OPS)} (FusedEpilogue's layout), "
@@ -290,7 +293,7 @@ def fuse_epilogues(graph: Graph, *, anchors: Iterable[str] = ANCHOR_OPS) -> int:
         position = {n: i for i, n in enumerate(g.nodes)}
         for consumer in list(g.nodes):
             anchor = _epilogue_anchor(consumer, g, anchors, outputs, position)
-            if anchor is None:
+            if anchor is None or (accept is not None and not accept(anchor, consumer)):
                 continue
             anchor.inputs = _present_inputs(anchor)
             fused = _fuse(g, [anchor, consumer], outputs, op=EPILOGUE_OP, name="epilogue",

@@ -70,7 +70,7 @@ def test_direct_conv_equals_the_reference(monkeypatch, x_shape, w_shape, attrs, 
 
     class Spy:  # the C entry point, counted: the Program must take the native kernel for every case
         def direct_conv2d(self, *args):
-            calls.append(args[-1])
+            calls.append(args[20])  # threads (then the activation code and its parameters)
             return real.direct_conv2d(*args)
     monkeypatch.setattr(native, "_native", Spy())
     got = Program(g).run(feeds, as_list=True)[0]
@@ -164,3 +164,72 @@ def test_kiln_native_0_turns_it_off():
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KILN_NATIVE": "0"},
                          capture_output=True, text=True, check=True).stdout
     assert out.startswith("False turned off by KILN_NATIVE"), out
+
+
+# --------------------------------------------------------------------------- a Conv and its activation
+def conv_act_graph(act: str, attrs=None, bounds=None, x_shape=(2, 4, 11, 11), w_shape=(4, 1, 3, 3), group=4,
+                   dtype=np.float32):
+    from kiln.ir.graph import Graph
+    g = Graph("conv_act")
+    x = g.add_input("x", dtype.__name__ if isinstance(dtype, type) else str(dtype), ["batch", *x_shape[1:]])
+    w = g.add_initializer("w", RNG.standard_normal(w_shape).astype(dtype))
+    b = g.add_initializer("b", RNG.standard_normal(w_shape[0]).astype(dtype))
+    y = g.op("Conv", x, w, b, group=group, pads=[1, 1, 1, 1], strides=[2, 2])
+    if act == "Clip":
+        ins = [y] + [None if v is None else g.add_initializer(f"c{k}", np.array(v, dtype))
+                     for k, v in enumerate(bounds)]
+        while ins and ins[-1] is None:
+            ins.pop()
+        y = g.op("Clip", *ins)
+    else:
+        y = g.op(act, y, **(attrs or {}))
+    g.outputs = [y]
+    return g
+
+
+ACTS = [("Relu", None, None), ("HardSwish", None, None), ("HardSigmoid", {"alpha": 0.3, "beta": 0.4}, None),
+        ("LeakyRelu", {"alpha": 0.07}, None), ("Clip", None, (-0.5, 0.75)), ("Clip", None, (None, 0.2)),
+        ("Clip", None, (0.3,)), ("Clip", None, (0.5, -0.5))]  # min > max: max everywhere, as the reference
+
+
+@needs_native
+@pytest.mark.parametrize("act,attrs,bounds", ACTS)
+@pytest.mark.parametrize("w_shape,group", [((4, 1, 3, 3), 4), ((6, 4, 1, 1), 1)])
+def test_conv_and_activation_run_as_one_native_call(act, attrs, bounds, w_shape, group):
+    """kiln.load fuses a covered Conv with its activation into a FusedEpilogue whose kernel is one native
+    call; the answers are the unfused graph's reference (NaN inputs included: they stay NaN)."""
+    import kiln
+    g = conv_act_graph(act, attrs, bounds, w_shape=w_shape, group=group)
+    x = RNG.standard_normal((3, 4, 11, 11)).astype(np.float32) * 2
+    x[0, 0, 5, 5] = np.nan
+    want = evaluate(g, [x])[0]
+    program = kiln.load(g)
+    assert [n.op for n in program.graph.nodes] == ["FusedEpilogue"]
+    kernel = program.plan.instructions[0].kernel
+    assert kernel.__qualname__.startswith("epilogue_kernel."), kernel.__qualname__
+    got = program.run({"x": x})[program.outputs[0].name]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got).any()
+    assert [n.op for n in g.nodes] == ["Conv", act], "kiln.load(graph) must not change the caller's graph"
+
+
+@needs_native
+def test_what_is_not_fused():
+    import kiln
+    from kiln.ir.graph import Graph
+    # the Conv's output is also a graph output: it must exist, so the activation stays a node of its own
+    g = conv_act_graph("Relu")
+    g.outputs = [g.nodes[0].outputs[0], *g.outputs]
+    assert [n.op for n in kiln.load(g).graph.nodes] == ["Conv", "Relu"]
+    # float64: the extension is float32 only
+    assert [n.op for n in kiln.load(conv_act_graph("Relu", dtype=np.float64)).graph.nodes] == ["Conv", "Relu"]
+    # a Clip bound computed at run time
+    h = Graph("computed_bound")
+    x = h.add_input("x", "float32", [1, 4, 8, 8])
+    lo = h.add_input("lo", "float32", [])
+    y = h.op("Conv", x, h.add_initializer("w", np.ones((4, 1, 3, 3), np.float32)), group=4)
+    h.outputs = [h.op("Clip", y, lo)]
+    assert [n.op for n in kiln.load(h).graph.nodes] == ["Conv", "Clip"]
+    # a dense conv past the direct kernel's taps stays the GEMM's, unfused
+    assert [n.op for n in kiln.load(conv_act_graph("Relu", w_shape=(4, 4, 3, 3), group=1)).graph.nodes] == \
+        ["Conv", "Relu"]

@@ -33,6 +33,8 @@ typedef struct {
     float *y;
     Py_ssize_t n, c, h, wd, m, oh, ow, kh, kw, group;
     Py_ssize_t sh, sw, dh, dw, pt, pl;
+    int act;              /* the activation applied to each output after the bias: ACT_* */
+    double alpha, beta;   /* its parameters */
     /* the phase images of one input plane (see prepare_plane): sh * sw images of hq rows of lq floats */
     Py_ssize_t hq, lq;
     Py_ssize_t col_lo[MAX_STRIDE], col_hi[MAX_STRIDE];  /* per column phase: its columns from the input */
@@ -83,14 +85,89 @@ static inline __attribute__((always_inline)) void prepare_plane(const conv_job *
 
 #define BLOCK 32  /* outputs per register block: four 8-float vectors (AVX2: four ymm accumulators) */
 typedef float v8sf __attribute__((vector_size(32)));
-
-#define MB 4  /* dense convs: output channels per register block */
+typedef int v8si __attribute__((vector_size(32)));
 
 static inline __attribute__((always_inline)) v8sf load8(const float *p) {
     v8sf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
+
+static inline __attribute__((always_inline)) void store8(float *p, v8sf v) { memcpy(p, &v, sizeof v); }
+
+/* lanes of u below lim (above lim) replaced by lim; NaN lanes compare false and stay NaN */
+static inline __attribute__((always_inline)) v8sf raise_to(v8sf u, v8sf lim) {
+    const v8si m = u < lim;
+    return (v8sf)(((v8si)u & ~m) | ((v8si)lim & m));
+}
+
+static inline __attribute__((always_inline)) v8sf lower_to(v8sf u, v8sf lim) {
+    const v8si m = u > lim;
+    return (v8sf)(((v8si)u & ~m) | ((v8si)lim & m));
+}
+
+#define MB 4  /* dense convs: output channels per register block */
+
+/* Activations fused into the output pass (kiln.FusedEpilogue of a Conv and one of these ops; native.py):
+   the ONNX ops' definitions in float32 (kiln's references compute HardSwish, HardSigmoid and LeakyRelu in
+   double and round once: these may differ by an ulp or two; computed in double here they cost as much as the
+   convolution), NaN propagated as the numpy kernels propagate it. */
+enum { ACT_NONE, ACT_RELU, ACT_HARDSWISH, ACT_HARDSIGMOID, ACT_CLIP, ACT_LEAKYRELU, ACT_COUNT };
+
+static inline __attribute__((always_inline)) float clamp01(float v) {
+    v = v < 0.0f ? 0.0f : v;  /* two selects, not nested ones: the compiler turns each into a blend */
+    return v > 1.0f ? 1.0f : v;  /* NaN stays NaN */
+}
+
+/* y[o] = act(a[o] + b0), o < n: one loop per activation (the switch outside it), so each vectorizes. */
+static inline __attribute__((always_inline)) void finish_row(float *restrict y, const float *restrict a,
+                                                             Py_ssize_t n, float b0, int act, double alpha,
+                                                             double beta) {
+    const float fa = (float)alpha, fb = (float)beta;
+    switch (act) {
+    case ACT_RELU:
+        for (Py_ssize_t o = 0; o < n; o++) {
+            const float t = a[o] + b0;
+            y[o] = t < 0.0f ? 0.0f : t;
+        }
+        break;
+    case ACT_HARDSWISH:
+    case ACT_HARDSIGMOID: {  /* written with vector selects: the compiler does not if-convert these loops */
+        const v8sf zero = {0}, one = zero + 1.0f, va = zero + fa, vb = zero + fb, vb0 = zero + b0;
+        Py_ssize_t o = 0;
+        for (; o + 8 <= n; o += 8) {
+            const v8sf t = load8(a + o) + vb0, u = lower_to(raise_to(va * t + vb, zero), one);
+            store8(y + o, act == ACT_HARDSWISH ? t * u : u);
+        }
+        for (; o < n; o++) {
+            const float t = a[o] + b0, u = clamp01(fa * t + fb);
+            y[o] = act == ACT_HARDSWISH ? t * u : u;
+        }
+        break;
+    }
+    case ACT_CLIP: {  /* max then min, as Clip's reference: min > max gives max everywhere */
+        const float lo = (float)alpha, hi = (float)beta;
+        const v8sf zero = {0}, vlo = zero + lo, vhi = zero + hi, vb0 = zero + b0;
+        Py_ssize_t o = 0;
+        for (; o + 8 <= n; o += 8) store8(y + o, lower_to(raise_to(load8(a + o) + vb0, vlo), vhi));
+        for (; o < n; o++) {
+            float t = a[o] + b0;
+            t = t < lo ? lo : t;
+            y[o] = t > hi ? hi : t;
+        }
+        break;
+    }
+    case ACT_LEAKYRELU:
+        for (Py_ssize_t o = 0; o < n; o++) {
+            const float t = a[o] + b0;
+            y[o] = t < 0.0f ? fa * t : t;
+        }
+        break;
+    default:
+        for (Py_ssize_t o = 0; o < n; o++) y[o] = a[o] + b0;
+    }
+}
+
 
 /* The output planes [plane_begin, plane_end): per block of BLOCK flat outputs, bias + every tap's
    w * run (held in registers across the taps: one store per output, not one per tap); then the first ow
@@ -167,8 +244,8 @@ static inline __attribute__((always_inline)) void compute_planes_body(const conv
             float *restrict yp = j->y + (p + e) * j->oh * ow;
             const float *restrict ae = acc + e * stride_acc;
             const float b0 = j->bias ? j->bias[mo + e] : 0.0f;
-            for (Py_ssize_t r = 0; r < j->oh; r++)
-                for (Py_ssize_t o = 0; o < ow; o++) yp[r * ow + o] = ae[r * lq + o] + b0;
+            const double alpha = j->alpha, beta = j->beta;
+            for (Py_ssize_t r = 0; r < j->oh; r++) finish_row(yp + r * ow, ae + r * lq, ow, b0, j->act, alpha, beta);
         }
         p += cnt;
     }
@@ -219,17 +296,27 @@ static int as_float32(PyObject *obj, Py_buffer *view, const char *what, int writ
 }
 
 PyDoc_STRVAR(direct_conv2d_doc,
-"direct_conv2d(x, w, bias, y, n, c, h, w_in, m, oh, ow, kh, kw, group, sh, sw, dh, dw, pad_top, pad_left, threads)\n\n"
-"y[n, m, oh, ow] = bias[m] + sum over the group's input channels and the kernel taps of w * x (NCHW, float32,\n"
-"C-contiguous buffers; bias may be None). Sizes are the caller's, checked against the buffers here.");
+"direct_conv2d(x, w, bias, y, n, c, h, w_in, m, oh, ow, kh, kw, group, sh, sw, dh, dw, pad_top, pad_left, threads,\n"
+"              act=0, alpha=0, beta=0)\n\n"
+"y[n, m, oh, ow] = act(bias[m] + sum over the group's input channels and the kernel taps of w * x) (NCHW,\n"
+"float32, C-contiguous buffers; bias may be None). act: 0 none, 1 Relu, 2 HardSwish (alpha, beta), 3\n"
+"HardSigmoid (alpha, beta), 4 Clip (min alpha, max beta), 5 LeakyRelu (alpha). Sizes are the caller's,\n"
+"checked against the buffers here.");
 
 static PyObject *direct_conv2d(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *xo, *wo, *bo, *yo;
     conv_job j;
     Py_ssize_t threads;
-    if (!PyArg_ParseTuple(args, "OOOOnnnnnnnnnnnnnnnnn", &xo, &wo, &bo, &yo, &j.n, &j.c, &j.h, &j.wd, &j.m, &j.oh,
-                          &j.ow, &j.kh, &j.kw, &j.group, &j.sh, &j.sw, &j.dh, &j.dw, &j.pt, &j.pl, &threads))
+    j.act = ACT_NONE;
+    j.alpha = j.beta = 0.0;
+    if (!PyArg_ParseTuple(args, "OOOOnnnnnnnnnnnnnnnnn|idd", &xo, &wo, &bo, &yo, &j.n, &j.c, &j.h, &j.wd, &j.m,
+                          &j.oh, &j.ow, &j.kh, &j.kw, &j.group, &j.sh, &j.sw, &j.dh, &j.dw, &j.pt, &j.pl, &threads,
+                          &j.act, &j.alpha, &j.beta))
         return NULL;
+    if (j.act < 0 || j.act >= ACT_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "direct_conv2d: unknown activation");
+        return NULL;
+    }
     if (j.n < 0 || j.c <= 0 || j.h <= 0 || j.wd <= 0 || j.m <= 0 || j.oh < 0 || j.ow < 0 || j.kh <= 0 || j.kw <= 0 ||
         j.group <= 0 || j.c % j.group || j.m % j.group || j.sh <= 0 || j.sw <= 0 || j.dh <= 0 || j.dw <= 0 ||
         j.kw > 64 || j.sw > MAX_STRIDE) {

@@ -13,6 +13,10 @@ more op of the nested plan), so the same kernel runs it; so is a FusedAttention 
 scale, mask Add, Softmax, MatMul: the CPU has no score-free attention kernel to gain from, and
 runs the ops as the unfused graph does, the [..., Lq, Lk] scores included).
 
+The exception: where the native extension is built, the CPU loader (runtime/program.py) fuses each Conv it
+covers with a following activation (Relu, HardSwish, HardSigmoid, Clip, LeakyRelu), and such a body runs as one
+native call that applies the activation in the convolution's output pass (native.epilogue_kernel).
+
 One thing the body hides: which of its inputs are constants. An epilogue's weights are node
 inputs (never pulled into the body, whatever their size), and the CPU kernels prepare a constant
 weight once at load (Conv's GEMM layout, Gemm's transposed view) and fall back to the reference
@@ -26,7 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.ir.graph import Node
-from kiln.runtime.kernels.cpu import choose, kernel
+from kiln.runtime.kernels.cpu import choose, kernel, native
 from kiln.runtime.plan import PlanBuilder, nested_executor
 
 
@@ -43,6 +47,10 @@ def _seeing_constants(inner: Node, consts: dict) -> Node:
 
 @kernel("FusedElementwise", "FusedEpilogue", "FusedAttention", domain="kiln")
 def fused_elementwise(node: Node, attrs: dict):
+    if node.op == "FusedEpilogue":  # a Conv and its activation in one native call, where the extension has it
+        direct = native.epilogue_kernel(node, attrs)
+        if direct is not None:
+            return direct
     body = attrs["body"]
     consts = {b: v for b, v in zip(body.inputs, node.inputs) if v is not None and v.const is not None}
 

@@ -55,9 +55,11 @@ def covers_conv(x_dtype: Any, w: np.ndarray, window: Any, group: int) -> bool:
     return depthwise or cpg * kh * kw <= DIRECT_MAX_TAPS
 
 
-def direct_conv2d(w: np.ndarray, window: Any, group: int, bias: Optional[np.ndarray]) -> Callable:
+def direct_conv2d(w: np.ndarray, window: Any, group: int, bias: Optional[np.ndarray],
+                  activation: tuple = (0, 0.0, 0.0)) -> Callable:
     """A Conv kernel over ``_native.direct_conv2d``: ``run(x)`` -> a fresh [N, M, OH, OW] float32 array, its
-    geometry (pads in effect, output size) from the IR's own rules."""
+    geometry (pads in effect, output size) from the IR's own rules; ``activation`` (code, alpha, beta), see
+    ``activation_of``, applied in the output pass."""
     w = np.ascontiguousarray(w, dtype=np.float32)
     b = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32).reshape(-1)
     m, cpg, kh, kw = w.shape
@@ -78,6 +80,102 @@ def direct_conv2d(w: np.ndarray, window: Any, group: int, bias: Optional[np.ndar
         y = np.empty((n, m, oh, ow), np.float32)
         if y.size:
             threads = min(kernel_threads(), max(1, y.size * taps // MACS_PER_THREAD))
-            conv(x, w, b, y, n, c, h, wd, m, oh, ow, kh, kw, group, sh, sw, dh, dw, pt, pl, threads)
+            conv(x, w, b, y, n, c, h, wd, m, oh, ow, kh, kw, group, sh, sw, dh, dw, pt, pl, threads, *activation)
         return y
+    return run
+
+
+# ----------------------------------------------------------------------------- a Conv and its activation
+# kiln.FusedEpilogue bodies of a Conv and one of these ops run as one native call: the activation is applied in
+# the output pass (no second pass over the output, no temporaries). The codes are _native.c's ACT_*.
+ACTIVATIONS = {"Relu": 1, "HardSwish": 2, "HardSigmoid": 3, "Clip": 4, "LeakyRelu": 5}
+
+
+def activation_of(node: Any, const_of: Callable[[Any], Optional[np.ndarray]]) -> Optional[tuple]:
+    """(code, alpha, beta) for ``_native.direct_conv2d`` if ``node`` is an activation it applies (float32, a
+    Clip's bounds constants), else None. ``const_of(value)`` gives a value's constant array or None."""
+    if node.domain != "" or node.op not in ACTIVATIONS or len(node.outputs) != 1:
+        return None
+    t = node.outputs[0].type
+    if t is None or t.dtype is None or np.dtype(t.dtype.numpy) != np.float32:
+        return None
+    attrs = node.schema.fill_attrs(node.attrs)
+    code = ACTIVATIONS[node.op]
+    if node.op == "HardSwish":
+        return code, 1.0 / 6.0, 0.5
+    if node.op == "HardSigmoid":
+        return code, float(attrs["alpha"]), float(attrs["beta"])
+    if node.op == "LeakyRelu":
+        return code, float(attrs["alpha"]), 0.0
+    if node.op == "Clip":
+        bounds = []
+        for k, default in ((1, -np.inf), (2, np.inf)):
+            v = node.inputs[k] if len(node.inputs) > k else None
+            if v is None:
+                bounds.append(default)
+                continue
+            c = const_of(v)
+            if c is None or c.size != 1:
+                return None
+            bounds.append(float(np.asarray(c, np.float32).reshape(())))
+        return code, bounds[0], bounds[1]
+    return code, 0.0, 0.0
+
+
+def _conv_parts(conv: Any, const_of: Callable[[Any], Optional[np.ndarray]]) -> Optional[tuple]:
+    """(w, window, group, bias) of a Conv ``direct_conv2d`` covers, else None."""
+    from kiln.ir.ops.nn import make_window
+    if conv.domain != "" or conv.op != "Conv" or len(conv.inputs) < 2:
+        return None
+    w = const_of(conv.inputs[1])
+    bias = const_of(conv.inputs[2]) if len(conv.inputs) > 2 and conv.inputs[2] is not None else None
+    if w is None or (len(conv.inputs) > 2 and conv.inputs[2] is not None and bias is None):
+        return None
+    x_type = conv.inputs[0].type
+    if x_type is None or x_type.dtype is None or w.ndim != 4:
+        return None
+    attrs = conv.schema.fill_attrs(conv.attrs)
+    window = make_window(attrs["kernel_shape"] or w.shape[2:], strides=attrs["strides"],
+                         dilations=attrs["dilations"], pads=attrs["pads"], auto_pad=attrs["auto_pad"])
+    if not covers_conv(x_type.dtype.numpy, w, window, attrs["group"]):
+        return None
+    return w, window, attrs["group"], bias
+
+
+def fusable(anchor: Any, consumer: Any) -> bool:
+    """``fuse_epilogues``'s ``accept`` for the CPU runtime: a Conv this extension covers and one activation."""
+    const_of = _const_of_value
+    return _conv_parts(anchor, const_of) is not None and activation_of(consumer, const_of) is not None
+
+
+def _const_of_value(v: Any) -> Optional[np.ndarray]:
+    return None if v is None or v.const is None else np.asarray(v.const)
+
+
+def epilogue_kernel(node: Any, attrs: dict) -> Optional[Callable]:
+    """The kernel of a ``kiln.FusedEpilogue`` whose body is a covered Conv and one activation (what ``fusable``
+    let ``fuse_epilogues`` make), or None: its weights are the node's outer constants."""
+    if _native is None:
+        return None
+    body = attrs["body"]
+    if len(body.nodes) != 2:
+        return None
+    conv, act = body.nodes
+    outer = {b: v for b, v in zip(body.inputs, node.inputs)}
+
+    def const_of(v: Any) -> Optional[np.ndarray]:
+        if v is not None and v.const is not None:
+            return np.asarray(v.const)
+        return _const_of_value(outer.get(v))
+
+    if list(act.inputs[:1]) != [conv.outputs[0]] or list(body.outputs) != [act.outputs[0]]:
+        return None
+    parts = _conv_parts(conv, const_of)
+    activation = activation_of(act, const_of)
+    if parts is None or activation is None:
+        return None
+    body_run = direct_conv2d(*parts, activation=activation)
+
+    def run(x: np.ndarray, *rest: Any) -> np.ndarray:  # rest: the weights and the activation's bounds
+        return body_run(x)
     return run
