@@ -65,6 +65,7 @@ def test_direct_conv_equals_the_reference(monkeypatch, x_shape, w_shape, attrs, 
     g, feeds = conv_case(x_shape, w_shape, attrs, bias=threads == 1)
     monkeypatch.setattr(native, "kernel_threads", lambda: threads)
     monkeypatch.setattr(native, "MACS_PER_THREAD", 1)  # every thread asked for, however small the conv
+    monkeypatch.setattr(native, "MAX_THREADS", 8)
     calls = []
     real = native._native
 

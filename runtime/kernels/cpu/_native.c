@@ -27,6 +27,7 @@
 
 #define MAX_THREADS 64
 #define MAX_STRIDE 16
+#define CHUNK 2048  /* output floats per step of a run of planes (8 KB: it and its input rows stay in L1/L2) */
 
 typedef struct {
     const float *x, *w, *bias;
@@ -37,6 +38,7 @@ typedef struct {
     double alpha, beta;   /* its parameters */
     /* the phase images of one input plane (see prepare_plane): sh * sw images of hq rows of lq floats */
     Py_ssize_t hq, lq;
+    Py_ssize_t chunk;  /* output floats computed per step: whole lq-wide rows, about CHUNK */
     Py_ssize_t col_lo[MAX_STRIDE], col_hi[MAX_STRIDE];  /* per column phase: its columns from the input */
     float *prepared;  /* every input plane's phase images (dense convs), or NULL: each thread makes its own */
     Py_ssize_t plane_begin, plane_end;
@@ -49,39 +51,6 @@ typedef struct {
 #endif
 
 static Py_ssize_t ceil_div(Py_ssize_t a, Py_ssize_t b) { return a >= 0 ? (a + b - 1) / b : -((-a) / b); }
-
-/* Input plane `src` ([h, wd]) written zero-padded and split by stride phase into `dst` ([sh, sw, hq, lq]):
-   phase (a, b) holds the padded rows a, a + sh, ... and columns b, b + sw, ... (padded row t is input row
-   t - pt). Kernel tap (i, q) then reads, for every output (r, o), phase ((i*dh) % sh, (q*dw) % sw) at row
-   r + (i*dh) / sh, column o + (q*dw) / sw: over the phase image flattened row by row, one contiguous run of
-   oh * lq floats starting at ((i*dh) / sh) * lq + (q*dw) / sw (the columns past ow in each row are computed
-   and dropped). So each tap is one long, branch-free, vectorized multiply-add. */
-static inline __attribute__((always_inline)) void prepare_plane(const conv_job *j, const float *src, float *dst) {
-    const Py_ssize_t sh = j->sh, sw = j->sw, hq = j->hq, lq = j->lq;
-    for (Py_ssize_t a = 0; a < sh; a++) {
-        for (Py_ssize_t k = 0; k < hq; k++) {
-            const Py_ssize_t ih = a + k * sh - j->pt;
-            for (Py_ssize_t b = 0; b < sw; b++) {
-                float *restrict out = dst + ((a * sw + b) * hq + k) * lq;
-                if (ih < 0 || ih >= j->h) {  /* a padding row */
-                    memset(out, 0, sizeof(float) * (size_t)lq);
-                    continue;
-                }
-                const Py_ssize_t lo = j->col_lo[b], hi = j->col_hi[b];
-                const float *restrict in = src + ih * j->wd + b - j->pl;
-                memset(out, 0, sizeof(float) * (size_t)lo);
-                if (sw == 1) {
-                    memcpy(out + lo, in + lo, sizeof(float) * (size_t)(hi - lo));
-                } else if (sw == 2) {
-                    for (Py_ssize_t kk = lo; kk < hi; kk++) out[kk] = in[2 * kk];
-                } else {
-                    for (Py_ssize_t kk = lo; kk < hi; kk++) out[kk] = in[kk * sw];
-                }
-                memset(out + hi, 0, sizeof(float) * (size_t)(lq - hi));
-            }
-        }
-    }
-}
 
 #define BLOCK 32  /* outputs per register block: four 8-float vectors (AVX2: four ymm accumulators) */
 typedef float v8sf __attribute__((vector_size(32)));
@@ -105,6 +74,51 @@ static inline __attribute__((always_inline)) v8sf lower_to(v8sf u, v8sf lim) {
     const v8si m = u > lim;
     return (v8sf)(((v8si)u & ~m) | ((v8si)lim & m));
 }
+
+/* Input plane `src` ([h, wd]) written zero-padded and split by stride phase into `dst` ([sh, sw, hq, lq]):
+   phase (a, b) holds the padded rows a, a + sh, ... and columns b, b + sw, ... (padded row t is input row
+   t - pt). Kernel tap (i, q) then reads, for every output (r, o), phase ((i*dh) % sh, (q*dw) % sw) at row
+   r + (i*dh) / sh, column o + (q*dw) / sw: over the phase image flattened row by row, one contiguous run of
+   oh * lq floats starting at ((i*dh) / sh) * lq + (q*dw) / sw (the columns past ow in each row are computed
+   and dropped). So each tap is one long, branch-free, vectorized multiply-add. */
+static inline __attribute__((always_inline)) void prepare_plane(const conv_job *j, const float *src, float *dst) {
+    const Py_ssize_t sh = j->sh, sw = j->sw, hq = j->hq, lq = j->lq;
+    for (Py_ssize_t a = 0; a < sh; a++) {
+        for (Py_ssize_t k = 0; k < hq; k++) {
+            const Py_ssize_t ih = a + k * sh - j->pt;
+            for (Py_ssize_t b = 0; b < sw; b++) {
+                float *restrict out = dst + ((a * sw + b) * hq + k) * lq;
+                /* Loops, not memset/memcpy: rows are short (7-112 floats), where a libc call per row costs
+                   more than the copy (setup.py keeps gcc from turning the loops back into calls). */
+                if (ih < 0 || ih >= j->h) {  /* a padding row */
+                    for (Py_ssize_t kk = 0; kk < lq; kk++) out[kk] = 0.0f;
+                    continue;
+                }
+                const Py_ssize_t lo = j->col_lo[b], hi = j->col_hi[b];
+                const float *restrict in = src + ih * j->wd + b - j->pl;
+                for (Py_ssize_t kk = 0; kk < lo; kk++) out[kk] = 0.0f;
+                Py_ssize_t kk = lo;
+                if (sw == 1) {
+                    for (; kk < hi; kk++) out[kk] = in[kk];
+                } else if (sw == 2) {  /* every other input column: two vectors in, their even lanes out */
+                    for (; kk + 8 <= hi; kk += 8) {
+                        const v8sf u = load8(in + 2 * kk), v = load8(in + 2 * kk + 8);
+#if defined(__clang__)
+                        store8(out + kk, __builtin_shufflevector(u, v, 0, 2, 4, 6, 8, 10, 12, 14));
+#else
+                        store8(out + kk, __builtin_shuffle(u, v, (v8si){0, 2, 4, 6, 8, 10, 12, 14}));
+#endif
+                    }
+                    for (; kk < hi; kk++) out[kk] = in[2 * kk];
+                } else {
+                    for (; kk < hi; kk++) out[kk] = in[kk * sw];
+                }
+                for (kk = hi; kk < lq; kk++) out[kk] = 0.0f;
+            }
+        }
+    }
+}
+
 
 #define MB 4  /* dense convs: output channels per register block */
 
@@ -178,21 +192,23 @@ static inline __attribute__((always_inline)) void compute_planes_body(const conv
                                                                        float *restrict acc, Py_ssize_t *off) {
     const Py_ssize_t cpg = j->c / j->group, mpg = j->m / j->group;
     const Py_ssize_t sh = j->sh, sw = j->sw, hq = j->hq, lq = j->lq, plane_in = sh * sw * hq * lq;
-    const Py_ssize_t taps = cpg * j->kh * j->kw, ow = j->ow, span = j->oh * lq;
-    const Py_ssize_t stride_acc = span + BLOCK;
+    const Py_ssize_t taps = cpg * j->kh * j->kw, ow = j->ow;
     for (Py_ssize_t ci = 0, t = 0; ci < cpg; ci++)
         for (Py_ssize_t i = 0; i < j->kh; i++)
             for (Py_ssize_t q = 0; q < j->kw; q++, t++)
                 off[t] = ci * plane_in + (((i * j->dh) % sh * sw + (q * j->dw) % sw) * hq + (i * j->dh) / sh) * lq +
                          (q * j->dw) / sw;
     /* Dense convs: MB output channels of one group and sample at a time, so each input vector loaded feeds
-       MB multiply-adds (the GEMM micro-kernel's reuse); depthwise convs have one output per input plane. */
-    const Py_ssize_t mb = j->prepared ? MB : 1;
+       MB multiply-adds (the GEMM micro-kernel's reuse); depthwise convs have one output per input plane.
+       The planes reading one input (a run: same sample and group) are computed a chunk of output rows at a
+       time, every MB block of the run per chunk, so the chunk's input stays in cache across the blocks
+       instead of being streamed once per block. */
+    const Py_ssize_t mb = j->prepared ? MB : 1, chunk_rows = j->chunk / lq, stride_acc = j->chunk + BLOCK;
+    const double alpha = j->alpha, beta = j->beta;
     for (Py_ssize_t p = j->plane_begin; p < j->plane_end;) {
         const Py_ssize_t s = p / j->m, mo = p % j->m, g = mo / mpg;
-        Py_ssize_t cnt = mb;  /* planes in this step: same sample and group, inside the thread's range */
-        if (cnt > j->plane_end - p) cnt = j->plane_end - p;
-        if (cnt > (g + 1) * mpg - mo) cnt = (g + 1) * mpg - mo;
+        Py_ssize_t run = (g + 1) * mpg - mo;
+        if (run > j->plane_end - p) run = j->plane_end - p;
         const float *in0;
         if (j->prepared) {
             in0 = j->prepared + (s * j->c + g * cpg) * plane_in;
@@ -200,54 +216,60 @@ static inline __attribute__((always_inline)) void compute_planes_body(const conv
             prepare_plane(j, j->x + (s * j->c + g) * j->h * j->wd, scratch);
             in0 = scratch;
         }
-        if (cnt == MB) {
-            const float *w0 = j->w + mo * taps, *w1 = w0 + taps, *w2 = w1 + taps, *w3 = w2 + taps;
-            float *a0 = acc, *a1 = acc + stride_acc, *a2 = a1 + stride_acc, *a3 = a2 + stride_acc;
-            for (Py_ssize_t f = 0; f < span; f += 16) {
-                v8sf x0 = {0}, y0 = x0, x1 = x0, y1 = x0, x2 = x0, y2 = x0, x3 = x0, y3 = x0;
-                for (Py_ssize_t t = 0; t < taps; t++) {
-                    const float *src = in0 + off[t] + f;
-                    const v8sf u = load8(src), v = load8(src + 8);
-                    /* scalar * vector: a broadcast load (a vector initializer here became lane inserts) */
-                    x0 += w0[t] * u; y0 += w0[t] * v;
-                    x1 += w1[t] * u; y1 += w1[t] * v;
-                    x2 += w2[t] * u; y2 += w2[t] * v;
-                    x3 += w3[t] * u; y3 += w3[t] * v;
-                }
-                memcpy(a0 + f, &x0, sizeof x0); memcpy(a0 + f + 8, &y0, sizeof y0);
-                memcpy(a1 + f, &x1, sizeof x1); memcpy(a1 + f + 8, &y1, sizeof y1);
-                memcpy(a2 + f, &x2, sizeof x2); memcpy(a2 + f + 8, &y2, sizeof y2);
-                memcpy(a3 + f, &x3, sizeof x3); memcpy(a3 + f + 8, &y3, sizeof y3);
-            }
-        } else {
-            for (Py_ssize_t e = 0; e < cnt; e++) {
-                const float *wm = j->w + (mo + e) * taps;
-                float *ae = acc + e * stride_acc;
-                for (Py_ssize_t f = 0; f < span; f += BLOCK) {
-                    v8sf v0 = {0}, v1 = v0, v2 = v0, v3 = v0;
-                    for (Py_ssize_t t = 0; t < taps; t++) {
-                        const float wv = wm[t];
-                        const float *src = in0 + off[t] + f;
-                        v0 += wv * load8(src);
-                        v1 += wv * load8(src + 8);
-                        v2 += wv * load8(src + 16);
-                        v3 += wv * load8(src + 24);
+        for (Py_ssize_t r0 = 0; r0 < j->oh; r0 += chunk_rows) {
+            const Py_ssize_t r1 = r0 + chunk_rows < j->oh ? r0 + chunk_rows : j->oh, f0 = r0 * lq, f1 = r1 * lq;
+            for (Py_ssize_t e0 = 0; e0 < run; e0 += mb) {
+                const Py_ssize_t cnt = run - e0 < mb ? run - e0 : mb, mc = mo + e0;
+                if (cnt == MB) {
+                    const float *w0 = j->w + mc * taps, *w1 = w0 + taps, *w2 = w1 + taps, *w3 = w2 + taps;
+                    float *a0 = acc - f0, *a1 = a0 + stride_acc, *a2 = a1 + stride_acc, *a3 = a2 + stride_acc;
+                    for (Py_ssize_t f = f0; f < f1; f += 16) {
+                        v8sf x0 = {0}, y0 = x0, x1 = x0, y1 = x0, x2 = x0, y2 = x0, x3 = x0, y3 = x0;
+                        for (Py_ssize_t t = 0; t < taps; t++) {
+                            const float *src = in0 + off[t] + f;
+                            const v8sf u = load8(src), v = load8(src + 8);
+                            /* scalar * vector: a broadcast load (a vector initializer became lane inserts) */
+                            x0 += w0[t] * u; y0 += w0[t] * v;
+                            x1 += w1[t] * u; y1 += w1[t] * v;
+                            x2 += w2[t] * u; y2 += w2[t] * v;
+                            x3 += w3[t] * u; y3 += w3[t] * v;
+                        }
+                        store8(a0 + f, x0); store8(a0 + f + 8, y0);
+                        store8(a1 + f, x1); store8(a1 + f + 8, y1);
+                        store8(a2 + f, x2); store8(a2 + f + 8, y2);
+                        store8(a3 + f, x3); store8(a3 + f + 8, y3);
                     }
-                    memcpy(ae + f, &v0, sizeof v0);
-                    memcpy(ae + f + 8, &v1, sizeof v1);
-                    memcpy(ae + f + 16, &v2, sizeof v2);
-                    memcpy(ae + f + 24, &v3, sizeof v3);
+                } else {
+                    for (Py_ssize_t e = 0; e < cnt; e++) {
+                        const float *wm = j->w + (mc + e) * taps;
+                        float *ae = acc + e * stride_acc - f0;
+                        for (Py_ssize_t f = f0; f < f1; f += BLOCK) {
+                            v8sf v0 = {0}, v1 = v0, v2 = v0, v3 = v0;
+                            for (Py_ssize_t t = 0; t < taps; t++) {
+                                const float wv = wm[t];
+                                const float *src = in0 + off[t] + f;
+                                v0 += wv * load8(src);
+                                v1 += wv * load8(src + 8);
+                                v2 += wv * load8(src + 16);
+                                v3 += wv * load8(src + 24);
+                            }
+                            store8(ae + f, v0);
+                            store8(ae + f + 8, v1);
+                            store8(ae + f + 16, v2);
+                            store8(ae + f + 24, v3);
+                        }
+                    }
+                }
+                for (Py_ssize_t e = 0; e < cnt; e++) {  /* the first ow columns of each row, plus the bias */
+                    float *restrict yp = j->y + (p + e0 + e) * j->oh * ow;
+                    const float *restrict ae = acc + e * stride_acc;
+                    const float b0 = j->bias ? j->bias[mc + e] : 0.0f;
+                    for (Py_ssize_t r = r0; r < r1; r++)
+                        finish_row(yp + r * ow, ae + (r - r0) * lq, ow, b0, j->act, alpha, beta);
                 }
             }
         }
-        for (Py_ssize_t e = 0; e < cnt; e++) {  /* the first ow columns of each row, plus the bias */
-            float *restrict yp = j->y + (p + e) * j->oh * ow;
-            const float *restrict ae = acc + e * stride_acc;
-            const float b0 = j->bias ? j->bias[mo + e] : 0.0f;
-            const double alpha = j->alpha, beta = j->beta;
-            for (Py_ssize_t r = 0; r < j->oh; r++) finish_row(yp + r * ow, ae + r * lq, ow, b0, j->act, alpha, beta);
-        }
-        p += cnt;
+        p += run;
     }
 }
 
@@ -264,10 +286,27 @@ __attribute__((target("avx2,fma"))) static void compute_planes_avx2(const conv_j
 
 static void (*compute_planes)(const conv_job *, float *, float *, Py_ssize_t *) = compute_planes_base;
 
+/* Dense convs: every input plane's phase images, once, before the threads start (each is read by several
+   output planes). Compiled twice as compute_planes is: its stride-2 deinterleave is 8-float vector code. */
+static inline __attribute__((always_inline)) void prepare_all_body(const conv_job *j, float *dst) {
+    const Py_ssize_t plane_in = j->sh * j->sw * j->hq * j->lq;
+    for (Py_ssize_t k = 0; k < j->n * j->c; k++) prepare_plane(j, j->x + k * j->h * j->wd, dst + k * plane_in);
+}
+
+static void prepare_all_base(const conv_job *j, float *dst) { prepare_all_body(j, dst); }
+
+#ifdef KILN_X86_DISPATCH
+__attribute__((target("avx2,fma"))) static void prepare_all_avx2(const conv_job *j, float *dst) {
+    prepare_all_body(j, dst);
+}
+#endif
+
+static void (*prepare_all)(const conv_job *, float *) = prepare_all_base;
+
 static void *conv_worker(void *arg) {
     const conv_job *j = (const conv_job *)arg;
     const size_t plane_in = (size_t)(j->sh * j->sw * j->hq * j->lq) + BLOCK;
-    const size_t span = (size_t)(j->oh * j->lq) + BLOCK;  /* one plane's accumulator (stride_acc) */
+    const size_t span = (size_t)j->chunk + BLOCK;  /* one plane's accumulator for a chunk (stride_acc) */
     const size_t taps = (size_t)((j->c / j->group) * j->kh * j->kw);
     float *acc = malloc(sizeof(float) * (j->prepared ? MB * span : span + plane_in));
     Py_ssize_t *off = malloc(sizeof(Py_ssize_t) * taps);
@@ -342,6 +381,7 @@ static PyObject *direct_conv2d(PyObject *Py_UNUSED(self), PyObject *args) {
     /* phase image sizes: the output plus the largest tap shift, and one spare row for the last tap's run */
     j.hq = j.oh + ((j.kh - 1) * j.dh) / j.sh + 1;
     j.lq = j.ow + ((j.kw - 1) * j.dw) / j.sw;
+    j.chunk = j.lq >= CHUNK ? j.lq : (CHUNK / j.lq) * j.lq;
     for (Py_ssize_t b = 0; b < j.sw; b++) {  /* columns kk with 0 <= b + kk*sw - pl < wd come from the input */
         Py_ssize_t lo = ceil_div(j.pl - b, j.sw), hi = ceil_div(j.wd + j.pl - b, j.sw);
         if (lo < 0) lo = 0;
@@ -364,7 +404,7 @@ static PyObject *direct_conv2d(PyObject *Py_UNUSED(self), PyObject *args) {
         const Py_ssize_t plane_in = j.sh * j.sw * j.hq * j.lq;
         j.prepared = calloc((size_t)(j.n * j.c * plane_in + BLOCK), sizeof(float));  /* BLOCK of slack */
         if (j.prepared) {
-            for (Py_ssize_t k = 0; k < j.n * j.c; k++) prepare_plane(&j, j.x + k * j.h * j.wd, j.prepared + k * plane_in);
+            prepare_all(&j, j.prepared);
         } else {
             failed = 1;
         }
@@ -416,6 +456,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         compute_planes = compute_planes_avx2;
+        prepare_all = prepare_all_avx2;
         isa = "avx2+fma";
     }
 #endif

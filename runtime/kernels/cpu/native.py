@@ -2,11 +2,14 @@
 
 The extension is built at install where a C compiler is found (setup.py, an optional extension) and shipped
 prebuilt in wheels; without it kiln runs its numpy kernels, which stay the reference for every answer.
-``KILN_NATIVE=0`` in the environment turns the native kernels off (read once, at import).
+``KILN_NATIVE=0`` in the environment turns the native kernels off (read once, at import);
+``KILN_NATIVE_THREADS=N`` lets one call use up to N threads (default 1: see MAX_THREADS).
 
 Covered: 2-D float32 convolutions computed directly (``direct_conv2d``): depthwise convs, and dense convs
-with few multiply-adds per output (``DIRECT_MAX_TAPS``: input channels per group x kernel taps), where
-im2col + GEMM copies more than it multiplies (the 3-channel stem). The GEMM keeps the rest.
+with few multiply-adds per output (``DIRECT_MAX_TAPS``: input channels per group x kernel taps;
+``DIRECT_MAX_POINTWISE`` for 1x1), where im2col + GEMM copies more than it multiplies (the 3-channel stem).
+The GEMM keeps the rest. A covered Conv followed by Relu, HardSwish, HardSigmoid, Clip or LeakyRelu is fused
+at load into one call that applies the activation in the output pass (``fusable``, ``epilogue_kernel``).
 """
 from __future__ import annotations
 
@@ -36,6 +39,12 @@ DIRECT_MAX_POINTWISE = 24
 # A thread per this many multiply-adds at most: below ~1M a thread costs more to start (~20-30 us here) than
 # it saves (a 48x28x28 depthwise 3x3, 0.34M: 34 us on one thread, 55 on two).
 MACS_PER_THREAD = 1 << 20
+# At most this many threads per call (KILN_NATIVE_THREADS; default 1). Inside a model the convs run between
+# BLAS GEMMs, whose OpenBLAS workers keep spinning for a while after each one: a second native thread then
+# competes with a spinning BLAS thread for the core. Measured on the 2-core EPYC, MobileNetV3-style, the same
+# process, interleaved: b1 1.28 ms with one native thread against 1.39 with two, b8 9.34 against 10.17 (alone,
+# outside a model, two threads win on the large layers). Threads also stay 1 on a busy host (kernel_threads).
+MAX_THREADS = max(1, int(os.environ.get("KILN_NATIVE_THREADS", "1") or 1))
 
 
 def available() -> bool:
@@ -79,7 +88,7 @@ def direct_conv2d(w: np.ndarray, window: Any, group: int, bias: Optional[np.ndar
         pt, pl, oh, ow = g
         y = np.empty((n, m, oh, ow), np.float32)
         if y.size:
-            threads = min(kernel_threads(), max(1, y.size * taps // MACS_PER_THREAD))
+            threads = min(MAX_THREADS, kernel_threads(), max(1, y.size * taps // MACS_PER_THREAD))
             conv(x, w, b, y, n, c, h, wd, m, oh, ow, kh, kw, group, sh, sw, dh, dw, pt, pl, threads, *activation)
         return y
     return run
