@@ -52,6 +52,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"numpy {np.__version__}, flatbuffers {_dist_version('flatbuffers', 'flatbuffers') or 'missing'}")
     print(f"IR version {IR_VERSION}, opset {OPSET_VERSION} (ONNX-named ops follow ai.onnx opset {ONNX_OPSET_BASE})")
     print(f"registered ops: {len(schemas)}")
+    from kiln.runtime.kernels.cpu import native
+    if native.available():
+        print(f"native CPU kernels: yes ({native._native.isa}; direct convolutions, "
+              f"{native.MAX_THREADS} thread(s) a call)")
+    else:
+        print(f"native CPU kernels: no ({native.UNAVAILABLE}; the numpy kernels run)")
     print("optional backends:")
     for module, dist, purpose in OPTIONAL_BACKENDS:
         ver = _dist_version(module, dist)

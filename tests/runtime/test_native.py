@@ -159,12 +159,19 @@ def test_entry_point_refuses_what_does_not_match():
         _native.direct_conv2d(x, w, None, y, *args[:9], 3, *args[10:])  # 2 channels in 3 groups
 
 
-def test_kiln_native_0_turns_it_off():
+def test_kiln_native_0_turns_it_off_and_kiln_info_says_so():
     code = ("from kiln.runtime.kernels.cpu import native; import sys; "
             "print(native.available(), native.UNAVAILABLE)")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "KILN_NATIVE": "0"},
-                         capture_output=True, text=True, check=True).stdout
+    env = {**os.environ, "KILN_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.startswith("False turned off by KILN_NATIVE"), out
+    info = subprocess.run([sys.executable, "-m", "kiln", "info"], env=env, capture_output=True, text=True,
+                          check=True).stdout
+    assert "native CPU kernels: no (turned off by KILN_NATIVE; the numpy kernels run)" in info, info
+    if native.available():
+        info = subprocess.run([sys.executable, "-m", "kiln", "info"], capture_output=True, text=True,
+                              check=True).stdout
+        assert f"native CPU kernels: yes ({native._native.isa};" in info, info
 
 
 # --------------------------------------------------------------------------- a Conv and its activation
