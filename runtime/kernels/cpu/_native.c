@@ -1,6 +1,6 @@
 /* kiln's optional native CPU kernels (issue 21, issue 24 item 2): convolutions numpy cannot do in one pass.
 
-   Built at install when a C compiler is there (setup.py: an optional extension, so an install without one
+   Built at install when a C compiler is there (pyproject.toml: an optional extension, so an install without one
    still succeeds and kiln runs its numpy kernels); wheels carry it prebuilt. The numpy kernels stay the
    reference and the fallback: runtime/kernels/cpu/native.py binds these only for float32 NCHW inputs they
    cover, and tests/runtime/test_native.py checks every one against the reference.
@@ -89,7 +89,7 @@ static inline __attribute__((always_inline)) void prepare_plane(const conv_job *
             for (Py_ssize_t b = 0; b < sw; b++) {
                 float *restrict out = dst + ((a * sw + b) * hq + k) * lq;
                 /* Loops, not memset/memcpy: rows are short (7-112 floats), where a libc call per row costs
-                   more than the copy (setup.py keeps gcc from turning the loops back into calls). */
+                   more than the copy (pyproject.toml keeps gcc from turning the loops back into calls). */
                 if (ih < 0 || ih >= j->h) {  /* a padding row */
                     for (Py_ssize_t kk = 0; kk < lq; kk++) out[kk] = 0.0f;
                     continue;

@@ -1,6 +1,6 @@
 """kiln's optional native CPU kernels (``_native.c``): what they cover, and the switch.
 
-The extension is built at install where a C compiler is found (setup.py, an optional extension) and shipped
+The extension is built at install where a C compiler is found (pyproject.toml, an optional extension) and shipped
 prebuilt in wheels; without it kiln runs its numpy kernels, which stay the reference for every answer.
 ``KILN_NATIVE=0`` in the environment turns the native kernels off (read once, at import);
 ``KILN_NATIVE_THREADS=N`` lets one call use up to N threads (default 1: see MAX_THREADS).
@@ -28,7 +28,7 @@ if os.environ.get("KILN_NATIVE", "1").strip().lower() in ("0", "false", "no", "o
 else:
     try:
         from kiln.runtime.kernels.cpu import _native
-    except ImportError as e:  # not built: no C compiler at install (setup.py's extension is optional)
+    except ImportError as e:  # not built: no C compiler at install (pyproject.toml declares it optional)
         UNAVAILABLE = f"not built at install, reinstall with a C compiler present ({e})"
 
 # Dense convs with at most this many multiply-adds per output go direct, 1x1 convs with at most this many input
