@@ -38,6 +38,9 @@ CONVS = [  # (x shape, w shape, attrs, fast path)
     ((2, 8, 9, 9), (8, 1, 3, 3), {"group": 8, "pads": [1, 1, 1, 1]}, "_depthwise"),
     ((1, 6, 11, 11), (6, 1, 5, 5), {"group": 6, "strides": [2, 2], "auto_pad": "SAME_LOWER"}, "_depthwise"),
     ((1, 4, 8, 8), (8, 1, 3, 3), {"group": 4}, "_im2col"),  # depth multiplier 2
+    ((2, 3, 64, 64), (12, 3, 16, 16), {"strides": [16, 16]}, "_patchify"),  # a ViT patch embedding
+    ((1, 3, 35, 30), (5, 3, 8, 7), {"strides": [8, 7], "auto_pad": "VALID"}, "_patchify"),  # leftover rows/cols
+    ((1, 3, 32, 32), (5, 3, 8, 8), {"strides": [8, 8], "pads": [1, 1, 1, 1]}, "_im2col"),  # padded: not tiles
 ]
 
 

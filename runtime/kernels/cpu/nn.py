@@ -54,6 +54,9 @@ def conv(node, attrs) -> Callable[..., Any]:
     elif w.shape[2:] == (1, 1) and group == 1 and window.pads == (0,) * 4 and window.auto_pad == "NOTSET":
         body = _pointwise(w, window)
         bias_col = None if bias is None else bias.reshape(m, 1)
+    elif _is_patchify(w, window, group):
+        body = _patchify(w)
+        bias_col = None if bias is None else bias.reshape(m, 1)
     else:
         body = _im2col(w, window, group, bias)
 
@@ -62,6 +65,30 @@ def conv(node, attrs) -> Callable[..., Any]:
         if bias_col is not None:
             y3 = y.reshape(y.shape[0], m, -1)
             y3 += bias_col
+        return y
+    return run
+
+
+def _is_patchify(w: np.ndarray, window, group: int) -> bool:
+    """A ViT patch embedding: windows that tile the input (stride = kernel, no padding, no dilation)."""
+    return (group == 1 and tuple(window.strides) == tuple(w.shape[2:]) and window.dilations == (1, 1)
+            and window.pads == (0,) * 4 and window.auto_pad in ("NOTSET", "VALID"))
+
+
+def _patchify(w: np.ndarray) -> Callable:
+    """Non-overlapping windows: the columns are the input's patches, one reshape-and-transpose copy (no tap
+    loop: a 16x16 patch over 3 channels is 768 taps, which the im2col's per-tap slices took 0.9 ms to gather
+    at 64x64), then one GEMM per sample straight into the output."""
+    m, c, kh, kw = w.shape
+    w2 = np.ascontiguousarray(w.reshape(m, c * kh * kw))
+
+    def run(x):
+        n, _, h, wd = x.shape
+        oh, ow = h // kh, wd // kw
+        patches = x[:, :, :oh * kh, :ow * kw].reshape(n, c, oh, kh, ow, kw).transpose(0, 1, 3, 5, 2, 4)
+        cols = patches.reshape(n, c * kh * kw, oh * ow)
+        y = np.empty((n, m, oh, ow), x.dtype)
+        np.matmul(w2, cols, out=y.reshape(n, m, oh * ow))
         return y
     return run
 
