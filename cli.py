@@ -54,8 +54,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"registered ops: {len(schemas)}")
     from kiln.runtime.kernels.cpu import native
     if native.available():
-        print(f"native CPU kernels: yes ({native._native.isa}; direct convolutions, "
-              f"{native.MAX_THREADS} thread(s) a call)")
+        print(f"native CPU kernels: yes ({native._native.isa}; direct convolutions, Gelu, LayerNorm and Softmax "
+              f"rows; {native.MAX_THREADS} thread(s) a call)")
     else:
         print(f"native CPU kernels: no ({native.UNAVAILABLE}; the numpy kernels run)")
     print("optional backends:")

@@ -241,3 +241,94 @@ def test_what_is_not_fused():
     # a dense conv past the direct kernel's taps stays the GEMM's, unfused
     assert [n.op for n in kiln.load(conv_act_graph("Relu", w_shape=(4, 4, 3, 3), group=1)).graph.nodes] == \
         ["Conv", "Relu"]
+
+
+# --------------------------------------------------------------------------- row kernels
+def _tolerance_ratio(got: np.ndarray, want: np.ndarray) -> float:
+    """max |got - want| / (1e-5 |want| + 1e-6): below 1 is within the op conformance tolerance."""
+    return float(np.max(np.abs(got.astype(np.float64) - want) / (1e-5 * np.abs(want) + 1e-6)))
+
+
+@needs_native
+@pytest.mark.parametrize("n", [1, 7, 8, 15, 16, 17, 40, 65536 + 3])
+def test_gelu_against_float64_and_the_numpy_kernel(n):
+    from kiln.ir.ops.activation import _gelu64
+    from kiln.runtime.kernels.cpu import activation
+    x = (RNG.standard_normal(n) * 4).astype(np.float32)
+    got = native.gelu(x, activation._GELU_NEG_H_ARRAY)
+    assert _tolerance_ratio(got, _gelu64(x.astype(np.float64), "none")) < 0.1
+    edge = np.array([0.0, -0.0, 1e-30, -1e-30, 5, -5, 10, -10, 100, -100, np.inf, -np.inf, np.nan, 3e38, -3e38],
+                    np.float32)
+    real = native._native
+    try:
+        native._native = None
+        with np.errstate(invalid="ignore"):
+            numpy_kernel = activation._gelu_erf(edge)
+    finally:
+        native._native = real
+    np.testing.assert_array_equal(native.gelu(edge, activation._GELU_NEG_H_ARRAY), numpy_kernel)
+
+
+@needs_native
+@pytest.mark.parametrize("rows,n", [(1, 1), (3, 7), (5, 8), (4, 17), (64, 128), (2, 1000)])
+def test_softmax_rows_against_float64(rows, n):
+    x = (RNG.standard_normal((rows, n)) * 6).astype(np.float32)
+    x64 = x.astype(np.float64)
+    want = np.exp(x64 - x64.max(1, keepdims=True))
+    want /= want.sum(1, keepdims=True)
+    got = native.softmax(x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+@needs_native
+def test_softmax_rows_with_infinities_and_nan_follow_the_reference_steps():
+    from kiln.runtime.kernels.cpu import norm
+    x = np.array([[0, 1, np.inf, 2, 0, 1, 2, 3, 4],          # +inf: inf - inf is NaN, so is the whole row
+                  [0, -np.inf, 1, 2, 0, 1, 2, 3, 4],          # -inf: exp gives 0 there
+                  [-np.inf] * 9,                              # all -inf: NaN
+                  [np.nan, 1, 2, 3, 0, 1, 2, 3, 4],           # NaN first, in the vector part
+                  [1, 2, 3, 4, 0, 1, 2, 3, np.nan],           # NaN in the tail
+                  [-200, -150, 0, 1, 2, -90, 3, 4, 5]],       # exps below FLT_MIN come out 0
+                 np.float32)
+    with np.errstate(invalid="ignore"):
+        want = norm._softmax_exact(x.copy(), -1)
+    np.testing.assert_allclose(native.softmax(x), want, rtol=1e-6, atol=1e-30, equal_nan=True)
+
+
+@needs_native
+@pytest.mark.parametrize("n,bias,scalar_scale", [(1, True, False), (7, False, False), (16, True, False),
+                                                  (33, True, True), (768, True, False)])
+def test_layer_norm_rows_against_float64(n, bias, scalar_scale):
+    x = (RNG.standard_normal((9, n)) * 3 + 2).astype(np.float32)
+    scale = np.float32(1.7) * np.ones(1, np.float32) if scalar_scale else RNG.standard_normal(n).astype(np.float32)
+    b = RNG.standard_normal(n).astype(np.float32) if bias else None
+    x64 = x.astype(np.float64)
+    mean = x64.mean(1, keepdims=True)
+    want = (x64 - mean) / np.sqrt(((x64 - mean) ** 2).mean(1, keepdims=True) + 1e-5) * scale + (0 if b is None else b)
+    np.testing.assert_allclose(native.layer_norm(x, scale, b, 1e-5), want, rtol=1e-5, atol=2e-6)
+
+
+@needs_native
+def test_the_programs_take_the_row_kernels(monkeypatch):
+    """Gelu, LayerNormalization and Softmax over the last axis run natively in a loaded model, and equal the
+    reference; a Softmax over another axis keeps the numpy kernel."""
+    from kiln.ir.graph import Graph
+    g = Graph("rows")
+    x = g.add_input("x", "float32", ["batch", 5, 24])
+    ln = g.op("LayerNormalization", x, g.add_initializer("s", RNG.standard_normal(24).astype(np.float32)),
+              g.add_initializer("b", RNG.standard_normal(24).astype(np.float32)), axis=-1, epsilon=1e-5)
+    sm = g.op("Softmax", g.op("Gelu", ln), axis=-1)
+    g.outputs = [sm, g.op("Softmax", sm, axis=1)]
+    calls = []
+    real = native._native
+
+    class Spy:
+        def __getattr__(self, name):
+            fn = getattr(real, name)
+            return lambda *a: (calls.append(name), fn(*a))[1]
+    monkeypatch.setattr(native, "_native", Spy())
+    feeds = [RNG.standard_normal((3, 5, 24)).astype(np.float32)]
+    got = Program(g).run(feeds, as_list=True)
+    assert sorted(calls) == ["gelu", "layer_norm", "softmax"]
+    for a, b in zip(got, evaluate(g, feeds)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -321,6 +321,201 @@ static void *conv_worker(void *arg) {
     return NULL;
 }
 
+
+/* ------------------------------------------------------------------------------------------- row kernels
+   Gelu (exact, erf), LayerNormalization and Softmax over the last axis: one or two passes over each row
+   where numpy makes 5-15 (native.py binds them; the numpy kernels stay the fallback and the reference).
+
+   exp8: Cephes' expf on 8 lanes (range reduction by ln 2 in two parts, a degree-5 polynomial, 2^n from the
+   exponent bits): within 2 ulp of expf for results of at least FLT_MIN; results below it are 0 (no
+   subnormals), above FLT_MAX inf; NaN stays NaN. */
+static inline __attribute__((always_inline)) v8sf exp8(v8sf x) {
+    const v8sf zero = {0}, hi = zero + 88.72283935546875f, lo = zero + -87.33654022216797f;
+    const v8si over = x > hi, under = x < lo;
+    v8sf t = raise_to(lower_to(x, hi), lo);
+    v8sf fx = t * 1.44269504088896341f + 0.5f;
+    v8si n = __builtin_convertvector(fx, v8si);  /* truncation: floor for fx >= 0, one too high below */
+    v8sf fn = __builtin_convertvector(n, v8sf);
+    const v8si above = fn > fx;
+    n = n + above;                                 /* true lanes are -1 */
+    fn = __builtin_convertvector(n, v8sf);
+    t = t - fn * 0.693359375f - fn * -2.12194440e-4f;
+    const v8sf z = t * t;
+    v8sf y = ((((1.9875691500e-4f * t + 1.3981999507e-3f) * t + 8.3334519073e-3f) * t + 4.1665795894e-2f) * t +
+              1.6666665459e-1f) * t + 5.0000001201e-1f;
+    y = y * z + t + 1.0f;
+    const v8si bits = (n + 127) << 23;
+    v8sf p2;
+    memcpy(&p2, &bits, sizeof p2);
+    y = y * p2;
+    const v8sf inf = zero + __builtin_inff();
+    y = (v8sf)(((v8si)y & ~over) | ((v8si)inf & over));
+    y = (v8sf)((v8si)y & ~under);
+    return y;
+}
+
+/* Gelu(x) = x * Phi(x) = x / (1 + exp(-x * h(x^2))): activation.py's formula (its polynomial, negated: `negh`,
+   highest power first), 8 lanes at a time; a tail shorter than 8 goes through a zero-padded vector. */
+static inline __attribute__((always_inline)) v8sf gelu8(v8sf x, const float *negh, int terms) {
+    const v8sf sq = x * x;
+    v8sf acc = sq * negh[0] + negh[1];
+    for (int k = 2; k < terms; k++) acc = acc * sq + negh[k];
+    return x / (1.0f + exp8(acc * x));
+}
+
+static inline __attribute__((always_inline)) void gelu_body(const float *x, float *y, Py_ssize_t n,
+                                                            const float *negh, int terms) {
+    Py_ssize_t i = 0;
+    for (; i + 16 <= n; i += 16) {  /* two independent vectors in flight */
+        const v8sf a = gelu8(load8(x + i), negh, terms), b = gelu8(load8(x + i + 8), negh, terms);
+        store8(y + i, a);
+        store8(y + i + 8, b);
+    }
+    for (; i + 8 <= n; i += 8) store8(y + i, gelu8(load8(x + i), negh, terms));
+    if (i < n) {
+        float in[8] = {0}, out[8];
+        memcpy(in, x + i, sizeof(float) * (size_t)(n - i));
+        store8(out, gelu8(load8(in), negh, terms));
+        memcpy(y + i, out, sizeof(float) * (size_t)(n - i));
+    }
+}
+
+static inline __attribute__((always_inline)) float hsum8(v8sf v) {
+    float a[8];
+    memcpy(a, &v, sizeof a);
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+/* The sum of n floats: 8 lanes x 2 vectors of float32 partial sums (each over n/16 terms, as short as a
+   pairwise sum's leaves), added up in double. */
+static inline __attribute__((always_inline)) double sum_floats(const float *x, Py_ssize_t n) {
+    v8sf a = {0}, b = a;
+    Py_ssize_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        a += load8(x + i);
+        b += load8(x + i + 8);
+    }
+    float la[8], lb[8];
+    memcpy(la, &a, sizeof la);
+    memcpy(lb, &b, sizeof lb);
+    double s = 0.0;
+    for (int k = 0; k < 8; k++) s += (double)la[k] + (double)lb[k];
+    for (; i < n; i++) s += x[i];
+    return s;
+}
+
+/* sum of (x - mean)^2 the same way */
+static inline __attribute__((always_inline)) double sum_squares(const float *x, Py_ssize_t n, float mean) {
+    const v8sf m = (v8sf){0} + mean;
+    v8sf a = {0}, b = a;
+    Py_ssize_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const v8sf d = load8(x + i) - m, e = load8(x + i + 8) - m;
+        a += d * d;
+        b += e * e;
+    }
+    float la[8], lb[8];
+    memcpy(la, &a, sizeof la);
+    memcpy(lb, &b, sizeof lb);
+    double s = 0.0;
+    for (int k = 0; k < 8; k++) s += (double)la[k] + (double)lb[k];
+    for (; i < n; i++) {
+        const double d = (double)(x[i] - mean);
+        s += d * d;
+    }
+    return s;
+}
+
+/* LayerNorm of each row of n: mean and variance from float32 partial sums added in double, then
+   (x - mean) * (1 / sqrt(var + eps)) * scale + bias in float32 as the reference does. */
+static inline __attribute__((always_inline)) void layer_norm_body(const float *x, float *y, Py_ssize_t rows,
+                                                                  Py_ssize_t n, const float *scale,
+                                                                  const float *bias, float eps) {
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        const float mean = (float)(sum_floats(xr, n) / (double)n);
+        const float var = (float)(sum_squares(xr, n, mean) / (double)n) + eps;
+        const float inv = 1.0f / __builtin_sqrtf(var);
+        if (bias) {
+            for (Py_ssize_t i = 0; i < n; i++) yr[i] = (xr[i] - mean) * inv * scale[i] + bias[i];
+        } else {
+            for (Py_ssize_t i = 0; i < n; i++) yr[i] = (xr[i] - mean) * inv * scale[i];
+        }
+    }
+}
+
+/* Softmax of each row of n: exp(x - row max) / its sum (the sum in double). A row whose max is +-inf or NaN
+   comes out as the reference's steps give it: NaN where inf - inf or NaN appears, exp(-inf) = 0 elsewhere. */
+static inline __attribute__((always_inline)) void softmax_body(const float *x, float *y, Py_ssize_t rows,
+                                                               Py_ssize_t n) {
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        /* the row max, and whether a NaN is in the row (x != x), 8 lanes at a time */
+        v8sf vm = (v8sf){0} - __builtin_inff();
+        v8si bad = {0};
+        Py_ssize_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const v8sf v = load8(xr + i);
+            bad |= v != v;
+            vm = raise_to(vm, v);
+        }
+        float lanes[8];
+        memcpy(lanes, &vm, sizeof lanes);
+        float mx = lanes[0];
+        for (int k = 1; k < 8; k++) mx = lanes[k] > mx ? lanes[k] : mx;
+        int nan = 0;
+        for (int k = 0; k < 8; k++) nan |= bad[k];
+        for (; i < n; i++) {
+            nan |= xr[i] != xr[i];
+            mx = xr[i] > mx ? xr[i] : mx;
+        }
+        if (nan) mx = __builtin_nanf("");
+        const v8sf vmx = (v8sf){0} + mx;
+        v8sf acc = {0};
+        i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const v8sf e = exp8(load8(xr + i) - vmx);
+            store8(yr + i, e);
+            acc += e;
+        }
+        double s = hsum8(acc);
+        if (i < n) {
+            float in[8], out[8];
+            for (int k = 0; k < 8; k++) in[k] = i + k < n ? xr[i + k] : -__builtin_inff();
+            store8(out, exp8(load8(in) - vmx));
+            for (Py_ssize_t k = 0; i + k < n; k++) {
+                yr[i + k] = out[k];
+                s += out[k];
+            }
+        }
+        const float inv = (float)(1.0 / s);
+        for (i = 0; i < n; i++) yr[i] *= inv;
+    }
+}
+
+#define DISPATCHED(name, params, args)                                                                     \
+    static void name##_base params { name##_body args; }                                                    \
+    DISPATCHED_AVX2(name, params, args)                                                                     \
+    static void(*name) params = name##_base;
+#ifdef KILN_X86_DISPATCH
+#define DISPATCHED_AVX2(name, params, args) \
+    __attribute__((target("avx2,fma"))) static void name##_avx2 params { name##_body args; }
+#else
+#define DISPATCHED_AVX2(name, params, args)
+#endif
+
+#define gelu_rows_body gelu_body
+#define layer_norm_rows_body layer_norm_body
+#define softmax_rows_body softmax_body
+DISPATCHED(gelu_rows, (const float *x, float *y, Py_ssize_t n, const float *negh, int terms),
+           (x, y, n, negh, terms))
+DISPATCHED(layer_norm_rows, (const float *x, float *y, Py_ssize_t rows, Py_ssize_t n, const float *scale,
+                             const float *bias, float eps), (x, y, rows, n, scale, bias, eps))
+DISPATCHED(softmax_rows, (const float *x, float *y, Py_ssize_t rows, Py_ssize_t n), (x, y, rows, n))
+
+
 static int as_float32(PyObject *obj, Py_buffer *view, const char *what, int writable) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
         return -1;
@@ -438,8 +633,89 @@ done:
     return result;
 }
 
+/* Python entry points of the row kernels: float32 C-contiguous buffers, sizes checked against them. */
+PyDoc_STRVAR(gelu_doc, "gelu(x, y, negh): y = Gelu(x) (exact), float32 buffers of one size; negh: the polynomial.");
+
+static PyObject *gelu(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *xo, *yo, *ho;
+    if (!PyArg_ParseTuple(args, "OOO", &xo, &yo, &ho)) return NULL;
+    Py_buffer xb, yb, hb;
+    if (as_float32(xo, &xb, "x", 0) < 0) return NULL;
+    if (as_float32(yo, &yb, "y", 1) < 0) { PyBuffer_Release(&xb); return NULL; }
+    if (as_float32(ho, &hb, "negh", 0) < 0) { PyBuffer_Release(&xb); PyBuffer_Release(&yb); return NULL; }
+    PyObject *result = NULL;
+    const int terms = (int)(hb.len / 4);
+    if (xb.len != yb.len || terms < 2 || terms > 16) {
+        PyErr_SetString(PyExc_ValueError, "gelu: x and y must have one size, negh 2 to 16 terms");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        gelu_rows(xb.buf, yb.buf, xb.len / 4, hb.buf, terms);
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&xb); PyBuffer_Release(&yb); PyBuffer_Release(&hb);
+    return result;
+}
+
+PyDoc_STRVAR(layer_norm_doc, "layer_norm(x, y, n, scale, bias, eps): LayerNorm over rows of n (bias may be None).");
+
+static PyObject *layer_norm(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *xo, *yo, *so, *bo;
+    Py_ssize_t n;
+    float eps;
+    if (!PyArg_ParseTuple(args, "OOnOOf", &xo, &yo, &n, &so, &bo, &eps)) return NULL;
+    Py_buffer xb, yb, sb, bb;
+    int has_bias = bo != Py_None;
+    if (as_float32(xo, &xb, "x", 0) < 0) return NULL;
+    if (as_float32(yo, &yb, "y", 1) < 0) { PyBuffer_Release(&xb); return NULL; }
+    if (as_float32(so, &sb, "scale", 0) < 0) { PyBuffer_Release(&xb); PyBuffer_Release(&yb); return NULL; }
+    if (has_bias && as_float32(bo, &bb, "bias", 0) < 0) {
+        PyBuffer_Release(&xb); PyBuffer_Release(&yb); PyBuffer_Release(&sb);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    if (n <= 0 || xb.len != yb.len || xb.len % (4 * n) || sb.len != 4 * n || (has_bias && bb.len != 4 * n)) {
+        PyErr_SetString(PyExc_ValueError, "layer_norm: x and y of one size, a multiple of n; scale and bias of n");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        layer_norm_rows(xb.buf, yb.buf, xb.len / (4 * n), n, sb.buf, has_bias ? bb.buf : NULL, eps);
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&xb); PyBuffer_Release(&yb); PyBuffer_Release(&sb); if (has_bias) PyBuffer_Release(&bb);
+    return result;
+}
+
+PyDoc_STRVAR(softmax_doc, "softmax(x, y, n): Softmax over rows of n.");
+
+static PyObject *softmax(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *xo, *yo;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OOn", &xo, &yo, &n)) return NULL;
+    Py_buffer xb, yb;
+    if (as_float32(xo, &xb, "x", 0) < 0) return NULL;
+    if (as_float32(yo, &yb, "y", 1) < 0) { PyBuffer_Release(&xb); return NULL; }
+    PyObject *result = NULL;
+    if (n <= 0 || xb.len != yb.len || xb.len % (4 * n)) {
+        PyErr_SetString(PyExc_ValueError, "softmax: x and y of one size, a multiple of n");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        softmax_rows(xb.buf, yb.buf, xb.len / (4 * n), n);
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&xb); PyBuffer_Release(&yb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"direct_conv2d", direct_conv2d, METH_VARARGS, direct_conv2d_doc},
+    {"gelu", gelu, METH_VARARGS, gelu_doc},
+    {"layer_norm", layer_norm, METH_VARARGS, layer_norm_doc},
+    {"softmax", softmax, METH_VARARGS, softmax_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -457,6 +733,9 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
         compute_planes = compute_planes_avx2;
         prepare_all = prepare_all_avx2;
+        gelu_rows = gelu_rows_avx2;
+        layer_norm_rows = layer_norm_rows_avx2;
+        softmax_rows = softmax_rows_avx2;
         isa = "avx2+fma";
     }
 #endif

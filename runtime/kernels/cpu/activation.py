@@ -14,7 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kiln.numerics import erf_into, horner_into
-from kiln.runtime.kernels.cpu import kernel, reference_kernel
+from kiln.runtime.kernels.cpu import kernel, native, reference_kernel
 from kiln.runtime.kernels.cpu.linalg import input_dtype
 from kiln.runtime.plan import ufunc_inplace
 
@@ -86,7 +86,12 @@ _GELU_NEG_H = tuple(F32.type(-c) for c in (
     -6.977991844739546e-05, 7.267460300584773e-02, 1.5957653281068669))
 
 
+_GELU_NEG_H_ARRAY = np.array(_GELU_NEG_H, F32)
+
+
 def _gelu_erf(x: np.ndarray) -> np.ndarray:
+    if native.rows_ok(x):  # the same formula and polynomial in one native pass
+        return native.gelu(x, _GELU_NEG_H_ARRAY)
     # Flat, so that 0-d inputs stay arrays through the arithmetic (ufuncs return scalars there).
     flat = x.reshape(-1)
     out = np.empty(flat.shape, F32)

@@ -10,6 +10,8 @@ with few multiply-adds per output (``DIRECT_MAX_TAPS``: input channels per group
 ``DIRECT_MAX_POINTWISE`` for 1x1), where im2col + GEMM copies more than it multiplies (the 3-channel stem).
 The GEMM keeps the rest. A covered Conv followed by Relu, HardSwish, HardSigmoid, Clip or LeakyRelu is fused
 at load into one call that applies the activation in the output pass (``fusable``, ``epilogue_kernel``).
+Also row kernels for float32 C-contiguous arrays: exact Gelu (the numpy kernel's formula, one pass),
+LayerNormalization and Softmax over the last axis (one or two passes per row where numpy makes 5-15).
 """
 from __future__ import annotations
 
@@ -188,3 +190,34 @@ def epilogue_kernel(node: Any, attrs: dict) -> Optional[Callable]:
     def run(x: np.ndarray, *rest: Any) -> np.ndarray:  # rest: the weights and the activation's bounds
         return body_run(x)
     return run
+
+
+# ----------------------------------------------------------------------------- row kernels
+def rows_ok(x: np.ndarray) -> bool:
+    """Whether the row kernels take ``x``: float32, C-contiguous (as the runtime's arrays almost always are)."""
+    return _native is not None and x.dtype == np.float32 and x.flags.c_contiguous and x.size > 0
+
+
+def gelu(x: np.ndarray, neg_h: np.ndarray) -> np.ndarray:
+    """Exact Gelu of a float32 C-contiguous ``x`` (rows_ok) as x / (1 + exp(x * neg_h(x^2))): the numpy kernel's
+    formula and polynomial (``neg_h``, float32, highest power first), one pass."""
+    y = np.empty_like(x)
+    _native.gelu(x, y, neg_h)
+    return y
+
+
+def layer_norm(x: np.ndarray, scale: np.ndarray, bias: Optional[np.ndarray], eps: float) -> np.ndarray:
+    """LayerNormalization over the last axis of ``x`` (rows_ok) with per-column ``scale``/``bias`` (float32)."""
+    n = x.shape[-1]
+    y = np.empty_like(x)
+    _native.layer_norm(x, y, n, np.ascontiguousarray(np.broadcast_to(scale, (n,)), np.float32),
+                       None if bias is None else np.ascontiguousarray(np.broadcast_to(bias, (n,)), np.float32),
+                       float(eps))
+    return y
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis of ``x`` (rows_ok)."""
+    y = np.empty_like(x)
+    _native.softmax(x, y, x.shape[-1])
+    return y

@@ -11,7 +11,7 @@ import numpy as np
 
 from kiln.ir.dtypes import DType
 from kiln.ir.types import normalize_axis
-from kiln.runtime.kernels.cpu import kernel, reference_kernel
+from kiln.runtime.kernels.cpu import kernel, native, reference_kernel
 from kiln.runtime.kernels.cpu.linalg import BLAS_DTYPES, const_input, input_dtype
 
 
@@ -43,6 +43,9 @@ def layer_norm(node, attrs) -> Callable[..., Any]:
     stats_wanted = len(node.outputs) > 1
 
     def run(x, scale, b=None):
+        if not stats_wanted and native.rows_ok(x) and _per_column(x, attrs["axis"], scale, b) \
+                and scale.dtype == x.dtype and (b is None or b.dtype == x.dtype):
+            return native.layer_norm(x, scale, b, eps)  # one native pass per row
         if _blockable(x, attrs["axis"], scale, b) and not stats_wanted:
             return _by_row_blocks(x, lambda rows, out: _layer_norm_rows(rows, scale, b, eps, out))
         axes = tuple(range(normalize_axis(attrs["axis"], x.ndim), x.ndim))
@@ -80,10 +83,15 @@ def _by_row_blocks(x: np.ndarray, fn: Callable) -> np.ndarray:
     return out.reshape(x.shape)
 
 
+def _per_column(x: np.ndarray, axis: int, scale: np.ndarray, b) -> bool:
+    """A LayerNorm over the last axis alone, with per-column scale and bias."""
+    return (x.ndim > 0 and scale.ndim <= 1 and (b is None or b.ndim <= 1)
+            and normalize_axis(axis, x.ndim) == x.ndim - 1)
+
+
 def _blockable(x: np.ndarray, axis: int, scale: np.ndarray, b) -> bool:
     """A large LayerNorm over the last axis alone, with per-column scale and bias."""
-    per_column = scale.ndim <= 1 and (b is None or b.ndim <= 1)
-    return per_column and x.size > _BLOCK and normalize_axis(axis, x.ndim) == x.ndim - 1
+    return _per_column(x, axis, scale, b) and x.size > _BLOCK
 
 
 def _layer_norm_rows(rows: np.ndarray, scale: np.ndarray, b, eps: float, out: np.ndarray) -> None:
@@ -113,6 +121,8 @@ def softmax(node, attrs) -> Callable[..., Any]:
 
     def run(x):
         if x.ndim and x.size and normalize_axis(axis, x.ndim) == x.ndim - 1:
+            if native.rows_ok(x):
+                return native.softmax(x)  # exp and sum in one native pass per row
             return _by_row_blocks(x, _softmax_rows)
         return _softmax_exact(x, axis)
     return run
