@@ -55,7 +55,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from kiln.runtime.kernels.cpu import native
     if native.available():
         print(f"native CPU kernels: yes ({native._native.isa}; direct convolutions, Gelu, LayerNorm and Softmax "
-              f"rows; {native.MAX_THREADS} thread(s) a call)")
+              f"rows, fused elementwise chains; {native.MAX_THREADS} thread(s) a call)")
     else:
         print(f"native CPU kernels: no ({native.UNAVAILABLE}; the numpy kernels run)")
     print("optional backends:")

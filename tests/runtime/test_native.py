@@ -332,3 +332,90 @@ def test_the_programs_take_the_row_kernels(monkeypatch):
     assert sorted(calls) == ["gelu", "layer_norm", "softmax"]
     for a, b in zip(got, evaluate(g, feeds)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- fused elementwise chains
+def _load_both(g):
+    """(native program, numpy program) of ``g``: kiln.load with the extension, and with it off."""
+    import kiln
+    real = native._native
+    fused = kiln.load(g)
+    native._native = None
+    try:
+        plain = kiln.load(g)
+    finally:
+        native._native = real
+    return fused, plain
+
+
+def _special(shape):
+    x = (RNG.standard_normal(shape) * 3).astype(np.float32)
+    flat = x.reshape(-1)
+    flat[:6] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40][:flat.size] if flat.size >= 6 else flat[:6]
+    return x
+
+
+@needs_native
+@pytest.mark.parametrize("shape,const_shapes", [
+    ((3, 5, 40), [(), (40,), (1, 1, 40), (1, 5, 40), (5, 40)]),   # scalar, bias, periodic
+    ((2, 2050), [(1,), (2050,), (1, 2050)]),                        # across a chunk boundary
+    ((1, 8), [(1, 8), ()]),
+])
+def test_fused_chains_answer_bit_for_bit_as_the_numpy_kernels(shape, const_shapes):
+    """A chain of every op the extension runs (Add, Sub, Mul, Div, Max, Min, Neg, Abs, Relu, Sqrt) over
+    full-size, scalar and periodic operands, NaN, infinities and signed zeros included: kiln.load fuses it
+    into one FusedElementwise run natively, and every output bit equals the unfused numpy kernels'."""
+    from kiln.ir.graph import Graph
+    g = Graph("chain")
+    x = g.add_input("x", "float32", ["batch", *shape[1:]])
+    y = g.add_input("y", "float32", ["batch", *shape[1:]])
+    consts = [g.add_initializer(f"c{k}", (RNG.standard_normal(s) + 0.5).astype(np.float32))
+              for k, s in enumerate(const_shapes)]
+    h = g.op("Add", x, consts[0])
+    h = g.op("Mul", h, y)
+    h = g.op("Sub", h, consts[1 % len(consts)])
+    side = g.op("Relu", h)                      # a second output from the middle of the chain
+    h = g.op("Div", side, consts[-1])
+    h = g.op("Max", h, g.op("Neg", y))
+    h = g.op("Min", h, consts[0])
+    h = g.op("Sqrt", g.op("Abs", h))
+    g.outputs = [h, side]
+    fused, plain = _load_both(g)
+    assert [n.op for n in fused.graph.nodes] == ["FusedElementwise"]
+    assert fused.plan.instructions[0].kernel.__qualname__.startswith("elementwise_kernel.")
+    feeds = {"x": _special(shape), "y": (RNG.standard_normal(shape)).astype(np.float32)}
+    got, want = fused.run(feeds), plain.run(feeds)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+        assert np.array_equal(np.signbit(got[name]), np.signbit(want[name])), name
+
+
+@needs_native
+def test_fused_chains_with_a_per_channel_operand_take_the_nested_plan():
+    """[1, C, 1, 1] under [N, C, H, W] is neither full, scalar nor a suffix: that call runs the nested plan,
+    and answers as the unfused graph does."""
+    from kiln.ir.graph import Graph
+    g = Graph("per_channel")
+    x = g.add_input("x", "float32", ["batch", 4, 5, 6])
+    scale = g.add_initializer("s", RNG.standard_normal((1, 4, 1, 1)).astype(np.float32))
+    g.outputs = [g.op("Relu", g.op("Mul", x, scale))]
+    fused, plain = _load_both(g)
+    assert [n.op for n in fused.graph.nodes] == ["FusedElementwise"]
+    feeds = {"x": RNG.standard_normal((2, 4, 5, 6)).astype(np.float32)}
+    np.testing.assert_array_equal(fused.run(feeds)[fused.outputs[0].name], plain.run(feeds)[plain.outputs[0].name])
+
+
+@needs_native
+def test_only_float32_chains_of_its_ops_are_fused_at_load():
+    from kiln.ir.graph import Graph
+    g = Graph("f64")
+    x = g.add_input("x", "float64", [2, 3])
+    g.outputs = [g.op("Relu", g.op("Add", x, x))]
+    fused, _ = _load_both(g)
+    assert [n.op for n in fused.graph.nodes] == ["FusedElementwise"]  # grouped, but not native: float64
+    assert not fused.plan.instructions[0].kernel.__qualname__.startswith("elementwise_kernel.")
+    np.testing.assert_array_equal(fused.run({"x": np.ones((2, 3))})[fused.outputs[0].name], np.full((2, 3), 2.0))
+    h = Graph("exp")
+    x = h.add_input("x", "float32", [2, 3])
+    h.outputs = [h.op("Exp", h.op("Add", x, x))]  # Exp is not among the extension's ops: nothing fused
+    assert [n.op for n in _load_both(h)[0].graph.nodes] == ["Add", "Exp"]

@@ -516,6 +516,96 @@ DISPATCHED(layer_norm_rows, (const float *x, float *y, Py_ssize_t rows, Py_ssize
 DISPATCHED(softmax_rows, (const float *x, float *y, Py_ssize_t rows, Py_ssize_t n), (x, y, rows, n))
 
 
+
+/* ------------------------------------------------------------------------------------------- elementwise
+   A FusedElementwise body as a little program over float32 registers, run chunk by chunk (CHUNK floats: every
+   register's chunk stays in L1), so a chain of k ops makes one pass over memory instead of k, and one call
+   instead of k numpy calls (native.py compiles the body; only these ops, each correctly rounded in IEEE, so the
+   answers are the unfused numpy kernels' bit for bit). Registers: the first `nin` are the inputs (each full size,
+   a scalar, or periodic: a suffix of the output's shape, repeated), the rest temporaries; instructions are
+   (op, dst, a, b) int32 quadruples; the outputs are registers copied out. */
+enum { EW_ADD, EW_SUB, EW_MUL, EW_DIV, EW_MAX, EW_MIN, EW_NEG, EW_ABS, EW_RELU, EW_SQRT, EW_COUNT };
+enum { KIND_FULL, KIND_SCALAR, KIND_PERIODIC };
+
+/* d may be a or b (a register reused once its value is dead): element i reads only element i */
+static inline __attribute__((always_inline)) void ew_op(int op, float *d, const float *a, const float *b,
+                                                        Py_ssize_t n) {
+    switch (op) {
+    case EW_ADD: for (Py_ssize_t i = 0; i < n; i++) d[i] = a[i] + b[i]; break;
+    case EW_SUB: for (Py_ssize_t i = 0; i < n; i++) d[i] = a[i] - b[i]; break;
+    case EW_MUL: for (Py_ssize_t i = 0; i < n; i++) d[i] = a[i] * b[i]; break;
+    case EW_DIV: for (Py_ssize_t i = 0; i < n; i++) d[i] = a[i] / b[i]; break;
+    /* numpy's maximum/minimum (its SIMD loops, x86 maxps/minps): NaN if either is NaN, else the second operand
+       where the two compare equal (so maximum(-0, +0) is +0 and maximum(+0, -0) is -0) */
+    case EW_MAX:
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const float x = a[i], y = b[i];
+            d[i] = (x != x || y != y) ? x + y : (x > y ? x : y);
+        }
+        break;
+    case EW_MIN:
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const float x = a[i], y = b[i];
+            d[i] = (x != x || y != y) ? x + y : (x < y ? x : y);
+        }
+        break;
+    case EW_NEG: for (Py_ssize_t i = 0; i < n; i++) d[i] = -a[i]; break;
+    case EW_ABS: for (Py_ssize_t i = 0; i < n; i++) d[i] = __builtin_fabsf(a[i]); break;
+    case EW_RELU:  /* numpy.maximum(x, 0): NaN stays, -0 becomes +0 */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const float x = a[i];
+            d[i] = x != x ? x : (x > 0.0f ? x : 0.0f);
+        }
+        break;
+    case EW_SQRT: for (Py_ssize_t i = 0; i < n; i++) d[i] = __builtin_sqrtf(a[i]); break;
+    default: break;
+    }
+}
+
+typedef struct {
+    int nin, nreg, nprog, nout;
+    const int *prog, *outs, *kind;
+    const Py_ssize_t *period;
+    const float *const *in;
+    float *const *out;
+    Py_ssize_t total, chunk;  /* chunk: floats per register, min(CHUNK, total) */
+} ew_job;
+
+static inline __attribute__((always_inline)) void ew_body(const ew_job *j, float *regs, const float **src) {
+    /* regs: nreg chunks of `chunk` floats; input registers point into the inputs where they can (full size) */
+    const Py_ssize_t chunk = j->chunk;
+    for (Py_ssize_t c0 = 0; c0 < j->total; c0 += chunk) {
+        const Py_ssize_t n = j->total - c0 < chunk ? j->total - c0 : chunk;
+        for (int r = 0; r < j->nin; r++) {
+            float *buf = regs + (Py_ssize_t)r * chunk;
+            if (j->kind[r] == KIND_FULL) {
+                src[r] = j->in[r] + c0;
+            } else if (j->kind[r] == KIND_SCALAR) {
+                if (c0 == 0)
+                    for (Py_ssize_t i = 0; i < chunk; i++) buf[i] = j->in[r][0];
+                src[r] = buf;
+            } else {
+                const Py_ssize_t p = j->period[r];
+                Py_ssize_t k = c0 % p;
+                for (Py_ssize_t i = 0; i < n; i++) {
+                    buf[i] = j->in[r][k];
+                    if (++k == p) k = 0;
+                }
+                src[r] = buf;
+            }
+        }
+        for (int r = j->nin; r < j->nreg; r++) src[r] = regs + (Py_ssize_t)r * chunk;
+        for (int k = 0; k < j->nprog; k++) {
+            const int *ins = j->prog + 4 * k;
+            ew_op(ins[0], (float *)src[ins[1]], src[ins[2]], src[ins[3] >= 0 ? ins[3] : ins[2]], n);
+        }
+        for (int o = 0; o < j->nout; o++) memcpy(j->out[o] + c0, src[j->outs[o]], sizeof(float) * (size_t)n);
+    }
+}
+
+#define ew_run_body ew_body
+DISPATCHED(ew_run, (const ew_job *j, float *regs, const float **src), (j, regs, src))
+
 static int as_float32(PyObject *obj, Py_buffer *view, const char *what, int writable) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
         return -1;
@@ -711,11 +801,120 @@ static PyObject *softmax(PyObject *Py_UNUSED(self), PyObject *args) {
     return result;
 }
 
+
+PyDoc_STRVAR(elementwise_doc,
+"elementwise(inputs, kinds, periods, outputs, program, nreg, total): run a compiled FusedElementwise body\n"
+"(native.py). inputs: float32 buffers; kinds: 0 full (total floats), 1 scalar, 2 periodic (periods[i] floats\n"
+"repeated); outputs: float32 buffers of total floats; program: int32 (op, dst, a, b) quadruples then the output\n"
+"registers; nreg: registers in all (inputs first).");
+
+static PyObject *elementwise(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *ins, *kinds, *periods, *outs, *progo;
+    int nreg;
+    Py_ssize_t total;
+    if (!PyArg_ParseTuple(args, "OOOOOin", &ins, &kinds, &periods, &outs, &progo, &nreg, &total)) return NULL;
+    if (!PyList_Check(ins) || !PyList_Check(kinds) || !PyList_Check(periods) || !PyList_Check(outs)) {
+        PyErr_SetString(PyExc_TypeError, "elementwise: inputs, kinds, periods and outputs are lists");
+        return NULL;
+    }
+    const Py_ssize_t nin = PyList_GET_SIZE(ins), nout = PyList_GET_SIZE(outs);
+    if (nin > 65536 || nout > 65536 || nreg > 1 << 20 || nreg < nin || total < 0 ||
+        PyList_GET_SIZE(kinds) != nin || PyList_GET_SIZE(periods) != nin) {
+        PyErr_SetString(PyExc_ValueError, "elementwise: too many registers, or lists of different lengths");
+        return NULL;
+    }
+    Py_buffer pb;
+    int held = 0, have_prog = 0;
+    PyObject *result = NULL;
+    float *regs = NULL;
+    const float **src = NULL;
+    Py_buffer *bufs = calloc((size_t)(nin + nout + 1), sizeof(Py_buffer));
+    const float **inp = calloc((size_t)nin + 1, sizeof(float *));
+    float **outp = calloc((size_t)nout + 1, sizeof(float *));
+    int *kind = calloc((size_t)nin + 1, sizeof(int)), *outreg = calloc((size_t)nout + 1, sizeof(int));
+    Py_ssize_t *period = calloc((size_t)nin + 1, sizeof(Py_ssize_t));
+    if (!bufs || !inp || !outp || !kind || !outreg || !period) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < nin; i++) {
+        if (as_float32(PyList_GET_ITEM(ins, i), &bufs[held], "input", 0) < 0) goto done;
+        inp[i] = bufs[held].buf;
+        kind[i] = (int)PyLong_AsLong(PyList_GET_ITEM(kinds, i));
+        period[i] = PyLong_AsSsize_t(PyList_GET_ITEM(periods, i));
+        const Py_ssize_t len = bufs[held].len / 4;
+        held++;
+        if (PyErr_Occurred()) goto done;
+        if ((kind[i] == KIND_FULL && len != total) || (kind[i] == KIND_SCALAR && len < 1) ||
+            (kind[i] == KIND_PERIODIC && (period[i] < 1 || len != period[i])) || kind[i] < 0 || kind[i] > 2) {
+            PyErr_SetString(PyExc_ValueError, "elementwise: an input's size does not match its kind");
+            goto done;
+        }
+    }
+    for (Py_ssize_t o = 0; o < nout; o++) {
+        if (as_float32(PyList_GET_ITEM(outs, o), &bufs[held], "output", 1) < 0) goto done;
+        outp[o] = bufs[held].buf;
+        if (bufs[held++].len / 4 != total) {
+            PyErr_SetString(PyExc_ValueError, "elementwise: an output's size is not total");
+            goto done;
+        }
+    }
+    if (PyObject_GetBuffer(progo, &pb, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto done;
+    have_prog = 1;
+    if (pb.itemsize != 4 || (pb.len / 4 - nout) % 4 != 0 || pb.len / 4 < nout) {
+        PyErr_SetString(PyExc_ValueError, "elementwise: program must be int32 quadruples then the outputs");
+        goto done;
+    }
+    const int *prog = pb.buf;
+    const int nprog = (int)((pb.len / 4 - nout) / 4);
+    for (int k = 0; k < nprog; k++) {
+        const int *q = prog + 4 * k;
+        if (q[0] < 0 || q[0] >= EW_COUNT || q[1] < nin || q[1] >= nreg || q[2] < 0 || q[2] >= nreg || q[3] >= nreg) {
+            PyErr_SetString(PyExc_ValueError, "elementwise: an instruction names an unknown op or register");
+            goto done;
+        }
+    }
+    for (Py_ssize_t o = 0; o < nout; o++) {
+        outreg[o] = prog[4 * nprog + o];
+        if (outreg[o] < 0 || outreg[o] >= nreg) {
+            PyErr_SetString(PyExc_ValueError, "elementwise: an output names an unknown register");
+            goto done;
+        }
+    }
+    const Py_ssize_t chunk = total < CHUNK ? (total > 0 ? total : 1) : CHUNK;
+    regs = malloc(sizeof(float) * (size_t)nreg * (size_t)chunk);
+    src = malloc(sizeof(float *) * (size_t)nreg);
+    if (!regs || !src) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    ew_job j = {(int)nin, nreg, nprog, (int)nout, prog, outreg, kind, period, inp, (float *const *)outp, total,
+                chunk};
+    Py_BEGIN_ALLOW_THREADS
+    ew_run(&j, regs, src);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    free(regs);
+    free(src);
+    if (have_prog) PyBuffer_Release(&pb);
+    for (int i = 0; i < held; i++) PyBuffer_Release(&bufs[i]);
+    free(bufs);
+    free(inp);
+    free(outp);
+    free(kind);
+    free(outreg);
+    free(period);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"direct_conv2d", direct_conv2d, METH_VARARGS, direct_conv2d_doc},
     {"gelu", gelu, METH_VARARGS, gelu_doc},
     {"layer_norm", layer_norm, METH_VARARGS, layer_norm_doc},
     {"softmax", softmax, METH_VARARGS, softmax_doc},
+    {"elementwise", elementwise, METH_VARARGS, elementwise_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -736,6 +935,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         gelu_rows = gelu_rows_avx2;
         layer_norm_rows = layer_norm_rows_avx2;
         softmax_rows = softmax_rows_avx2;
+        ew_run = ew_run_avx2;
         isa = "avx2+fma";
     }
 #endif

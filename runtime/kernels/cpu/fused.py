@@ -13,9 +13,11 @@ more op of the nested plan), so the same kernel runs it; so is a FusedAttention 
 scale, mask Add, Softmax, MatMul: the CPU has no score-free attention kernel to gain from, and
 runs the ops as the unfused graph does, the [..., Lq, Lk] scores included).
 
-The exception: where the native extension is built, the CPU loader (runtime/program.py) fuses each Conv it
+The exceptions: where the native extension is built, the CPU loader (runtime/program.py) fuses each Conv it
 covers with a following activation (Relu, HardSwish, HardSigmoid, Clip, LeakyRelu), and such a body runs as one
-native call that applies the activation in the convolution's output pass (native.epilogue_kernel).
+native call that applies the activation in the convolution's output pass (native.epilogue_kernel); and it fuses
+chains of the elementwise ops the extension has, whose body runs as one native pass over cache-sized chunks
+(native.elementwise_kernel; the nested plan stays the fallback for operands it cannot broadcast).
 
 One thing the body hides: which of its inputs are constants. An epilogue's weights are node
 inputs (never pulled into the body, whatever their size), and the CPU kernels prepare a constant
@@ -73,4 +75,8 @@ def fused_elementwise(node: Node, attrs: dict):
             return slots[output_slots[0]]
         return tuple(slots[s] for s in output_slots)
 
+    if node.op == "FusedElementwise":  # one native pass over the chain, where the extension has its ops
+        direct = native.elementwise_kernel(node, attrs, run)
+        if direct is not None:
+            return direct
     return run

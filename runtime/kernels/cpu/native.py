@@ -11,7 +11,9 @@ with few multiply-adds per output (``DIRECT_MAX_TAPS``: input channels per group
 The GEMM keeps the rest. A covered Conv followed by Relu, HardSwish, HardSigmoid, Clip or LeakyRelu is fused
 at load into one call that applies the activation in the output pass (``fusable``, ``epilogue_kernel``).
 Also row kernels for float32 C-contiguous arrays: exact Gelu (the numpy kernel's formula, one pass),
-LayerNormalization and Softmax over the last axis (one or two passes per row where numpy makes 5-15).
+LayerNormalization and Softmax over the last axis (one or two passes per row where numpy makes 5-15). And
+chains of Add/Sub/Mul/Div/Max/Min/Neg/Abs/Relu/Sqrt, fused at load into a FusedElementwise that runs as one call
+over cache-sized chunks (``elementwise_kernel``): bit for bit the unfused numpy kernels' answers.
 """
 from __future__ import annotations
 
@@ -221,3 +223,105 @@ def softmax(x: np.ndarray) -> np.ndarray:
     y = np.empty_like(x)
     _native.softmax(x, y, x.shape[-1])
     return y
+
+
+# ----------------------------------------------------------------------------- fused elementwise chains
+# FusedElementwise bodies of these ops (each correctly rounded, so the answers are the unfused kernels' bit for bit)
+# run as one native call over cache-sized chunks; the codes are _native.c's EW_*; the number is the op's inputs.
+ELEMENTWISE = {"Add": (0, 2), "Sub": (1, 2), "Mul": (2, 2), "Div": (3, 2), "Max": (4, 2), "Min": (5, 2),
+               "Neg": (6, 1), "Abs": (7, 1), "Relu": (8, 1), "Sqrt": (9, 1)}
+_FULL, _SCALAR, _PERIODIC = 0, 1, 2
+
+
+def _float32_value(v: Any) -> bool:
+    t = None if v is None else v.type
+    return t is not None and t.dtype is not None and np.dtype(t.dtype.numpy) == np.float32
+
+
+def elementwise_kernel(node: Any, attrs: dict, fallback: Callable) -> Optional[Callable]:
+    """The kernel of a ``kiln.FusedElementwise`` whose body is float32 ops of ``ELEMENTWISE``, or None. An
+    operand that is neither full size, a scalar nor a suffix of the output's shape (a per-channel [C, 1, 1]
+    under [N, C, H, W]) makes that call take ``fallback`` (the nested plan)."""
+    if _native is None:
+        return None
+    body = attrs["body"]
+    reg: dict = {}
+    consts: list = []
+    for v in body.inputs:
+        if not _float32_value(v):
+            return None
+        reg[v] = len(reg)
+    for v in body.initializers.values():
+        if not _float32_value(v) or v.const is None:
+            return None
+        reg[v] = len(reg)
+        consts.append(np.array(v.const, np.float32, order="C"))  # not ascontiguousarray: it makes 0-d 1-d
+    nin = len(reg)
+    # temporaries: a register is reused once the value in it is read for the last time (a chain of 1,000 ops
+    # needs two), never for a body output
+    last_use = {v: k for k, n in enumerate(body.nodes) for v in n.inputs}
+    keep = set(body.outputs)
+    free: list = []
+    nreg = nin
+    prog: list = []
+    for k, n in enumerate(body.nodes):
+        spec = ELEMENTWISE.get(n.op) if n.domain == "" else None
+        if spec is None or len(n.inputs) != spec[1] or len(n.outputs) != 1 or not _float32_value(n.outputs[0]) \
+                or any(v not in reg for v in n.inputs):
+            return None
+        a = reg[n.inputs[0]]
+        b = reg[n.inputs[1]] if spec[1] == 2 else -1
+        for v in set(n.inputs):  # dead after this op: its temporary may take the result
+            if reg[v] >= nin and last_use.get(v) == k and v not in keep:
+                free.append(reg[v])
+        if free:
+            dst = free.pop()
+        else:
+            dst, nreg = nreg, nreg + 1
+        reg[n.outputs[0]] = dst
+        prog += [spec[0], dst, a, b]
+    outs = [reg.get(v) for v in body.outputs]
+    if any(r is None or r < nin for r in outs) or nin > 65536:
+        return None  # an output that is an input or a constant: the nested plan copes
+    program = np.array(prog + outs, np.int32)
+    run_native = _native.elementwise
+
+    layouts: dict = {}  # the inputs' shapes -> (output shape, size, kinds, periods), or None: take the fallback
+
+    def layout(args: tuple) -> Optional[tuple]:
+        arrays = list(args) + consts
+        shape = np.broadcast_shapes(*(a.shape for a in arrays))
+        total = int(np.prod(shape))
+        kinds, periods = [], []
+        for a in arrays:
+            if a.size == total:  # the output's shape, up to leading 1s
+                kinds.append(_FULL)
+            elif a.size == 1:
+                kinds.append(_SCALAR)
+            else:
+                lead = 0
+                while lead < a.ndim and a.shape[lead] == 1:
+                    lead += 1
+                tail = a.shape[lead:]
+                if shape[len(shape) - len(tail):] != tail:
+                    return None
+                kinds.append(_PERIODIC)
+            periods.append(a.size)
+        return shape, total, kinds, periods
+
+    def run(*args: Any) -> Any:
+        key = tuple(a.shape for a in args)
+        if key not in layouts:
+            if len(layouts) > 64:  # many shapes (a dynamic dim): keep the cache bounded
+                layouts.clear()
+            layouts[key] = layout(args) if all(a.dtype == np.float32 for a in args) else None
+        found = layouts[key]
+        if found is None or any(a.dtype != np.float32 for a in args):
+            return fallback(*args)
+        shape, total, kinds, periods = found
+        ins = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args] + consts
+        outputs = [np.empty(shape, np.float32) for _ in outs]
+        if total:
+            run_native(ins, kinds, periods, outputs, program, nreg, total)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+    return run
