@@ -311,11 +311,12 @@ def elementwise_kernel(node: Any, attrs: dict, fallback: Callable) -> Optional[C
 
     def run(*args: Any) -> Any:
         key = tuple(a.shape for a in args)
-        if key not in layouts:
+        found = layouts.get(key, layouts)  # the dict itself marks "not seen" (None is "take the fallback")
+        if found is layouts:  # a benign race between threads: both compute the same layout
+            found = layout(args) if all(a.dtype == np.float32 for a in args) else None
             if len(layouts) > 64:  # many shapes (a dynamic dim): keep the cache bounded
                 layouts.clear()
-            layouts[key] = layout(args) if all(a.dtype == np.float32 for a in args) else None
-        found = layouts[key]
+            layouts[key] = found
         if found is None or any(a.dtype != np.float32 for a in args):
             return fallback(*args)
         shape, total, kinds, periods = found
