@@ -1,23 +1,26 @@
-/* kiln's optional native CPU kernels (issue 21, issue 24 item 2): convolutions numpy cannot do in one pass.
+/* kiln's optional native CPU kernels (issues 21 and 24): what numpy cannot do in one pass.
 
    Built at install when a C compiler is there (pyproject.toml: an optional extension, so an install without one
    still succeeds and kiln runs its numpy kernels); wheels carry it prebuilt. The numpy kernels stay the
-   reference and the fallback: runtime/kernels/cpu/native.py binds these only for float32 NCHW inputs they
-   cover, and tests/runtime/test_native.py checks every one against the reference.
+   reference and the fallback: runtime/kernels/cpu/native.py binds these only for the float32 inputs they cover,
+   and tests/runtime/test_native.py checks every one against the reference (or, for the elementwise chains,
+   against the unfused kernels bit for bit).
 
-   direct_conv2d: a grouped 2-D convolution computed directly, output row by output row: for each output
-   plane (sample n, channel m) and output row, every (input channel of m's group, kernel row) pair whose
-   input row exists adds w * x over the output columns whose input column exists (the valid column range is
-   computed per kernel column, so the inner loop has no branch and the compiler vectorizes it: AVX2 through
-   target_clones where the CPU has it, SSE2 otherwise). The accumulator is one output row in L1. This is the
-   depthwise case (one input channel per group: 9 or 25 multiply-adds per output where numpy makes two
-   passes over memory per tap) and small dense convs (the 3-channel stem), where im2col + GEMM copies more
-   than it multiplies.
+   - direct_conv2d: a grouped 2-D convolution computed directly over stride-phase images (prepare_plane): each
+     kernel tap is one contiguous, branch-free run over a flattened phase image, accumulated in registers
+     (4 vectors of a depthwise plane, or 4 output channels x 2 vectors of a dense conv, so each input load feeds
+     8 FMAs), a chunk of output rows at a time; the bias and an activation (Relu, HardSwish, HardSigmoid, Clip,
+     LeakyRelu) are applied in the pass that copies the result out. For depthwise convs, the 3-channel stem and
+     1x1 convs over few channels, where im2col + GEMM copies more than it multiplies.
+   - gelu, layer_norm, softmax: one or two passes per row where numpy makes 5-15 (exp8: Cephes' expf).
+   - elementwise: a FusedElementwise body of correctly rounded ops as register code over cache-sized chunks.
 
-   Threads: the output planes are split into contiguous ranges over `threads` POSIX threads (the caller's
-   count: native.py gives 1 when the cores are taken, kiln's busy-host policy, or when the work is too
-   small to pay for a thread); the GIL is released throughout. A thread is created per call and joined:
-   nothing spins between calls. */
+   Code generation: the loops are written with GCC vector types (8 floats) and compiled twice, for AVX2 + FMA
+   and for the baseline, the pair picked at import by CPU feature (PyInit__native).
+
+   Threads (direct_conv2d): the output planes are split into contiguous ranges over `threads` POSIX threads
+   (native.py asks for 1 by default, see its MAX_THREADS, and 1 whenever kiln's busy-host policy says so); the
+   GIL is released throughout. A thread is created per call and joined: nothing spins between calls. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
