@@ -690,8 +690,10 @@ static PyObject *direct_conv2d(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     if (j.c / j.group > 1 && j.n * j.m > 0) {  /* dense: each input plane is read by several output planes */
         const Py_ssize_t plane_in = j.sh * j.sw * j.hq * j.lq;
-        j.prepared = calloc((size_t)(j.n * j.c * plane_in + BLOCK), sizeof(float));  /* BLOCK of slack */
+        /* malloc, not calloc: prepare_plane writes every element, padding included; only the slack is zeroed */
+        j.prepared = malloc(sizeof(float) * (size_t)(j.n * j.c * plane_in + BLOCK));
         if (j.prepared) {
+            memset(j.prepared + j.n * j.c * plane_in, 0, sizeof(float) * BLOCK);
             prepare_all(&j, j.prepared);
         } else {
             failed = 1;
