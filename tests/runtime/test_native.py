@@ -419,3 +419,31 @@ def test_only_float32_chains_of_its_ops_are_fused_at_load():
     x = h.add_input("x", "float32", [2, 3])
     h.outputs = [h.op("Exp", h.op("Add", x, x))]  # Exp is not among the extension's ops: nothing fused
     assert [n.op for n in _load_both(h)[0].graph.nodes] == ["Add", "Exp"]
+
+
+@needs_native
+@pytest.mark.parametrize("op,code,alpha,beta", [("HardSwish", 2, 1 / 6, 0.5), ("HardSigmoid", 3, 0.2, 0.5),
+                                                ("HardSigmoid", 3, 0.3, 0.4)])
+def test_standalone_activations_against_the_reference(op, code, alpha, beta):
+    """HardSwish and HardSigmoid (not after a covered conv) in one native pass: within the op suite's tolerance of
+    the float64 reference over every class of float32 value, NaN where the reference has NaN."""
+    from kiln.ir.ops.activation import hard_sigmoid, hard_swish
+    x = RNG.standard_normal(1000).astype(np.float32) * 5
+    x[:8] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 3.0, -3.0, 1e-40]
+    bits = RNG.integers(0, 2 ** 32, 4000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = np.concatenate([x, bits])
+    got = native.activation(x, code, alpha, beta)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = hard_swish(x) if op == "HardSwish" else hard_sigmoid(x, alpha=alpha, beta=beta)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-6)
+    assert np.array_equal(got[np.isinf(want)], want[np.isinf(want)])
+
+
+@needs_native
+@pytest.mark.parametrize("n,c,hw", [(1, 16, 56 * 56), (2, 3, 7), (4, 240, 196), (1, 1, 1)])
+def test_global_average_pool_rows_against_float64(n, c, hw):
+    x = (RNG.standard_normal((n, c, hw)) * 4 + 1).astype(np.float32)
+    np.testing.assert_allclose(native.mean_rows(x.reshape(n * c, hw)), x.astype(np.float64).mean(2).reshape(-1),
+                               rtol=1e-6, atol=1e-6)

@@ -509,6 +509,23 @@ static inline __attribute__((always_inline)) void softmax_body(const float *x, f
 #define DISPATCHED_AVX2(name, params, args)
 #endif
 
+/* y = act(x) over n floats (finish_row with no bias): the standalone HardSwish/HardSigmoid/... of a model */
+static inline __attribute__((always_inline)) void act_body(const float *x, float *y, Py_ssize_t n, int act,
+                                                           double alpha, double beta) {
+    finish_row(y, x, n, 0.0f, act, alpha, beta);
+}
+
+/* y[r] = mean of row r of n floats (GlobalAveragePool over contiguous [N*C, H*W]) */
+static inline __attribute__((always_inline)) void mean_body(const float *x, float *y, Py_ssize_t rows, Py_ssize_t n) {
+    for (Py_ssize_t r = 0; r < rows; r++) y[r] = (float)(sum_floats(x + r * n, n) / (double)n);
+}
+
+#define act_rows_body act_body
+#define mean_rows_body mean_body
+DISPATCHED(act_rows, (const float *x, float *y, Py_ssize_t n, int act, double alpha, double beta),
+           (x, y, n, act, alpha, beta))
+DISPATCHED(mean_rows, (const float *x, float *y, Py_ssize_t rows, Py_ssize_t n), (x, y, rows, n))
+
 #define gelu_rows_body gelu_body
 #define layer_norm_rows_body layer_norm_body
 #define softmax_rows_body softmax_body
@@ -914,12 +931,66 @@ done:
     return result;
 }
 
+
+PyDoc_STRVAR(activation_doc, "activation(x, y, act, alpha, beta): y = act(x) (direct_conv2d's activation codes).");
+
+static PyObject *activation(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *xo, *yo;
+    int act;
+    double alpha, beta;
+    if (!PyArg_ParseTuple(args, "OOidd", &xo, &yo, &act, &alpha, &beta)) return NULL;
+    if (act <= ACT_NONE || act >= ACT_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "activation: unknown activation");
+        return NULL;
+    }
+    Py_buffer xb, yb;
+    if (as_float32(xo, &xb, "x", 0) < 0) return NULL;
+    if (as_float32(yo, &yb, "y", 1) < 0) { PyBuffer_Release(&xb); return NULL; }
+    PyObject *result = NULL;
+    if (xb.len != yb.len || xb.buf == yb.buf) {
+        PyErr_SetString(PyExc_ValueError, "activation: x and y must be of one size, and distinct");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        act_rows(xb.buf, yb.buf, xb.len / 4, act, alpha, beta);
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&xb); PyBuffer_Release(&yb);
+    return result;
+}
+
+PyDoc_STRVAR(mean_doc, "mean(x, y, n): y[r] = the mean of row r of n floats of x.");
+
+static PyObject *mean(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *xo, *yo;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OOn", &xo, &yo, &n)) return NULL;
+    Py_buffer xb, yb;
+    if (as_float32(xo, &xb, "x", 0) < 0) return NULL;
+    if (as_float32(yo, &yb, "y", 1) < 0) { PyBuffer_Release(&xb); return NULL; }
+    PyObject *result = NULL;
+    if (n <= 0 || xb.len % (4 * n) || yb.len != xb.len / n) {
+        PyErr_SetString(PyExc_ValueError, "mean: x must be rows of n floats and y one float a row");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        mean_rows(xb.buf, yb.buf, xb.len / (4 * n), n);
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&xb); PyBuffer_Release(&yb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"direct_conv2d", direct_conv2d, METH_VARARGS, direct_conv2d_doc},
     {"gelu", gelu, METH_VARARGS, gelu_doc},
     {"layer_norm", layer_norm, METH_VARARGS, layer_norm_doc},
     {"softmax", softmax, METH_VARARGS, softmax_doc},
     {"elementwise", elementwise, METH_VARARGS, elementwise_doc},
+    {"activation", activation, METH_VARARGS, activation_doc},
+    {"mean", mean, METH_VARARGS, mean_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -941,6 +1012,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         layer_norm_rows = layer_norm_rows_avx2;
         softmax_rows = softmax_rows_avx2;
         ew_run = ew_run_avx2;
+        act_rows = act_rows_avx2;
+        mean_rows = mean_rows_avx2;
         isa = "avx2+fma";
     }
 #endif

@@ -153,6 +153,8 @@ def hard_sigmoid(node, attrs) -> Callable[..., Any]:
     alpha, beta = F32.type(attrs["alpha"]), F32.type(attrs["beta"])
 
     def run(x, out=None):
+        if out is None and native.rows_ok(x):  # one native pass
+            return native.activation(x, native.ACTIVATIONS["HardSigmoid"], alpha, beta)
         # Every pass in place on one buffer: the fresh result, or (in-place variant) the dying input.
         y = np.multiply(x, alpha, out=fresh(x) if out is None else out)
         np.add(y, beta, out=y)
@@ -173,6 +175,8 @@ def hard_swish(node, attrs) -> Callable[..., Any]:
     # pass reads x, so writing into a dying x would still need this scratch). Blocks kept in cache between
     # the passes were slower here: numpy's per-call cost outweighed the cache misses they save.
     def run(x):
+        if native.rows_ok(x):  # one native pass
+            return native.activation(x, native.ACTIVATIONS["HardSwish"], 1.0 / 6.0, 0.5)
         y = np.multiply(x, _SIXTH, out=fresh(x))
         np.add(y, _HALF, out=y)
         _clip(y, 0.0, 1.0, out=y)

@@ -13,7 +13,8 @@ at load into one call that applies the activation in the output pass (``fusable`
 Also row kernels for float32 C-contiguous arrays: exact Gelu (the numpy kernel's formula, one pass),
 LayerNormalization and Softmax over the last axis (one or two passes per row where numpy makes 5-15). And
 chains of Add/Sub/Mul/Div/Max/Min/Neg/Abs/Relu/Sqrt, fused at load into a FusedElementwise that runs as one call
-over cache-sized chunks (``elementwise_kernel``): bit for bit the unfused numpy kernels' answers.
+over cache-sized chunks (``elementwise_kernel``): bit for bit the unfused numpy kernels' answers. Standalone
+HardSwish/HardSigmoid (``activation``) and GlobalAveragePool (``mean_rows``) in one pass.
 """
 from __future__ import annotations
 
@@ -326,3 +327,19 @@ def elementwise_kernel(node: Any, attrs: dict, fallback: Callable) -> Optional[C
             run_native(ins, kinds, periods, outputs, program, nreg, total)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
     return run
+
+
+def activation(x: np.ndarray, code: int, alpha: float, beta: float) -> np.ndarray:
+    """A fresh ``act(x)`` of a float32 C-contiguous ``x`` (rows_ok), ``code`` as in ``ACTIVATIONS``: one pass,
+    float32 arithmetic (the numpy kernels' two-rounding ``x * a + b`` may be an FMA here: an ulp apart)."""
+    y = np.empty_like(x)
+    _native.activation(x, y, code, float(alpha), float(beta))
+    return y
+
+
+def mean_rows(x: np.ndarray) -> np.ndarray:
+    """The mean of each row of a float32 C-contiguous 2-D ``x`` (GlobalAveragePool): float32 partial sums in 16
+    lanes added in double, then divided once (more exact than numpy's float32 pairwise sum, so not its bits)."""
+    y = np.empty(x.shape[0], np.float32)
+    _native.mean(x, y, x.shape[1])
+    return y

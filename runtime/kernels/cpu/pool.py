@@ -20,7 +20,7 @@ import numpy as np
 
 from kiln.ir.ops.nn import make_window, pad_spatial, static_pads, window_out_shape
 from kiln.ir.ops.pool import max_pool_values
-from kiln.runtime.kernels.cpu import kernel, reference_kernel
+from kiln.runtime.kernels.cpu import kernel, native, reference_kernel
 from kiln.runtime.kernels.cpu.linalg import BLAS_DTYPES, input_dtype
 from kiln.runtime.kernels.cpu.nn import tap_view
 
@@ -182,6 +182,8 @@ def global_average_pool(node, attrs) -> Callable[..., Any]:
         # so for counts below 2^24 it gives the same bits as float64 division rounded to float32 (53 >= 2 * 24 + 2
         # bits; checked for every float32 numerator at the counts of 1x1 to 224x224 maps). hw, not -1: an empty
         # batch reshapes too.
+        if hw and native.rows_ok(x):  # one native pass (its own, more exact, rounding: native.mean_rows)
+            return native.mean_rows(x.reshape(n * c, hw)).reshape((n, c) + (1,) * (x.ndim - 2))
         y = np.add.reduce(x.reshape(n, c, hw), axis=2)
         if hw <= _EXACT_COUNT:
             np.true_divide(y, y.dtype.type(hw), out=y)
