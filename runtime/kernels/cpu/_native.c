@@ -800,9 +800,9 @@ static PyObject *layer_norm(PyObject *Py_UNUSED(self), PyObject *args) {
     return result;
 }
 
-PyDoc_STRVAR(softmax_doc, "softmax(x, y, n): Softmax over rows of n.");
-
-static PyObject *softmax(PyObject *Py_UNUSED(self), PyObject *args) {
+/* The entry points over rows of n floats, (x, y, n): y as large as x (per_row 0) or one float a row (1). */
+static PyObject *rows_entry(PyObject *args, const char *name, int per_row,
+                            void (*fn)(const float *, float *, Py_ssize_t, Py_ssize_t)) {
     PyObject *xo, *yo;
     Py_ssize_t n;
     if (!PyArg_ParseTuple(args, "OOn", &xo, &yo, &n)) return NULL;
@@ -810,11 +810,12 @@ static PyObject *softmax(PyObject *Py_UNUSED(self), PyObject *args) {
     if (as_float32(xo, &xb, "x", 0) < 0) return NULL;
     if (as_float32(yo, &yb, "y", 1) < 0) { PyBuffer_Release(&xb); return NULL; }
     PyObject *result = NULL;
-    if (n <= 0 || xb.len != yb.len || xb.len % (4 * n)) {
-        PyErr_SetString(PyExc_ValueError, "softmax: x and y of one size, a multiple of n");
+    if (n <= 0 || xb.len % (4 * n) || yb.len != (per_row ? xb.len / n : xb.len)) {
+        PyErr_Format(PyExc_ValueError, "%s: x must be rows of n floats, and y %s", name,
+                     per_row ? "one float a row" : "as large as x");
     } else {
         Py_BEGIN_ALLOW_THREADS
-        softmax_rows(xb.buf, yb.buf, xb.len / (4 * n), n);
+        fn(xb.buf, yb.buf, xb.len / (4 * n), n);
         Py_END_ALLOW_THREADS
         Py_INCREF(Py_None);
         result = Py_None;
@@ -822,6 +823,10 @@ static PyObject *softmax(PyObject *Py_UNUSED(self), PyObject *args) {
     PyBuffer_Release(&xb); PyBuffer_Release(&yb);
     return result;
 }
+
+PyDoc_STRVAR(softmax_doc, "softmax(x, y, n): Softmax over rows of n.");
+
+static PyObject *softmax(PyObject *Py_UNUSED(self), PyObject *args) { return rows_entry(args, "softmax", 0, softmax_rows); }
 
 
 PyDoc_STRVAR(elementwise_doc,
@@ -962,26 +967,7 @@ static PyObject *activation(PyObject *Py_UNUSED(self), PyObject *args) {
 
 PyDoc_STRVAR(mean_doc, "mean(x, y, n): y[r] = the mean of row r of n floats of x.");
 
-static PyObject *mean(PyObject *Py_UNUSED(self), PyObject *args) {
-    PyObject *xo, *yo;
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "OOn", &xo, &yo, &n)) return NULL;
-    Py_buffer xb, yb;
-    if (as_float32(xo, &xb, "x", 0) < 0) return NULL;
-    if (as_float32(yo, &yb, "y", 1) < 0) { PyBuffer_Release(&xb); return NULL; }
-    PyObject *result = NULL;
-    if (n <= 0 || xb.len % (4 * n) || yb.len != xb.len / n) {
-        PyErr_SetString(PyExc_ValueError, "mean: x must be rows of n floats and y one float a row");
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        mean_rows(xb.buf, yb.buf, xb.len / (4 * n), n);
-        Py_END_ALLOW_THREADS
-        Py_INCREF(Py_None);
-        result = Py_None;
-    }
-    PyBuffer_Release(&xb); PyBuffer_Release(&yb);
-    return result;
-}
+static PyObject *mean(PyObject *Py_UNUSED(self), PyObject *args) { return rows_entry(args, "mean", 1, mean_rows); }
 
 static PyMethodDef methods[] = {
     {"direct_conv2d", direct_conv2d, METH_VARARGS, direct_conv2d_doc},
