@@ -3,6 +3,7 @@ kiln`` subprocess that imports torch again (about 1.5 s a call on 2 cores). Test
 itself (exit codes of the interpreter, signals, what a fresh interpreter imports) keep a subprocess."""
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import subprocess
@@ -48,3 +49,16 @@ def _reset_warning_registries() -> None:
         registry = getattr(mod, "__warningregistry__", None)
         if isinstance(registry, dict):
             registry.clear()
+
+
+def load_script(path, name: str):
+    """A repository script (bench/, examples/) imported as module ``name``, without leaving it in sys.modules:
+    registered only while it runs, because dataclasses look their module up while a class is made."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module

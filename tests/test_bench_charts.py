@@ -1,26 +1,19 @@
 """bench/charts.py: it reads the tables of bench/RESULTS.md right, finds every chart's data in the file as it is,
 and every chart is linked from its section and committed. Drawing needs matplotlib (not a test dependency: the
 charts are made by hand), so only the drawing test skips without it."""
-import importlib.util
 import struct
-import sys
 from pathlib import Path
 
 import pytest
+
+from cli_helpers import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.fixture(scope="module")
 def charts():
-    spec = importlib.util.spec_from_file_location("bench_charts", BENCH / "charts.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
+    return load_script(BENCH / "charts.py", "bench_charts")
 
 
 @pytest.fixture(scope="module")

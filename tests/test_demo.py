@@ -1,12 +1,11 @@
 """`make demo`'s latency summary (examples/demo_check.py): the spread of both runtimes, a ratio that a busy
 machine does not turn into nonsense, and a warning when the timings were disturbed. Synthetic timings: no torch."""
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from cli_helpers import load_script
 from kiln.runtime.cli import format_latency
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "demo_check.py"
@@ -14,14 +13,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "demo_check.py"
 
 @pytest.fixture(scope="module")
 def demo():
-    spec = importlib.util.spec_from_file_location("demo_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
+    return load_script(SCRIPT, "demo_check")
 
 
 def quiet(base_ms: float, runs: int = 200, seed: int = 0) -> np.ndarray:

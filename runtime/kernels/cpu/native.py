@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from kiln.ir.ops.nn import static_pads, window_out_shape
+from kiln.ir.ops.nn import make_window, static_pads, window_out_shape
 from kiln.runtime.threads import kernel_threads
 
 _native: Any = None
@@ -89,7 +89,10 @@ def direct_conv2d(w: np.ndarray, window: Any, group: int, bias: Optional[np.ndar
         g = geometry.get((h, wd))
         if g is None:
             begin, _, _ = static_pads(window, (h, wd))
-            g = geometry[(h, wd)] = (begin[0], begin[1], *window_out_shape(window, (h, wd)))
+            g = (begin[0], begin[1], *window_out_shape(window, (h, wd)))
+            if len(geometry) > 64:  # many sizes (dynamic spatial dims): keep the cache bounded
+                geometry.clear()
+            geometry[(h, wd)] = g
         pt, pl, oh, ow = g
         y = np.empty((n, m, oh, ow), np.float32)
         if y.size:
@@ -138,7 +141,6 @@ def activation_of(node: Any, const_of: Callable[[Any], Optional[np.ndarray]]) ->
 
 def _conv_parts(conv: Any, const_of: Callable[[Any], Optional[np.ndarray]]) -> Optional[tuple]:
     """(w, window, group, bias) of a Conv ``direct_conv2d`` covers, else None."""
-    from kiln.ir.ops.nn import make_window
     if conv.domain != "" or conv.op != "Conv" or len(conv.inputs) < 2:
         return None
     w = const_of(conv.inputs[1])
