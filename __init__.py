@@ -8,10 +8,13 @@ from __future__ import annotations  # the wrappers' annotations stay text: torch
 import importlib
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
+from kiln import blas_env
 from kiln.errors import (ExecutionError, FormatError, InputError, KilnError, ResourceError, ScriptError,
                          ShapeInferenceError, TraceCheckError, TraceWarning, UnknownOpError, UnsupportedOpError,
                          VerifyError)
 from kiln.version import __version__
+
+blas_env.choose()  # before anything loads numpy: OpenBLAS's AVX-512 kernels on CPUs it does not know (Zen 5)
 
 # The rest of the API loads on first use (PEP 562): ``import kiln`` or ``import kiln.ir`` does not import the
 # serializer, the runtime and every CPU kernel (tests/test_layers.py checks what each import loads).

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import os
 import platform
 import sys
 from typing import Callable, Optional, Sequence
@@ -58,6 +59,15 @@ def cmd_info(args: argparse.Namespace) -> int:
               f"rows, fused elementwise chains; {native.MAX_THREADS} thread(s) a call)")
     else:
         print(f"native CPU kernels: no ({native.UNAVAILABLE}; the numpy kernels run)")
+    from kiln import blas_env
+    from kiln.runtime import threads
+    kernels = threads.blas_kernels()
+    if kernels is not None:
+        wanted = blas_env.wanted_coretype(blas_env.first_cpu())
+        hint = (f"; this CPU runs OpenBLAS's {wanted} kernels, which OPENBLAS_CORETYPE={wanted} set before numpy "
+                f"loads selects (kiln's import does, unless the variable is already set: it is "
+                f"{os.environ.get('OPENBLAS_CORETYPE')!r} here)" if wanted and wanted != kernels else "")
+        print(f"BLAS: OpenBLAS, {kernels} kernels, {threads.blas().default} thread(s){hint}")
     print("optional backends:")
     for module, dist, purpose in OPTIONAL_BACKENDS:
         ver = _dist_version(module, dist)

@@ -101,6 +101,23 @@ def blas() -> Optional[Blas]:
     return _BLAS[0]
 
 
+def blas_kernels() -> Optional[str]:
+    """The kernel set numpy's OpenBLAS chose when it loaded (``Haswell``, ``SkylakeX``, ...), or None where the
+    BLAS is not an OpenBLAS that says (kiln/blas_env.py: why it matters on CPUs OpenBLAS does not know)."""
+    b = blas()
+    if b is None:
+        return None
+    lib = ctypes.CDLL(b.path)
+    for name in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename", "openblas_get_corename64_",
+                 "openblas_get_corename"):
+        f = getattr(lib, name, None)
+        if f is not None:
+            f.argtypes, f.restype = [], ctypes.c_char_p
+            value = f()
+            return value.decode(errors="replace") if value else None
+    return None
+
+
 # The thread count kiln's own parallel kernels (the native convolutions) use: the last count a run set for the
 # BLAS, or the BLAS's own count before any run (a process-wide setting, as the BLAS's is).
 _KERNEL_THREADS: list = []
