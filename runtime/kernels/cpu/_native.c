@@ -12,6 +12,9 @@
      8 FMAs), a chunk of output rows at a time; the bias and an activation (Relu, HardSwish, HardSigmoid, Clip,
      LeakyRelu) are applied in the pass that copies the result out. For depthwise convs, the 3-channel stem and
      1x1 convs over few channels, where im2col + GEMM copies more than it multiplies.
+   - im2col, gemm_out: the GEMM convolution's columns in one pass, and its output pass (bias, activation).
+   - sgemm: an AVX-512 GEMM (packed operands, a 12 x 32 micro-kernel, threads over columns, rows or a batch)
+     for the convolutions' and MatMul/Gemm's float32 products, where numpy's OpenBLAS may run AVX2 kernels.
    - gelu, layer_norm, softmax: one or two passes per row where numpy makes 5-15 (exp8: Cephes' expf).
    - elementwise: a FusedElementwise body of correctly rounded ops as register code over cache-sized chunks.
 
@@ -136,8 +139,9 @@ static inline __attribute__((always_inline)) float clamp01(float v) {
     return v > 1.0f ? 1.0f : v;  /* NaN stays NaN */
 }
 
-/* y[o] = act(a[o] + b0), o < n: one loop per activation (the switch outside it), so each vectorizes. */
-static inline __attribute__((always_inline)) void finish_row(float *restrict y, const float *restrict a,
+/* y[o] = act(a[o] + b0), o < n: one loop per activation (the switch outside it), so each vectorizes. y may be a
+   (in place: gemm_out), so neither is restrict. */
+static inline __attribute__((always_inline)) void finish_row(float *y, const float *a,
                                                              Py_ssize_t n, float b0, int act, double alpha,
                                                              double beta) {
     const float fa = (float)alpha, fb = (float)beta;
@@ -525,6 +529,339 @@ static inline __attribute__((always_inline)) void mean_body(const float *x, floa
 DISPATCHED(act_rows, (const float *x, float *y, Py_ssize_t n, int act, double alpha, double beta),
            (x, y, n, act, alpha, beta))
 DISPATCHED(mean_rows, (const float *x, float *y, Py_ssize_t rows, Py_ssize_t n), (x, y, rows, n))
+
+/* im2col of `size` samples x [size, c, h, w] into cols [c*kh*kw, size*oh*ow] (rows (channel, tap row, tap
+   column) like the weights, columns (sample, output position)): the GEMM convolution's columns (gemm_conv2d in
+   native.py) in one pass, padding as zeros, no phase images. A stride-1 row is one memcpy. */
+typedef struct {
+    Py_ssize_t size, c, h, w, kh, kw, sh, sw, dh, dw, pt, pl, oh, ow;
+} cols_geometry;
+
+static inline __attribute__((always_inline)) void im2col_body(const float *x, float *cols, const cols_geometry *g) {
+    const Py_ssize_t span = g->oh * g->ow, ncols = g->size * span, plane = g->h * g->w;
+    for (Py_ssize_t ci = 0; ci < g->c; ci++)
+        for (Py_ssize_t i = 0; i < g->kh; i++)
+            for (Py_ssize_t j = 0; j < g->kw; j++) {
+                float *row = cols + ((ci * g->kh + i) * g->kw + j) * ncols;
+                const Py_ssize_t shift = j * g->dw - g->pl;  /* input column = o * sw + shift */
+                Py_ssize_t lo = ceil_div(-shift, g->sw), hi = ceil_div(g->w - shift, g->sw);
+                lo = lo < 0 ? 0 : (lo > g->ow ? g->ow : lo);
+                hi = hi < lo ? lo : (hi > g->ow ? g->ow : hi);
+                for (Py_ssize_t s = 0; s < g->size; s++) {
+                    const float *xs = x + (s * g->c + ci) * plane;
+                    for (Py_ssize_t o = 0; o < g->oh; o++) {
+                        float *d = row + s * span + o * g->ow;
+                        const Py_ssize_t ih = o * g->sh - g->pt + i * g->dh;
+                        if (ih < 0 || ih >= g->h) {
+                            memset(d, 0, (size_t)g->ow * sizeof(float));
+                            continue;
+                        }
+                        const float *src = xs + ih * g->w + shift;
+                        for (Py_ssize_t q = 0; q < lo; q++) d[q] = 0.0f;
+                        if (g->sw == 1) {
+                            memcpy(d + lo, src + lo, (size_t)(hi - lo) * sizeof(float));
+                        } else {
+                            const Py_ssize_t sw = g->sw;
+                            for (Py_ssize_t q = lo; q < hi; q++) d[q] = src[q * sw];
+                        }
+                        for (Py_ssize_t q = hi; q < g->ow; q++) d[q] = 0.0f;
+                    }
+                }
+            }
+}
+
+/* y[s, mm, :] = act(acc[mm, s*span : (s+1)*span] + bias[mm]): the GEMM's [M, size*span] result out to NCHW with
+   the bias and the activation in the same pass (in place where size is 1 and acc is y). */
+static inline __attribute__((always_inline)) void gemm_out_body(const float *acc, float *y, const float *bias,
+                                                                Py_ssize_t m, Py_ssize_t size, Py_ssize_t span,
+                                                                int act, double alpha, double beta) {
+    for (Py_ssize_t mm = 0; mm < m; mm++)
+        for (Py_ssize_t s = 0; s < size; s++)
+            finish_row(y + (s * m + mm) * span, acc + (mm * size + s) * span, span, bias ? bias[mm] : 0.0f, act,
+                       alpha, beta);
+}
+
+#define im2col_rows_body im2col_body
+#define gemm_out_rows_body gemm_out_body
+DISPATCHED(im2col_rows, (const float *x, float *cols, const cols_geometry *g), (x, cols, g))
+DISPATCHED(gemm_out_rows, (const float *acc, float *y, const float *bias, Py_ssize_t m, Py_ssize_t size,
+                           Py_ssize_t span, int act, double alpha, double beta),
+           (acc, y, bias, m, size, span, act, alpha, beta))
+
+/* ------------------------------------------------------------------------------------------- sgemm (AVX-512)
+   C[m, n] = act(A @ B + bias) in float32 for CPUs with AVX-512F, where numpy's OpenBLAS may run AVX2 kernels
+   (OPENBLAS_CORETYPE set by the host, or a CPU it does not know: kiln/blas_env.py). GotoBLAS's loop order: per
+   thread (threads split the column panels), per block of GEMM_NC columns and GEMM_KC rows of B, B's panels of
+   GEMM_NR columns ([kc][NR], zero-padded) and, per block of GEMM_MC rows, A's panels of GEMM_MR rows ([kc][MR]);
+   each B panel held in L1 while the block's A panels stream past it from L2, through an MR x NR micro-kernel of
+   16 zmm accumulators. A constant operand (a conv's or a Linear layer's weights) comes packed once at load
+   (mode 1: A as [ceil(m/MR), k, MR], B as [ceil(n/NR), k, NR]); the other is packed per block from row-major
+   memory (mode 0), B also from its transpose (mode 2: Bt [n, k]). The bias (per row or per column) and the
+   activation are applied to each tile after its last k block, while it is in cache. */
+#define GEMM_MR 12
+#define GEMM_NR 32
+#define GEMM_KC 256
+#define GEMM_MC 256
+#define GEMM_NC 512
+
+enum { OPERAND_ROWS, OPERAND_PACKED, OPERAND_TRANSPOSED };
+enum { BIAS_NONE, BIAS_ROWS, BIAS_COLS };
+
+typedef struct {
+    const float *a, *b, *bias;
+    float *c;
+    Py_ssize_t m, n, k;
+    int a_mode, b_mode, bias_mode, act;
+    double alpha, beta;
+    Py_ssize_t col_begin, col_end;  /* this thread's columns */
+    Py_ssize_t row_begin, row_end;  /* and rows (a multiple of GEMM_MR from row_begin) */
+    Py_ssize_t item_begin, item_end;  /* and products of a batch */
+    Py_ssize_t stride_a, stride_b, stride_c;  /* floats from one product's operand to the next (0: shared) */
+    float *ap, *bp;  /* packing buffers */
+} gemm_job;
+
+#ifdef KILN_X86_DISPATCH
+#include <immintrin.h>
+
+__attribute__((target("avx512f"))) static inline void gemm_tile(Py_ssize_t kc, const float *restrict a,
+                                                              const float *restrict b, float *c, Py_ssize_t ldc,
+                                                              int accumulate, Py_ssize_t rows, Py_ssize_t cols) {
+    __m512 acc[GEMM_MR][2];
+#pragma GCC unroll 12
+    for (int r = 0; r < GEMM_MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (Py_ssize_t q = 0; q < kc; q++) {
+        const __m512 b0 = _mm512_loadu_ps(b + q * GEMM_NR), b1 = _mm512_loadu_ps(b + q * GEMM_NR + 16);
+        const float *aq = a + q * GEMM_MR;
+#pragma GCC unroll 12
+        for (int r = 0; r < GEMM_MR; r++) {  /* the broadcast folds into the FMA's memory operand ({1to16}) */
+            const __m512 ar = _mm512_set1_ps(aq[r]);
+            acc[r][0] = _mm512_fmadd_ps(ar, b0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(ar, b1, acc[r][1]);
+        }
+    }
+    if (rows == GEMM_MR && cols == GEMM_NR) {
+#pragma GCC unroll 12
+        for (int r = 0; r < GEMM_MR; r++) {
+            float *cr = c + r * ldc;
+            if (accumulate) {
+                acc[r][0] = _mm512_add_ps(acc[r][0], _mm512_loadu_ps(cr));
+                acc[r][1] = _mm512_add_ps(acc[r][1], _mm512_loadu_ps(cr + 16));
+            }
+            _mm512_storeu_ps(cr, acc[r][0]);
+            _mm512_storeu_ps(cr + 16, acc[r][1]);
+        }
+        return;
+    }
+    float tile[GEMM_MR][GEMM_NR];
+    memcpy(tile, acc, sizeof tile);
+    for (Py_ssize_t r = 0; r < rows; r++)
+        for (Py_ssize_t q = 0; q < cols; q++) c[r * ldc + q] = accumulate ? c[r * ldc + q] + tile[r][q] : tile[r][q];
+}
+
+/* B[pc:pc+kc, j0:j0+w] (w <= NR) as one panel [kc][NR], zero columns past w */
+static void pack_b_panel(const gemm_job *j, Py_ssize_t pc, Py_ssize_t kc, Py_ssize_t j0, Py_ssize_t w, float *dst) {
+    if (j->b_mode == OPERAND_TRANSPOSED) {  /* Bt [n, k]: column jj of the panel is row j0 + jj of Bt */
+        if (w < GEMM_NR) memset(dst, 0, sizeof(float) * (size_t)(kc * GEMM_NR));
+        for (Py_ssize_t jj = 0; jj < w; jj++) {
+            const float *src = j->b + (j0 + jj) * j->k + pc;
+            for (Py_ssize_t q = 0; q < kc; q++) dst[q * GEMM_NR + jj] = src[q];
+        }
+        return;
+    }
+    const float *src = j->b + pc * j->n + j0;
+    for (Py_ssize_t q = 0; q < kc; q++) {
+        memcpy(dst + q * GEMM_NR, src + q * j->n, (size_t)w * sizeof(float));
+        if (w < GEMM_NR) memset(dst + q * GEMM_NR + w, 0, (size_t)(GEMM_NR - w) * sizeof(float));
+    }
+}
+
+/* A[i0:i0+rows, pc:pc+kc] (row-major [m, k]) as panels [kc][MR], zero rows past m */
+static void pack_a_block(const gemm_job *j, Py_ssize_t i0, Py_ssize_t rows, Py_ssize_t pc, Py_ssize_t kc,
+                         float *dst) {
+    for (Py_ssize_t p = 0; p < rows; p += GEMM_MR) {
+        float *panel = dst + (p / GEMM_MR) * kc * GEMM_MR;
+        const Py_ssize_t live = rows - p < GEMM_MR ? rows - p : GEMM_MR;
+        if (live < GEMM_MR) memset(panel, 0, sizeof(float) * (size_t)(kc * GEMM_MR));
+        for (Py_ssize_t r = 0; r < live; r++) {
+            const float *src = j->a + (i0 + p + r) * j->k + pc;
+            for (Py_ssize_t q = 0; q < kc; q++) panel[q * GEMM_MR + r] = src[q];
+        }
+    }
+}
+
+__attribute__((target("avx512f"))) static void gemm_product(const gemm_job *j) {
+    const Py_ssize_t mc_max = j->a_mode == OPERAND_PACKED ? j->row_end - j->row_begin : GEMM_MC;
+    float *bp = j->bp, *ap = j->ap;
+    for (Py_ssize_t jc = j->col_begin; jc < j->col_end; jc += GEMM_NC) {
+        const Py_ssize_t nc = j->col_end - jc < GEMM_NC ? j->col_end - jc : GEMM_NC;
+        const Py_ssize_t npanels = (nc + GEMM_NR - 1) / GEMM_NR;
+        for (Py_ssize_t pc = 0; pc < j->k; pc += GEMM_KC) {
+            const Py_ssize_t kc = j->k - pc < GEMM_KC ? j->k - pc : GEMM_KC;
+            const int last = pc + kc >= j->k;
+            if (bp)
+                for (Py_ssize_t p = 0; p < npanels; p++) {
+                    const Py_ssize_t j0 = jc + p * GEMM_NR;
+                    pack_b_panel(j, pc, kc, j0, j->col_end - j0 < GEMM_NR ? j->col_end - j0 : GEMM_NR,
+                                 bp + p * kc * GEMM_NR);
+                }
+            for (Py_ssize_t ic = j->row_begin; ic < j->row_end; ic += mc_max) {
+                const Py_ssize_t mc = j->row_end - ic < mc_max ? j->row_end - ic : mc_max;
+                if (ap) pack_a_block(j, ic, mc, pc, kc, ap);
+                for (Py_ssize_t p = 0; p < npanels; p++) {
+                    const Py_ssize_t j0 = jc + p * GEMM_NR, w = j->col_end - j0 < GEMM_NR ? j->col_end - j0 : GEMM_NR;
+                    const float *bpanel = bp ? bp + p * kc * GEMM_NR : j->b + ((j0 / GEMM_NR) * j->k + pc) * GEMM_NR;
+                    for (Py_ssize_t i0 = ic; i0 < ic + mc; i0 += GEMM_MR) {
+                        const Py_ssize_t rows = ic + mc - i0 < GEMM_MR ? ic + mc - i0 : GEMM_MR;
+                        const float *apanel = ap ? ap + ((i0 - ic) / GEMM_MR) * kc * GEMM_MR
+                                                 : j->a + ((i0 / GEMM_MR) * j->k + pc) * GEMM_MR;
+                        float *c = j->c + i0 * j->n + j0;
+                        gemm_tile(kc, apanel, bpanel, c, j->n, pc > 0, rows, w);
+                        if (!last || (j->bias_mode == BIAS_NONE && j->act == ACT_NONE)) continue;
+                        for (Py_ssize_t r = 0; r < rows; r++) {
+                            float *cr = c + r * j->n;
+                            if (j->bias_mode == BIAS_COLS) {
+                                const float *bc = j->bias + j0;
+                                for (Py_ssize_t q = 0; q < w; q++) cr[q] += bc[q];
+                            }
+                            if (j->bias_mode == BIAS_ROWS || j->act != ACT_NONE)
+                                finish_row(cr, cr, w, j->bias_mode == BIAS_ROWS ? j->bias[i0 + r] : 0.0f, j->act,
+                                           j->alpha, j->beta);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+static void *gemm_worker(void *arg) {
+    gemm_job j = *(const gemm_job *)arg;
+    j.bp = j.b_mode == OPERAND_PACKED ? NULL : malloc(sizeof(float) * GEMM_KC * GEMM_NC);
+    j.ap = j.a_mode == OPERAND_PACKED ? NULL : malloc(sizeof(float) * GEMM_KC * (GEMM_MC + GEMM_MR));
+    if ((j.b_mode != OPERAND_PACKED && !j.bp) || (j.a_mode != OPERAND_PACKED && !j.ap)) {
+        free(j.bp);
+        free(j.ap);
+        return (void *)1;
+    }
+    const float *a = j.a, *b = j.b;
+    float *c = j.c;
+    for (Py_ssize_t item = j.item_begin; item < j.item_end; item++) {
+        j.a = a + item * j.stride_a;
+        j.b = b + item * j.stride_b;
+        j.c = c + item * j.stride_c;
+        gemm_product(&j);
+    }
+    free(j.bp);
+    free(j.ap);
+    return NULL;
+}
+#endif
+
+PyDoc_STRVAR(sgemm_doc,
+"sgemm(a, b, c, bias, m, n, k, a_mode, b_mode, bias_mode, act, alpha, beta, threads, batch=1, stride_a=0,\n"
+"      stride_b=0)\n\n"
+"c[m, n] = act(A @ B + bias), float32, C-contiguous buffers. a_mode: 0 a is A [m, k]; 1 a is A packed in panels\n"
+"of 12 rows, [ceil(m/12), k, 12], zero rows past m. b_mode: 0 b is B [k, n]; 1 b is B packed in panels of 32\n"
+"columns, [ceil(n/32), k, 32], zero columns past n; 2 b is B's transpose [n, k]. bias_mode: 0 none (bias None),\n"
+"1 bias[m] per row, 2 bias[n] per column; act as in direct_conv2d. batch products at once: a and b hold batch\n"
+"operands at stride_a/stride_b floats (0: one operand shared by all), c batch results. Only where the CPU has\n"
+"AVX-512F (the module's has_sgemm); `threads` split the batch, or one product's rows or columns.");
+
+static int has_avx512;
+static int as_float32(PyObject *obj, Py_buffer *view, const char *what, int writable);
+
+static PyObject *sgemm(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *ao, *bo, *co, *biaso;
+    Py_ssize_t m, n, k, threads;
+    int a_mode, b_mode, bias_mode, act;
+    double alpha, beta;
+    Py_ssize_t batch = 1, stride_a = 0, stride_b = 0;
+    if (!PyArg_ParseTuple(args, "OOOOnnniiiiddn|nnn", &ao, &bo, &co, &biaso, &m, &n, &k, &a_mode, &b_mode,
+                          &bias_mode, &act, &alpha, &beta, &threads, &batch, &stride_a, &stride_b))
+        return NULL;
+    if (!has_avx512) {
+        PyErr_SetString(PyExc_RuntimeError, "sgemm: this CPU has no AVX-512F");
+        return NULL;
+    }
+    if (batch < 1 || (stride_a != 0 && stride_a != (a_mode == OPERAND_PACKED ? (m + GEMM_MR - 1) / GEMM_MR * GEMM_MR * k : m * k))
+        || (stride_b != 0 && stride_b != (b_mode == OPERAND_PACKED ? (n + GEMM_NR - 1) / GEMM_NR * GEMM_NR * k : n * k))) {
+        PyErr_SetString(PyExc_ValueError, "sgemm: a batch stride is neither 0 (shared) nor the operand's size");
+        return NULL;
+    }
+    if (act < ACT_NONE || act >= ACT_COUNT || m < 0 || n < 0 || k < 1 || a_mode < 0 || a_mode > 1 || b_mode < 0
+        || b_mode > 2 || bias_mode < 0 || bias_mode > 2 || (bias_mode == BIAS_NONE) != (biaso == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "sgemm: bad arguments");
+        return NULL;
+    }
+    Py_buffer ab, bb, cb, biasb;
+    const int has_bias = biaso != Py_None;
+    if (as_float32(ao, &ab, "a", 0) < 0) return NULL;
+    if (as_float32(bo, &bb, "b", 0) < 0) { PyBuffer_Release(&ab); return NULL; }
+    if (as_float32(co, &cb, "c", 1) < 0) { PyBuffer_Release(&ab); PyBuffer_Release(&bb); return NULL; }
+    if (has_bias && as_float32(biaso, &biasb, "bias", 0) < 0) {
+        PyBuffer_Release(&ab); PyBuffer_Release(&bb); PyBuffer_Release(&cb);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    const Py_ssize_t a_len = a_mode == OPERAND_PACKED ? (m + GEMM_MR - 1) / GEMM_MR * GEMM_MR * k : m * k;
+    const Py_ssize_t b_len = b_mode == OPERAND_PACKED ? (n + GEMM_NR - 1) / GEMM_NR * GEMM_NR * k : n * k;
+    if (ab.len / 4 != (stride_a ? batch : 1) * a_len || bb.len / 4 != (stride_b ? batch : 1) * b_len
+        || cb.len / 4 != batch * m * n
+        || (has_bias && biasb.len / 4 != (bias_mode == BIAS_ROWS ? m : n))) {
+        PyErr_SetString(PyExc_ValueError, "sgemm: a buffer's size does not match m, n, k and the modes");
+    } else if (m > 0 && n > 0) {
+#ifdef KILN_X86_DISPATCH
+        /* Threads split the columns, each reading all of A and its share of B, or, where A is the larger operand
+           (m > n: a late conv layer's weights against a 7x7 map), the rows, each reading its share of A. */
+        /* A batch of at least as many products as threads: whole products per thread. */
+        const int by_items = batch >= threads && batch > 1, by_rows = !by_items && m > n;
+        const Py_ssize_t panels = by_items ? batch : by_rows ? (m + GEMM_MR - 1) / GEMM_MR : (n + GEMM_NR - 1) / GEMM_NR;
+        const Py_ssize_t unit = by_items ? 1 : by_rows ? GEMM_MR : GEMM_NR, extent = by_items ? batch : by_rows ? m : n;
+        if (threads < 1) threads = 1;
+        if (threads > MAX_THREADS) threads = MAX_THREADS;
+        if (threads > panels) threads = panels;
+        gemm_job jobs[MAX_THREADS];
+        pthread_t tids[MAX_THREADS];
+        int started[MAX_THREADS] = {0}, failed = 0;
+        for (Py_ssize_t t = 0; t < threads; t++) {
+            gemm_job *g = &jobs[t];
+            g->a = ab.buf; g->b = bb.buf; g->c = cb.buf; g->bias = has_bias ? biasb.buf : NULL;
+            g->m = m; g->n = n; g->k = k;
+            g->a_mode = a_mode; g->b_mode = b_mode; g->bias_mode = bias_mode;
+            const Py_ssize_t begin = (panels * t / threads) * unit;
+            const Py_ssize_t end = t + 1 == threads ? extent : (panels * (t + 1) / threads) * unit;
+            const int by_cols = !by_items && !by_rows;
+            g->col_begin = by_cols ? begin : 0;
+            g->col_end = by_cols ? end : n;
+            g->row_begin = by_rows ? begin : 0;
+            g->row_end = by_rows ? end : m;
+            g->item_begin = by_items ? begin : 0;
+            g->item_end = by_items ? end : batch;
+            g->stride_a = stride_a; g->stride_b = stride_b; g->stride_c = m * n;
+            g->act = act; g->alpha = alpha; g->beta = beta;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t t = 1; t < threads; t++)
+            started[t] = pthread_create(&tids[t], NULL, gemm_worker, &jobs[t]) == 0;
+        failed |= gemm_worker(&jobs[0]) != NULL;
+        for (Py_ssize_t t = 1; t < threads; t++) {
+            void *rc;
+            if (started[t]) pthread_join(tids[t], &rc);
+            else rc = gemm_worker(&jobs[t]);
+            failed |= rc != NULL;
+        }
+        Py_END_ALLOW_THREADS
+        if (failed) PyErr_NoMemory();
+        else { Py_INCREF(Py_None); result = Py_None; }
+#endif
+    } else {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&ab); PyBuffer_Release(&bb); PyBuffer_Release(&cb);
+    if (has_bias) PyBuffer_Release(&biasb);
+    return result;
+}
 
 #define gelu_rows_body gelu_body
 #define layer_norm_rows_body layer_norm_body
@@ -969,7 +1306,80 @@ PyDoc_STRVAR(mean_doc, "mean(x, y, n): y[r] = the mean of row r of n floats of x
 
 static PyObject *mean(PyObject *Py_UNUSED(self), PyObject *args) { return rows_entry(args, "mean", 1, mean_rows); }
 
+PyDoc_STRVAR(im2col_doc,
+"im2col(x, cols, size, c, h, w, kh, kw, sh, sw, dh, dw, pad_top, pad_left, oh, ow)\n\n"
+"cols[(ci, i, j), (s, oy, ox)] = x[s, ci, oy*sh - pad_top + i*dh, ox*sw - pad_left + j*dw], 0 outside the input\n"
+"(float32, C-contiguous; cols has c*kh*kw rows of size*oh*ow).");
+
+static PyObject *im2col(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *xo, *co;
+    cols_geometry g;
+    if (!PyArg_ParseTuple(args, "OOnnnnnnnnnnnnnn", &xo, &co, &g.size, &g.c, &g.h, &g.w, &g.kh, &g.kw, &g.sh, &g.sw,
+                          &g.dh, &g.dw, &g.pt, &g.pl, &g.oh, &g.ow))
+        return NULL;
+    if (g.size < 0 || g.c < 0 || g.h < 0 || g.w < 0 || g.kh < 1 || g.kw < 1 || g.sh < 1 || g.sw < 1 || g.dh < 1
+        || g.dw < 1 || g.oh < 0 || g.ow < 0) {
+        PyErr_SetString(PyExc_ValueError, "im2col: bad geometry");
+        return NULL;
+    }
+    Py_buffer xb, cb;
+    if (as_float32(xo, &xb, "x", 0) < 0) return NULL;
+    if (as_float32(co, &cb, "cols", 1) < 0) { PyBuffer_Release(&xb); return NULL; }
+    PyObject *result = NULL;
+    if (xb.len / 4 != g.size * g.c * g.h * g.w || cb.len / 4 < g.c * g.kh * g.kw * g.size * g.oh * g.ow) {
+        PyErr_SetString(PyExc_ValueError, "im2col: a buffer's size does not match the geometry");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        im2col_rows(xb.buf, cb.buf, &g);
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&xb); PyBuffer_Release(&cb);
+    return result;
+}
+
+PyDoc_STRVAR(gemm_out_doc,
+"gemm_out(acc, y, bias, m, size, span, act, alpha, beta)\n\n"
+"y[s, mm, :span] = act(acc[mm, s*span:(s+1)*span] + bias[mm]) (bias may be None; acc may be y where size is 1;\n"
+"act as in direct_conv2d).");
+
+static PyObject *gemm_out(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *ao, *yo, *bo;
+    Py_ssize_t m, size, span;
+    int act;
+    double alpha, beta;
+    if (!PyArg_ParseTuple(args, "OOOnnnidd", &ao, &yo, &bo, &m, &size, &span, &act, &alpha, &beta)) return NULL;
+    if (act < ACT_NONE || act >= ACT_COUNT || m < 0 || size < 0 || span < 0) {
+        PyErr_SetString(PyExc_ValueError, "gemm_out: bad arguments");
+        return NULL;
+    }
+    Py_buffer ab, yb, bb;
+    int has_bias = bo != Py_None;
+    if (as_float32(ao, &ab, "acc", 0) < 0) return NULL;
+    if (as_float32(yo, &yb, "y", 1) < 0) { PyBuffer_Release(&ab); return NULL; }
+    if (has_bias && as_float32(bo, &bb, "bias", 0) < 0) { PyBuffer_Release(&ab); PyBuffer_Release(&yb); return NULL; }
+    PyObject *result = NULL;
+    const Py_ssize_t total = m * size * span;
+    if (ab.len / 4 != total || yb.len / 4 != total || (has_bias && bb.len / 4 != m)
+        || (ab.buf == yb.buf && size != 1)) {
+        PyErr_SetString(PyExc_ValueError, "gemm_out: a buffer's size does not match (or acc is y with size > 1)");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        gemm_out_rows(ab.buf, yb.buf, has_bias ? bb.buf : NULL, m, size, span, act, alpha, beta);
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&ab); PyBuffer_Release(&yb);
+    if (has_bias) PyBuffer_Release(&bb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"sgemm", sgemm, METH_VARARGS, sgemm_doc},
+    {"im2col", im2col, METH_VARARGS, im2col_doc},
+    {"gemm_out", gemm_out, METH_VARARGS, gemm_out_doc},
     {"direct_conv2d", direct_conv2d, METH_VARARGS, direct_conv2d_doc},
     {"gelu", gelu, METH_VARARGS, gelu_doc},
     {"layer_norm", layer_norm, METH_VARARGS, layer_norm_doc},
@@ -1000,10 +1410,15 @@ PyMODINIT_FUNC PyInit__native(void) {
         ew_run = ew_run_avx2;
         act_rows = act_rows_avx2;
         mean_rows = mean_rows_avx2;
+        im2col_rows = im2col_rows_avx2;
+        gemm_out_rows = gemm_out_rows_avx2;
         isa = "avx2+fma";
     }
 #endif
-    if (PyModule_AddStringConstant(m, "isa", isa) < 0) {
+#ifdef KILN_X86_DISPATCH
+    has_avx512 = __builtin_cpu_supports("avx512f");
+#endif
+    if (PyModule_AddIntConstant(m, "has_sgemm", has_avx512) < 0 || PyModule_AddStringConstant(m, "isa", isa) < 0) {
         Py_DECREF(m);
         return NULL;
     }

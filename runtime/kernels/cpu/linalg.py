@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from kiln.runtime.kernels.cpu import kernel, reference_kernel
+from kiln.runtime.kernels.cpu import kernel, native, reference_kernel
 
 BLAS_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -29,9 +29,41 @@ def const_input(node, i: int) -> Optional[np.ndarray]:
     return node.inputs[i].const
 
 
+def weight_input(node, i: int) -> Optional[np.ndarray]:
+    """Input i's constant value, or where it is a 2-D ``Transpose`` of a constant (the passes keep a weight's
+    transpose a node: at run time it is a free view) that constant transposed (a view), else None."""
+    value = const_input(node, i)
+    if value is not None or i >= len(node.inputs) or node.inputs[i] is None:
+        return value
+    producer = node.inputs[i].producer
+    if producer is None or producer.domain != "" or producer.op != "Transpose" or not producer.inputs \
+            or producer.inputs[0] is None or producer.inputs[0].const is None:
+        return None
+    source = np.asarray(producer.inputs[0].const)
+    perm = producer.attrs.get("perm")
+    if source.ndim != 2 or (perm is not None and list(perm) != [1, 0]):
+        return None
+    return source.T
+
+
 @kernel("MatMul")
 def matmul(node, attrs) -> Callable[..., Any]:
     dt = input_dtype(node)
+    weight = weight_input(node, 1)
+    if dt == np.float32 and weight is not None and weight.ndim == 2:
+        fast = native.linear(np.asarray(weight, np.float32), None) if weight.dtype == np.float32 else None
+        if fast is not None:  # x @ W with W packed once for the extension's AVX-512 sgemm
+            def run_native(a, b_unused):
+                # a few rows (a batch-1 MLP's one): BLAS's GEMV, not 12-row panels mostly of zeros
+                if a.dtype == np.float32 and a.ndim >= 1 and a.size >= native.SGEMM_MIN_ROWS * a.shape[-1]:
+                    return fast(a)
+                return _matmul_folded(a, b_unused)
+            return run_native
+    if dt == np.float32 and native.has_sgemm():
+        def run_products(a, b):  # both computed (attention's products): the extension's sgemm where it takes them
+            y = native.matmul(a, b)
+            return _matmul_folded(a, b) if y is None else y
+        return run_products
     # Integer matmul wraps in the input dtype exactly as the reference does.
     if dt in BLAS_DTYPES or dt.kind in "iu":
         def run(a, b):
@@ -75,6 +107,20 @@ def gemm(node, attrs) -> Callable[..., Any]:
     b_fixed = None if b_const is None else (b_const.T if trans_b else b_const)
     c_const = const_input(node, 2)
     c_fixed = None if c_const is None else _scaled_bias(c_const, beta)
+
+    if b_fixed is not None and not trans_a and alpha == 1.0 and input_dtype(node) == np.float32 \
+            and (c_fixed is None or c_fixed.shape in ((b_fixed.shape[1],), (1, b_fixed.shape[1]))) \
+            and (c_fixed is not None or len(node.inputs) < 3 or node.inputs[2] is None):
+        fast = native.linear(np.asarray(b_fixed), None if c_fixed is None else np.asarray(c_fixed).reshape(-1))
+        if fast is not None:  # a Linear layer through the extension's AVX-512 sgemm, the weight packed once
+            def linear_native(a, b, c=None):
+                if a.dtype == np.float32 and a.size >= native.SGEMM_MIN_ROWS * a.shape[-1]:
+                    return fast(a)
+                y = np.matmul(a, b_fixed)
+                if c_fixed is not None:
+                    y += c_fixed
+                return y
+            return linear_native
 
     if b_fixed is not None and c_fixed is not None and not trans_a and alpha == 1.0:
         # A Linear layer (constant weight and bias): at batch 1 the call layers around the two

@@ -8,8 +8,19 @@ prebuilt in wheels; without it kiln runs its numpy kernels, which stay the refer
 Covered: 2-D float32 convolutions computed directly (``direct_conv2d``): depthwise convs, and dense convs
 with few multiply-adds per output (``DIRECT_MAX_TAPS``: input channels per group x kernel taps;
 ``DIRECT_MAX_POINTWISE`` for 1x1), where im2col + GEMM copies more than it multiplies (the 3-channel stem).
-The GEMM keeps the rest. A covered Conv followed by Relu, HardSwish, HardSigmoid, Clip or LeakyRelu is fused
-at load into one call that applies the activation in the output pass (``fusable``, ``epilogue_kernel``).
+The other one-group float32 convs run as GEMM convolutions (``gemm_conv2d``): a native im2col (one pass, the
+padding written as zeros), the product, and one native output pass that adds the bias and applies an activation.
+A covered Conv followed by Relu, HardSwish, HardSigmoid, Clip or LeakyRelu is fused at load into one call that
+applies the activation in the output pass (``fusable``, ``epilogue_kernel``).
+
+Where the CPU has AVX-512F the products are the extension's own sgemm (``has_sgemm``; ``KILN_NATIVE_SGEMM=0``
+keeps numpy's): the GEMM convolutions' (their weights packed once at load), MatMul and Gemm against a constant
+weight (``linear``, the weight packed once; also through a ``Transpose`` node of a constant weight), and MatMul of
+two computed float32 operands (``matmul``: attention's products, batched). numpy's OpenBLAS may run AVX2 kernels
+on such a CPU (a host's ``OPENBLAS_CORETYPE``, or a CPU it does not know: kiln/blas_env.py), at about half the
+speed; measured on a 2-core Zen 5, one thread: 190-230 GFLOP/s against OpenBLAS's Haswell kernels' 100-125. Then
+numpy's BLAS runs on one thread in kiln's runs (threads.own_gemm): its workers, spinning after each
+multi-threaded GEMM, slowed the sgemm's threads beside them 1.7x.
 Also row kernels for float32 C-contiguous arrays: exact Gelu (the numpy kernel's formula, one pass),
 LayerNormalization and Softmax over the last axis (one or two passes per row where numpy makes 5-15). And
 chains of Add/Sub/Mul/Div/Max/Min/Neg/Abs/Relu/Sqrt, fused at load into a FusedElementwise that runs as one call
@@ -24,7 +35,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from kiln.ir.ops.nn import make_window, static_pads, window_out_shape
-from kiln.runtime.threads import kernel_threads
+from kiln.runtime.threads import kernel_threads, own_gemm
 
 _native: Any = None
 UNAVAILABLE: Optional[str] = None  # why the extension is not used, for kiln info and the tests
@@ -50,6 +61,23 @@ MACS_PER_THREAD = 1 << 20
 # process, interleaved: b1 1.28 ms with one native thread against 1.39 with two, b8 9.34 against 10.17 (alone,
 # outside a model, two threads win on the large layers). Threads also stay 1 on a busy host (kernel_threads).
 MAX_THREADS = max(1, int(os.environ.get("KILN_NATIVE_THREADS", "1") or 1))
+# The extension's AVX-512 sgemm (the GEMM convolutions' product) where the CPU has AVX-512F; KILN_NATIVE_SGEMM=0
+# keeps numpy's BLAS for them. SGEMM_MR: the rows of its A panels (_native.c's GEMM_MR).
+SGEMM = os.environ.get("KILN_NATIVE_SGEMM", "1").strip().lower() not in ("0", "false", "no", "off")
+SGEMM_MR, SGEMM_NR = 12, 32
+_ROWS, _PACKED, _TRANSPOSED = 0, 1, 2   # sgemm's operand modes
+_BIAS_NONE, _BIAS_ROWS, _BIAS_COLS = 0, 1, 2
+# An sgemm runs on one thread below this many multiply-adds (a thread costs ~20-50 us to start and join: a
+# 128x64x784 product, 6.4M, took 59 us on one thread, 107 on two).
+SGEMM_MACS_PER_THREAD = 32 << 20
+# Products of fewer rows stay numpy's (BLAS's GEMV: a batch-1 Linear's one row would fill 1 of 12 panel rows).
+SGEMM_MIN_ROWS = 8
+
+
+if _native is not None and _native.has_sgemm and SGEMM:
+    # kiln's products run on the extension's threads: numpy's BLAS is kept to one thread in runs, so that its
+    # workers never spin beside them (threads.py)
+    own_gemm(True)
 
 
 def available() -> bool:
@@ -102,6 +130,183 @@ def direct_conv2d(w: np.ndarray, window: Any, group: int, bias: Optional[np.ndar
     return run
 
 
+# ----------------------------------------------------------------------------- GEMM convolutions
+# The GEMM convs (what covers_conv leaves: dense convs over many channels x taps) build their columns for this many
+# samples at a time: enough columns for an efficient GEMM (late 7x7 maps batch several samples into one product),
+# at most GEMM_COLS_BYTES of columns. One sample whose map gives MIN_GEMM_COLS columns is its own GEMM, which
+# writes the output in place (no copy out).
+MIN_GEMM_COLS = 1024
+GEMM_COLS_BYTES = 8 << 20
+
+
+def covers_gemm_conv(x_dtype: Any, w: np.ndarray, window: Any, group: int) -> bool:
+    """Whether ``gemm_conv2d`` takes this Conv: float32, 2-D, static weights, one group (numpy's im2col keeps
+    grouped convs; depthwise and few-tap ones are ``covers_conv``'s)."""
+    return (_native is not None and np.dtype(x_dtype) == np.float32 and w.ndim == 4 and w.dtype == np.float32
+            and group == 1)
+
+
+def has_sgemm() -> bool:
+    """Whether the extension's own AVX-512 sgemm runs here (``_native.sgemm``; KILN_NATIVE_SGEMM=0 turns it off)."""
+    return _native is not None and bool(_native.has_sgemm) and SGEMM
+
+
+def pack_rows(a: np.ndarray) -> np.ndarray:
+    """``a`` [M, K] as ``_native.sgemm``'s A operand: panels of SGEMM_MR rows, [ceil(M/MR), K, MR], zero rows
+    past M."""
+    m, k = a.shape
+    panels = -(-m // SGEMM_MR)
+    padded = np.zeros((panels * SGEMM_MR, k), np.float32)
+    padded[:m] = a
+    return np.ascontiguousarray(padded.reshape(panels, SGEMM_MR, k).transpose(0, 2, 1))
+
+
+def pack_cols(b: np.ndarray) -> np.ndarray:
+    """``b`` [K, N] as ``_native.sgemm``'s packed B operand: panels of SGEMM_NR columns, [ceil(N/NR), K, NR], zero
+    columns past N."""
+    k, n = b.shape
+    panels = -(-n // SGEMM_NR)
+    padded = np.zeros((k, panels * SGEMM_NR), np.float32)
+    padded[:, :n] = b
+    return np.ascontiguousarray(padded.reshape(k, panels, SGEMM_NR).transpose(1, 0, 2))
+
+
+def linear(weight: np.ndarray, bias: Optional[np.ndarray]) -> Optional[Callable]:
+    """``x @ weight + bias`` for float32 ``x`` [..., K] against a constant ``weight`` [K, N] (bias [N] or None)
+    through ``_native.sgemm`` with the weight packed once, or None where it does not run (no AVX-512, not float32).
+    ``run(x)`` -> a fresh [..., N] float32 array."""
+    if not has_sgemm() or weight.ndim != 2 or weight.dtype != np.float32 \
+            or (bias is not None and (bias.dtype != np.float32 or bias.size != weight.shape[1])):
+        return None
+    k, n = weight.shape
+    packed = pack_cols(weight)
+    b = None if bias is None else np.ascontiguousarray(bias, np.float32).reshape(n)
+    bias_mode = _BIAS_NONE if b is None else _BIAS_COLS
+    sgemm = _native.sgemm
+
+    def run(x: np.ndarray) -> np.ndarray:
+        lead = x.shape[:-1]
+        m = 1
+        for d in lead:
+            m *= d
+        a = np.ascontiguousarray(x, np.float32)
+        y = np.empty(lead + (n,), np.float32)
+        if m:
+            sgemm(a, packed, y, b, m, n, k, _ROWS, _PACKED, bias_mode, 0, 0.0, 0.0, gemm_threads(m, n, k))
+        return y
+    return run
+
+
+def matmul(a: np.ndarray, b: np.ndarray) -> Optional[np.ndarray]:
+    """``a @ b`` (numpy's matmul semantics) for float32 operands of at least 2 dims through ``_native.sgemm``, or
+    None where it does not take them (no AVX-512, another dtype, broadcast leading dims other than one side's
+    absence): then the caller runs numpy's. ``b`` may be a transposed view of contiguous memory (attention's
+    ``K^T``): it is read as such, not copied."""
+    if not has_sgemm() or a.dtype != np.float32 or b.dtype != np.float32 or a.ndim < 2 or b.ndim < 2:
+        return None
+    m, k = a.shape[-2:]
+    k2, n = b.shape[-2:]
+    lead_a, lead_b = a.shape[:-2], b.shape[:-2]
+    if k != k2 or k == 0 or (lead_a and lead_b and lead_a != lead_b):
+        return None
+    lead = lead_a or lead_b
+    batch = 1
+    for d in lead:
+        batch *= d
+    if b.flags.c_contiguous:
+        b_mode, b_mem = _ROWS, b
+    elif b.ndim >= 2 and np.swapaxes(b, -1, -2).flags.c_contiguous:
+        b_mode, b_mem = _TRANSPOSED, np.swapaxes(b, -1, -2)
+    else:
+        b_mode, b_mem = _ROWS, np.ascontiguousarray(b)
+    a_mem = np.ascontiguousarray(a)
+    y = np.empty(lead + (m, n), np.float32)
+    if y.size:
+        sgemm = _native.sgemm
+        sgemm(a_mem, b_mem, y, None, m, n, k, _ROWS, b_mode, _BIAS_NONE, 0, 0.0, 0.0,
+              gemm_threads(batch * m, n, k), batch, m * k if lead_a else 0, n * k if lead_b else 0)
+    return y
+
+
+def gemm_threads(m: int, n: int, k: int) -> int:
+    """Threads for one sgemm: what a run may use (kernel_threads: the BLAS's count, 1 on a busy host), one per
+    MACS_PER_THREAD multiply-adds at most."""
+    return max(1, min(kernel_threads(), m * n * k // SGEMM_MACS_PER_THREAD))
+
+
+def _geometry_of(window: Any, cache: dict, sizes: tuple) -> tuple:
+    """(pad top, pad left, oh, ow) of ``window`` over an input of ``sizes``, the IR's own rules, cached."""
+    g = cache.get(sizes)
+    if g is None:
+        begin, _, _ = static_pads(window, sizes)
+        g = (begin[0], begin[1], *window_out_shape(window, sizes))
+        if len(cache) > 64:  # many sizes (dynamic spatial dims): keep the cache bounded
+            cache.clear()
+        cache[sizes] = g
+    return g
+
+
+def gemm_conv2d(w: np.ndarray, window: Any, bias: Optional[np.ndarray],
+                activation: tuple = (0, 0.0, 0.0)) -> Callable:
+    """A one-group Conv as native im2col + numpy's GEMM (BLAS) + one native output pass that adds the bias and
+    applies ``activation`` (see ``activation_of``): ``run(x)`` -> a fresh [N, M, OH, OW] float32 array. A 1x1
+    stride-1 unpadded conv multiplies the input itself (no columns)."""
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    b = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32).reshape(-1)
+    m, c, kh, kw = w.shape
+    k = c * kh * kw
+    w2 = w.reshape(m, k)
+    (sh, sw), (dh, dw) = window.strides, window.dilations
+    code, alpha, beta = activation
+    finish = code != 0 or b is not None
+    im2col, gemm_out = _native.im2col, _native.gemm_out
+    geometry: dict = {}
+    if has_sgemm():
+        packed = pack_rows(w2)
+        sgemm = _native.sgemm
+
+        def product(cols: np.ndarray, out: np.ndarray, fused: bool) -> None:
+            """out = cols' product with the weights (+ the bias and activation where ``fused``)."""
+            n_cols = cols.shape[1]
+            bias_mode = _BIAS_ROWS if fused and b is not None else _BIAS_NONE
+            sgemm(packed, cols, out, b if bias_mode else None, m, n_cols, k, _PACKED, _ROWS, bias_mode,
+                  code if fused else 0, alpha, beta, gemm_threads(m, n_cols, k))
+    else:
+        def product(cols: np.ndarray, out: np.ndarray, fused: bool) -> None:
+            np.matmul(w2, cols, out=out)
+            if fused and finish:
+                gemm_out(out, out, b, m, 1, cols.shape[1], code, alpha, beta)
+
+    def run(x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        n, _, h, wd = x.shape
+        pt, pl, oh, ow = _geometry_of(window, geometry, (h, wd))
+        span = oh * ow
+        y = np.empty((n, m, oh, ow), np.float32)
+        if y.size == 0:
+            return y
+        y3 = y.reshape(n, m, span)
+        if (kh, kw, sh, sw, pt, pl, oh, ow) == (1, 1, 1, 1, 0, 0, h, wd):  # the columns are the input
+            x3 = x.reshape(n, c, span)
+            for s in range(n):
+                product(x3[s], y3[s], True)
+            return y
+        chunk = max(1, min(n, -(-MIN_GEMM_COLS // span), GEMM_COLS_BYTES // max(1, k * span * 4)))
+        cols = np.empty(k * chunk * span, np.float32)
+        for start in range(0, n, chunk):
+            size = min(chunk, n - start)
+            part = cols[:k * size * span].reshape(k, size * span)  # the last, smaller chunk: a prefix
+            im2col(x[start:start + size], part, size, c, h, wd, kh, kw, sh, sw, dh, dw, pt, pl, oh, ow)
+            if size == 1:  # the GEMM writes the output, the bias and activation applied in place
+                product(part, y3[start], True)
+            else:
+                acc = np.empty((m, size * span), np.float32)
+                product(part, acc, False)
+                gemm_out(acc, y[start:start + size], b, m, size, span, code, alpha, beta)
+        return y
+    return run
+
+
 # ----------------------------------------------------------------------------- a Conv and its activation
 # kiln.FusedEpilogue bodies of a Conv and one of these ops run as one native call: the activation is applied in
 # the output pass (no second pass over the output, no temporaries). The codes are _native.c's ACT_*.
@@ -140,7 +345,7 @@ def activation_of(node: Any, const_of: Callable[[Any], Optional[np.ndarray]]) ->
 
 
 def _conv_parts(conv: Any, const_of: Callable[[Any], Optional[np.ndarray]]) -> Optional[tuple]:
-    """(w, window, group, bias) of a Conv ``direct_conv2d`` covers, else None."""
+    """(w, window, group, bias) of a Conv ``direct_conv2d`` or ``gemm_conv2d`` covers, else None."""
     if conv.domain != "" or conv.op != "Conv" or len(conv.inputs) < 2:
         return None
     w = const_of(conv.inputs[1])
@@ -153,13 +358,22 @@ def _conv_parts(conv: Any, const_of: Callable[[Any], Optional[np.ndarray]]) -> O
     attrs = conv.schema.fill_attrs(conv.attrs)
     window = make_window(attrs["kernel_shape"] or w.shape[2:], strides=attrs["strides"],
                          dilations=attrs["dilations"], pads=attrs["pads"], auto_pad=attrs["auto_pad"])
-    if not covers_conv(x_type.dtype.numpy, w, window, attrs["group"]):
+    if not (covers_conv(x_type.dtype.numpy, w, window, attrs["group"])
+            or covers_gemm_conv(x_type.dtype.numpy, w, window, attrs["group"])):
         return None
     return w, window, attrs["group"], bias
 
 
+def conv_kernel(w: np.ndarray, window: Any, group: int, bias: Optional[np.ndarray], activation: tuple) -> Callable:
+    """The native kernel of a Conv ``_conv_parts`` accepted: direct where ``covers_conv``, else the GEMM's."""
+    if covers_conv(np.float32, w, window, group):
+        return direct_conv2d(w, window, group, bias, activation=activation)
+    return gemm_conv2d(w, window, bias, activation)
+
+
 def fusable(anchor: Any, consumer: Any) -> bool:
-    """``fuse_epilogues``'s ``accept`` for the CPU runtime: a Conv this extension covers and one activation."""
+    """``fuse_epilogues``'s ``accept`` for the CPU runtime: a Conv this extension covers (directly or as its GEMM
+    convolution) and one activation."""
     const_of = _const_of_value
     return _conv_parts(anchor, const_of) is not None and activation_of(consumer, const_of) is not None
 
@@ -190,7 +404,7 @@ def epilogue_kernel(node: Any, attrs: dict) -> Optional[Callable]:
     activation = activation_of(act, const_of)
     if parts is None or activation is None:
         return None
-    body_run = direct_conv2d(*parts, activation=activation)
+    body_run = conv_kernel(*parts, activation)
 
     def run(x: np.ndarray, *rest: Any) -> np.ndarray:  # rest: the weights and the activation's bounds
         return body_run(x)

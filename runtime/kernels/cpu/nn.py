@@ -1,8 +1,9 @@
 """Conv: 2-D convolutions as GEMMs over an im2col buffer, 1x1 convs as one GEMM on a view,
 depthwise convs as a batched per-channel product over their columns where those fit in cache, else as a sum over
 kernel taps of shifted slices times per-channel weights. Where the optional native extension is built, the float32
-convs it covers (depthwise, few taps: native.covers_conv) run its direct convolution instead, and these numpy
-kernels are the fallback.
+convs it covers (depthwise, few taps: native.covers_conv) run its direct convolution instead, the other one-group
+float32 convs its GEMM convolution (native.gemm_conv2d: native im2col, the product, a native output pass), and
+these numpy kernels are the fallback.
 
 The im2col is built from contiguous slices, not 2-D strided windows: the input is copied
 straight into zeroed stride-phase images (one strided copy per phase, no np.pad and no padded
@@ -49,6 +50,8 @@ def conv(node, attrs) -> Callable[..., Any]:
     bias_col = None
     if native.covers_conv(input_dtype(node), w, window, group):
         body = native.direct_conv2d(w, window, group, bias)
+    elif native.covers_gemm_conv(input_dtype(node), w, window, group):
+        body = native.gemm_conv2d(w, window, bias)
     elif group == m and w.shape[1] == 1 and group > 1:
         body = _depthwise(w, window, bias)
     elif w.shape[2:] == (1, 1) and group == 1 and window.pads == (0,) * 4 and window.auto_pad == "NOTSET":

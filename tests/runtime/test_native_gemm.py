@@ -1,0 +1,289 @@
+"""The native extension's GEMM convolutions and its AVX-512 sgemm (runtime/kernels/cpu/_native.c, native.py): im2col
+and the output pass against numpy, the sgemm's operand modes, bias modes, activations, batches and thread splits
+against float64 products; the GEMM convolution over random geometries against a float64 sum over the taps (with the
+sgemm and with numpy's BLAS for the product); and that programs take them (Conv + activation as one fused call,
+MatMul against a weight kept as a Transpose node, attention's products, Gemm) and answer as the reference does."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kiln
+from kiln.ir import Graph, evaluate
+from kiln.ir.ops.nn import make_window, static_pads, window_out_shape
+from kiln.runtime.kernels.cpu import native
+
+RNG = np.random.default_rng(2121)
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels not built: {native.UNAVAILABLE}")
+needs_sgemm = pytest.mark.skipif(not native.has_sgemm(), reason="no AVX-512F here (or KILN_NATIVE_SGEMM=0)")
+
+
+def conv_float64(x, w, b, window):
+    """A float64 sum over the taps of a one-group Conv (independent of the kernels under test)."""
+    n, c, h, wd = x.shape
+    m, _, kh, kw = w.shape
+    (sh, sw), (dh, dw) = window.strides, window.dilations
+    oh, ow = window_out_shape(window, (h, wd))
+    begin, end, _ = static_pads(window, (h, wd))
+    xp = np.zeros((n, c, h + begin[0] + end[0] + kh * dh, wd + begin[1] + end[1] + kw * dw))
+    xp[:, :, begin[0]:begin[0] + h, begin[1]:begin[1] + wd] = x
+    y = np.zeros((n, m, oh, ow)) + (0 if b is None else b.astype(np.float64)[:, None, None])
+    for i in range(kh):
+        for j in range(kw):
+            patch = xp[:, :, i * dh: i * dh + sh * (oh - 1) + 1: sh, j * dw: j * dw + sw * (ow - 1) + 1: sw]
+            y += np.einsum("mc,nchw->nmhw", w[:, :, i, j].astype(np.float64), patch)
+    return y
+
+
+def random_window(kh, kw):
+    auto = ["NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"][int(RNG.integers(4))]
+    pads = [int(v) for v in RNG.integers(0, 3, 4)] if auto == "NOTSET" else None
+    return make_window((kh, kw), strides=tuple(int(v) for v in RNG.integers(1, 4, 2)),
+                       dilations=tuple(int(v) for v in RNG.integers(1, 3, 2)), pads=pads, auto_pad=auto)
+
+
+@needs_native
+def test_im2col_against_numpy_columns():
+    ran = 0
+    for _ in range(150):
+        kh, kw = (int(v) for v in RNG.integers(1, 6, 2))
+        window = random_window(kh, kw)
+        n, c = int(RNG.integers(1, 4)), int(RNG.integers(1, 5))
+        h, wd = int(RNG.integers(1, 16)), int(RNG.integers(1, 16))
+        try:
+            oh, ow = window_out_shape(window, (h, wd))
+        except ValueError:
+            continue
+        x = RNG.standard_normal((n, c, h, wd)).astype(np.float32)
+        begin, end, _ = static_pads(window, (h, wd))
+        (sh, sw), (dh, dw) = window.strides, window.dilations
+        xp = np.zeros((n, c, h + begin[0] + end[0] + kh * dh, wd + begin[1] + end[1] + kw * dw), np.float32)
+        xp[:, :, begin[0]:begin[0] + h, begin[1]:begin[1] + wd] = x
+        want = np.stack([xp[:, ci, i * dh: i * dh + sh * (oh - 1) + 1: sh, j * dw: j * dw + sw * (ow - 1) + 1: sw]
+                         .reshape(n * oh * ow) for ci in range(c) for i in range(kh) for j in range(kw)])
+        cols = np.full((c * kh * kw, n * oh * ow), np.nan, np.float32)
+        native._native.im2col(x, cols, n, c, h, wd, kh, kw, sh, sw, dh, dw, begin[0], begin[1], oh, ow)
+        np.testing.assert_array_equal(cols, want)
+        ran += 1
+    assert ran > 80
+
+
+@needs_native
+@pytest.mark.parametrize("size", [1, 3])
+@pytest.mark.parametrize("act,alpha,beta", [(0, 0.0, 0.0), (1, 0.0, 0.0), (4, -0.5, 0.7)])
+def test_gemm_out_adds_the_bias_and_applies_the_activation(size, act, alpha, beta):
+    m, span = 5, 37
+    acc = RNG.standard_normal((m, size * span)).astype(np.float32)
+    bias = RNG.standard_normal(m).astype(np.float32)
+    y = np.empty((size, m, span), np.float32)
+    native._native.gemm_out(acc, y, bias, m, size, span, act, alpha, beta)
+    want = acc.reshape(m, size, span).transpose(1, 0, 2) + bias[:, None]
+    if act == 1:
+        want = np.maximum(want, 0)
+    if act == 4:
+        want = np.minimum(np.maximum(want, np.float32(alpha)), np.float32(beta))
+    np.testing.assert_array_equal(y, want)
+
+
+def _operands(m, n, k, a_mode, b_mode, batch=1):
+    a = RNG.standard_normal((batch, m, k)).astype(np.float32)
+    b = RNG.standard_normal((batch, k, n)).astype(np.float32)
+    a_arg = np.stack([native.pack_rows(ai) for ai in a]) if a_mode == 1 else a
+    b_arg = (np.stack([native.pack_cols(bi) for bi in b]) if b_mode == 1
+             else np.ascontiguousarray(b.transpose(0, 2, 1)) if b_mode == 2 else b)
+    return a, b, a_arg, b_arg
+
+
+@needs_sgemm
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (7, 3, 5), (12, 32, 256), (13, 33, 257), (50, 70, 600), (3, 100, 40),
+                                   (100, 3, 40)])
+@pytest.mark.parametrize("a_mode,b_mode", [(0, 0), (1, 0), (0, 1), (0, 2), (1, 2)])
+def test_sgemm_modes_against_float64(m, n, k, a_mode, b_mode):
+    a, b, a_arg, b_arg = _operands(m, n, k, a_mode, b_mode)
+    ref = a[0].astype(np.float64) @ b[0]
+    scale = max(1.0, float(np.abs(ref).max()))
+    for bias_mode, bias, added in ((0, None, 0.0), (1, RNG.standard_normal(m).astype(np.float32), "rows"),
+                                   (2, RNG.standard_normal(n).astype(np.float32), "cols")):
+        for act, alpha, beta in ((0, 0.0, 0.0), (1, 0.0, 0.0), (5, 0.1, 0.0)):
+            for threads in (1, 2, 3):
+                c = np.full((m, n), np.nan, np.float32)
+                native._native.sgemm(a_arg[0], b_arg[0], c, bias, m, n, k, a_mode, b_mode, bias_mode, act, alpha,
+                                     beta, threads)
+                want = ref + (0.0 if bias is None else bias[:, None] if added == "rows" else bias[None, :])
+                if act == 1:
+                    want = np.maximum(want, 0)
+                if act == 5:
+                    want = np.where(want < 0, 0.1 * want, want)
+                assert np.abs(c - want).max() <= 2e-6 * scale * np.sqrt(k), (bias_mode, act, threads)
+
+
+@needs_sgemm
+@pytest.mark.parametrize("share", ["none", "a", "b"])
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_sgemm_batches_with_shared_operands(share, threads):
+    batch, m, n, k = 4, 9, 20, 33
+    a, b, a_arg, b_arg = _operands(m, n, k, 0, 2, batch)
+    if share == "a":
+        a, a_arg = a[:1].repeat(batch, 0), a_arg[:1]
+    if share == "b":
+        b, b_arg = b[:1].repeat(batch, 0), b_arg[:1]
+    c = np.full((batch, m, n), np.nan, np.float32)
+    native._native.sgemm(a_arg, b_arg, c, None, m, n, k, 0, 2, 0, 0, 0.0, 0.0, threads, batch,
+                         0 if share == "a" else m * k, 0 if share == "b" else n * k)
+    np.testing.assert_allclose(c, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+
+
+@needs_sgemm
+def test_sgemm_refuses_what_does_not_match():
+    sgemm = native._native.sgemm
+    a, b, c = np.zeros((4, 5), np.float32), np.zeros((5, 6), np.float32), np.zeros((4, 6), np.float32)
+    sgemm(a, b, c, None, 4, 6, 5, 0, 0, 0, 0, 0.0, 0.0, 1)
+    with pytest.raises(ValueError, match="size does not match"):
+        sgemm(a, b, c, None, 4, 6, 4, 0, 0, 0, 0, 0.0, 0.0, 1)  # k
+    with pytest.raises(ValueError, match="size does not match"):
+        sgemm(a, b, c, None, 4, 6, 5, 1, 0, 0, 0, 0.0, 0.0, 1)  # a is not packed
+    with pytest.raises(ValueError, match="size does not match"):
+        sgemm(a, b, c, np.zeros(6, np.float32), 4, 6, 5, 0, 0, 1, 0, 0.0, 0.0, 1)  # a row bias of n
+    with pytest.raises(ValueError, match="bad arguments"):
+        sgemm(a, b, c, None, 4, 6, 5, 0, 3, 0, 0, 0.0, 0.0, 1)  # no mode 3
+    with pytest.raises(ValueError, match="bad arguments"):
+        sgemm(a, b, c, np.zeros(4, np.float32), 4, 6, 5, 0, 0, 0, 0, 0.0, 0.0, 1)  # a bias with bias mode 0
+    with pytest.raises(ValueError, match="batch stride"):
+        sgemm(a, b, c, None, 4, 6, 5, 0, 0, 0, 0, 0.0, 0.0, 1, 2, 7, 0)
+    with pytest.raises(TypeError, match="float32"):
+        sgemm(a.astype(np.float64), b, c, None, 4, 6, 5, 0, 0, 0, 0, 0.0, 0.0, 1)
+
+
+@needs_native
+@pytest.mark.parametrize("own_sgemm", [True, False])
+def test_gemm_conv_random_geometries_against_float64(monkeypatch, own_sgemm):
+    if own_sgemm and not native.has_sgemm():
+        pytest.skip("no AVX-512F here")
+    monkeypatch.setattr(native, "SGEMM", own_sgemm)
+    monkeypatch.setattr(native, "SGEMM_MACS_PER_THREAD", 1)  # both threads, however small
+    ran = 0
+    for trial in range(120):
+        kh, kw = (int(v) for v in RNG.integers(1, 6, 2))
+        window = random_window(kh, kw)
+        n, c = int(RNG.integers(1, 4)), int(RNG.integers(1, 12))
+        h, wd = int(RNG.integers(1, 18)), int(RNG.integers(1, 18))
+        try:
+            window_out_shape(window, (h, wd))
+        except ValueError:
+            continue
+        m = int(RNG.integers(1, 30))
+        x = RNG.standard_normal((n, c, h, wd)).astype(np.float32)
+        w = RNG.standard_normal((m, c, kh, kw)).astype(np.float32)
+        b = RNG.standard_normal(m).astype(np.float32) if trial % 2 else None
+        relu = trial % 3 == 0
+        got = native.gemm_conv2d(w, window, b, (1, 0.0, 0.0) if relu else (0, 0.0, 0.0))(x)
+        want = conv_float64(x, w, b, window)
+        np.testing.assert_allclose(got, np.maximum(want, 0) if relu else want, rtol=1e-4, atol=1e-4)
+        ran += 1
+    assert ran > 60
+
+
+@needs_native
+def test_gemm_conv_chunks_samples_of_small_maps(monkeypatch):
+    """Small maps batch several samples into one product (its result copied out per sample); large ones are each
+    their own product written in place."""
+    window = make_window((3, 3), pads=(1, 1, 1, 1))
+    w = RNG.standard_normal((16, 8, 3, 3)).astype(np.float32)
+    b = RNG.standard_normal(16).astype(np.float32)
+    for shape in ((5, 8, 7, 7), (2, 8, 40, 40)):
+        x = RNG.standard_normal(shape).astype(np.float32)
+        np.testing.assert_allclose(native.gemm_conv2d(w, window, b)(x), conv_float64(x, w, b, window),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def conv_relu_graph(c=16, m=24):
+    g = Graph("conv_relu")
+    x = g.add_input("x", "float32", ["batch", c, 12, 12])
+    w = g.add_initializer("w", RNG.standard_normal((m, c, 3, 3)).astype(np.float32))
+    b = g.add_initializer("b", RNG.standard_normal(m).astype(np.float32))
+    g.outputs = [g.op("Relu", g.op("Conv", x, w, b, pads=[1, 1, 1, 1]))]
+    return g
+
+
+@needs_native
+def test_a_gemm_conv_and_its_activation_run_as_one_native_kernel(monkeypatch):
+    calls = []
+    real = native.gemm_conv2d
+
+    def spy(w, window, bias, activation=(0, 0.0, 0.0)):
+        calls.append(activation)
+        return real(w, window, bias, activation)
+    monkeypatch.setattr(native, "gemm_conv2d", spy)
+    g = conv_relu_graph()
+    p = kiln.load(g)
+    assert [n.op for n in p.graph.nodes] == ["FusedEpilogue"] and calls == [(1, 0.0, 0.0)]
+    x = RNG.standard_normal((3, 16, 12, 12)).astype(np.float32)
+    np.testing.assert_allclose(p.run({"x": x}, as_list=True)[0], evaluate(g, {"x": x})[0], rtol=1e-4, atol=1e-4)
+
+
+def encoder_products_graph():
+    """A Linear layer whose weight is kept as a Transpose node (as the passes keep a large weight's transpose),
+    then attention's two products of computed operands (one a transposed view), then a Gemm with a bias."""
+    g = Graph("products")
+    x = g.add_input("x", "float32", ["batch", 16, 32])
+    w = g.add_initializer("w", RNG.standard_normal((48, 32)).astype(np.float32))   # [out, in], like nn.Linear
+    h = g.op("MatMul", x, g.op("Transpose", w, perm=[1, 0]))                       # [batch, 16, 48]
+    q = g.op("Reshape", h, g.add_initializer("s", np.array([0, 16, 3, 16], np.int64)))
+    q = g.op("Transpose", q, perm=[0, 2, 1, 3])                                     # [batch, 3, 16, 16]
+    scores = g.op("MatMul", q, g.op("Transpose", q, perm=[0, 1, 3, 2]))
+    ctx = g.op("MatMul", g.op("Softmax", scores, axis=-1), q)                       # [batch, 3, 16, 16]
+    flat = g.op("Reshape", ctx, g.add_initializer("f", np.array([-1, 16], np.int64)))
+    wg = g.add_initializer("wg", RNG.standard_normal((16, 8)).astype(np.float32))
+    bg = g.add_initializer("bg", RNG.standard_normal(8).astype(np.float32))
+    g.outputs = [g.op("Gemm", flat, wg, bg)]
+    return g
+
+
+@needs_sgemm
+def test_programs_run_their_products_on_the_sgemm(monkeypatch):
+    used = {"linear": 0, "matmul": 0}
+    real_linear, real_matmul = native.linear, native.matmul
+
+    def linear(weight, bias):
+        kernel = real_linear(weight, bias)
+
+        def run(x):
+            used["linear"] += 1
+            return kernel(x)
+        return run
+
+    def matmul(a, b):
+        used["matmul"] += 1
+        return real_matmul(a, b)
+    monkeypatch.setattr(native, "linear", linear)
+    monkeypatch.setattr(native, "matmul", matmul)
+    g = encoder_products_graph()
+    p = kiln.load(g)
+    x = RNG.standard_normal((4, 16, 32)).astype(np.float32)
+    np.testing.assert_allclose(p.run({"x": x}, as_list=True)[0], evaluate(g, {"x": x})[0], rtol=1e-4, atol=1e-4)
+    assert used == {"linear": 2, "matmul": 2}  # the Linear (through its Transpose) and the Gemm; both products
+    # one row (a batch-1 MLP's): the product is BLAS's GEMV, not a 12-row panel of one row
+    h = Graph("row")
+    v = h.add_input("v", "float32", ["batch", 32])
+    h.outputs = [h.op("MatMul", v, h.add_initializer("w", RNG.standard_normal((32, 8)).astype(np.float32)))]
+    used.update(linear=0, matmul=0)
+    q = kiln.load(h)
+    for rows in (1, 9):
+        v_in = RNG.standard_normal((rows, 32)).astype(np.float32)
+        np.testing.assert_allclose(q.run({"v": v_in}, as_list=True)[0], evaluate(h, {"v": v_in})[0], rtol=1e-5,
+                                   atol=1e-5)
+    assert used == {"linear": 1, "matmul": 0}
+
+
+@needs_sgemm
+def test_native_matmul_takes_float32_and_leaves_the_rest():
+    a = RNG.standard_normal((2, 3, 5, 7)).astype(np.float32)
+    b = RNG.standard_normal((2, 3, 7, 4)).astype(np.float32)
+    np.testing.assert_allclose(native.matmul(a, b), a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+    bt = np.ascontiguousarray(b.swapaxes(-1, -2)).swapaxes(-1, -2)  # a transposed view: read, not copied
+    np.testing.assert_allclose(native.matmul(a, bt), a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(native.matmul(a[0, 0], b), a[0, 0].astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+    assert native.matmul(a.astype(np.float64), b) is None
+    assert native.matmul(a[:1], b[:, :1]) is None       # broadcast leading dims: numpy's
+    assert native.matmul(a[0, 0, 0], b[0, 0]) is None   # a vector: numpy's
+    assert native.linear(np.zeros((4, 3), np.float64), None) is None
