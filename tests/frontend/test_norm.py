@@ -15,6 +15,13 @@ from kiln import UnsupportedOpError  # noqa: E402
 import kiln  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Fixed inputs: GroupNorm over groups of two values amplifies float32 rounding, and kiln's and torch's answers
+    (each within 1e-5 of the float64 one) then differ by up to 2e-5 for some draws, failing 1 run in ~300."""
+    torch.manual_seed(0)
+
+
 def _r(*shape):
     return torch.randn(*shape)
 

@@ -468,7 +468,9 @@ def test_zoo_models_compute_the_same_in_the_cpu_runtime(entry):
         feeds = {n: to_numpy(t) for n, t in zip(names, tensors)}
         for w, o in zip(unfused.run(feeds, as_list=True), fused.run(feeds, as_list=True)):
             assert (o.dtype, o.shape) == (w.dtype, w.shape)
-            np.testing.assert_allclose(o, w, rtol=1e-5)
+            # atol: the fused body's product may run on another kernel than the unfused one (a weight behind a
+            # Transpose node is a body input there), so the last bits of a near-zero output may differ
+            np.testing.assert_allclose(o, w, rtol=1e-5, atol=1e-6)
 
 
 def test_save_load_round_trip(tmp_path):

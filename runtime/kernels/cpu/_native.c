@@ -562,7 +562,14 @@ static inline __attribute__((always_inline)) void im2col_body(const float *x, fl
                             memcpy(d + lo, src + lo, (size_t)(hi - lo) * sizeof(float));
                         } else {
                             const Py_ssize_t sw = g->sw;
-                            for (Py_ssize_t q = lo; q < hi; q++) d[q] = src[q * sw];
+                            Py_ssize_t q = lo;
+                            if (sw == 2) {  /* the even floats of 16, 8 at a time (the strided loop ran at 14 GB/s) */
+                                const v8si evens = {0, 2, 4, 6, 8, 10, 12, 14};
+                                /* q + 8 < hi: the last vector's 16th float, src[2q + 15], is inside the row */
+                                for (; q + 8 < hi; q += 8)
+                                    store8(d + q, __builtin_shuffle(load8(src + 2 * q), load8(src + 2 * q + 8), evens));
+                            }
+                            for (; q < hi; q++) d[q] = src[q * sw];
                         }
                         for (Py_ssize_t q = hi; q < g->ow; q++) d[q] = 0.0f;
                     }
