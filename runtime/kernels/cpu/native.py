@@ -67,9 +67,10 @@ SGEMM = os.environ.get("KILN_NATIVE_SGEMM", "1").strip().lower() not in ("0", "f
 SGEMM_MR, SGEMM_NR = 12, 32
 _ROWS, _PACKED, _TRANSPOSED = 0, 1, 2   # sgemm's operand modes
 _BIAS_NONE, _BIAS_ROWS, _BIAS_COLS = 0, 1, 2
-# An sgemm runs on one thread below this many multiply-adds (a thread costs ~20-50 us to start and join: a
-# 128x64x784 product, 6.4M, took 59 us on one thread, 107 on two).
-SGEMM_MACS_PER_THREAD = 32 << 20
+# An sgemm runs on one thread below this many multiply-adds (~5 us of work): its pool's threads wait spinning
+# briefly between products, so a second one costs a few microseconds (a 128x64x784 product, 6.4M: 56 us on one
+# thread, 33 on two; BERT-style 2 layers b1 0.95 ms with a 32M threshold, 0.74 with this one).
+SGEMM_MACS_PER_THREAD = 1 << 20
 # Products of fewer rows stay numpy's (BLAS's GEMV: a batch-1 Linear's one row would fill 1 of 12 panel rows).
 SGEMM_MIN_ROWS = 8
 
