@@ -287,3 +287,48 @@ def test_native_matmul_takes_float32_and_leaves_the_rest():
     assert native.matmul(a[:1], b[:, :1]) is None       # broadcast leading dims: numpy's
     assert native.matmul(a[0, 0, 0], b[0, 0]) is None   # a vector: numpy's
     assert native.linear(np.zeros((4, 3), np.float64), None) is None
+
+
+FORK_CHECK = """
+import os, numpy as np
+from kiln.runtime.kernels.cpu import native
+a = np.ones((64, 64), np.float32); b = np.ones((64, 64), np.float32)
+def product():
+    c = np.empty((64, 64), np.float32)
+    native._native.sgemm(a, b, c, None, 64, 64, 64, 0, 0, 0, 0, 0.0, 0.0, 2)
+    return float(c[0, 0])
+assert product() == 64.0   # the pool's threads exist now
+pid = os.fork()
+if pid == 0:  # the child has none of them: its pool starts over
+    os._exit(0 if product() == 64.0 else 3)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status), product())
+"""
+
+
+@needs_sgemm
+def test_the_thread_pool_starts_over_in_a_forked_child():
+    """kiln serve's workers are forked: a child must not wait for pool threads only its parent has."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", FORK_CHECK], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["child", "0", "64.0"]
+
+
+@needs_sgemm
+def test_products_from_several_python_threads_at_once():
+    """One call has the pool at a time; the others make threads of their own. Every answer stays right."""
+    from concurrent.futures import ThreadPoolExecutor
+    a = RNG.standard_normal((8, 96, 80)).astype(np.float32)
+    b = RNG.standard_normal((8, 80, 70)).astype(np.float32)
+
+    def product(i):
+        c = np.empty((96, 70), np.float32)
+        for _ in range(20):
+            native._native.sgemm(a[i], b[i], c, None, 96, 70, 80, 0, 0, 0, 0, 0.0, 0.0, 2)
+        return c
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(product, range(8)))
+    for i, c in enumerate(results):
+        np.testing.assert_allclose(c, a[i].astype(np.float64) @ b[i], rtol=1e-5, atol=1e-4)

@@ -27,6 +27,11 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pthread.h>
+#include <sched.h>
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -797,11 +802,12 @@ static void *gemm_worker(void *arg) {
 #endif
 
 /* ------------------------------------------------------------------------------------------- a thread pool
-   The sgemm's threads: created on first use and kept, blocked on a condition variable between calls (nothing
-   spins; a call wakes them with one broadcast). Creating and joining threads in each call cost ~50 us, as much
-   as a 128x64x784 product. One call uses the pool at a time; a call that finds it taken (several Python threads
-   running programs at once) creates threads of its own, as before. After fork() the child has no pool threads:
-   pthread_atfork resets the pool there. */
+   The sgemm's threads: created on first use and kept; between calls each spins for at most POOL_SPIN_NS, then
+   blocks on a condition variable (a call wakes them with one broadcast). Threads created and joined per call
+   cost more than they saved on this VM: a 32x784x512 product took 190 us on two fresh threads, 163 on one, 90
+   on two pool threads. The workers' affinity leaves out the dispatching thread's CPU (see run_tasks). One call
+   uses the pool at a time; a call that finds it taken (several Python threads running programs at once)
+   creates threads of its own. After fork() the child has no pool threads: pthread_atfork resets the pool. */
 typedef void *(*task_fn)(void *);
 static struct {
     pthread_mutex_t lock;
@@ -813,6 +819,9 @@ static struct {
     int pending;       /* of those, not finished */
     unsigned long generation;
     unsigned long born[MAX_THREADS];  /* the generation at each worker's creation: it waits for a later one */
+    int caller_cpu;    /* the CPU the dispatching thread was on (-1: unknown) */
+    pid_t tids[MAX_THREADS];       /* the workers' thread ids (0 until each has started) */
+    int kept_off[MAX_THREADS];     /* the CPU each worker's affinity now leaves out (-1: none) */
     task_fn fn;
     void *args[MAX_THREADS];
     void *rcs[MAX_THREADS];
@@ -835,9 +844,14 @@ static long long now_ns(void) {
     return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
-static void spin_while_equal(const unsigned long *word, unsigned long value) {
+/* Spin while *word == value, for at most POOL_SPIN_NS, and not at all on the CPU of the thread that dispatched
+   the last tasks (it would take that thread's CPU: both stayed on one CPU, the other idle, for whole runs). */
+static void spin_while_equal(const unsigned long *word, unsigned long value, int caller_cpu) {
     const long long end = now_ns() + POOL_SPIN_NS;
     while (__atomic_load_n(word, __ATOMIC_ACQUIRE) == value) {
+#ifdef __linux__
+        if (sched_getcpu() == caller_cpu) break;
+#endif
         for (int i = 0; i < 64; i++) cpu_relax();
         if (now_ns() > end) break;
     }
@@ -846,11 +860,15 @@ static void spin_while_equal(const unsigned long *word, unsigned long value) {
 static void *pool_main(void *arg) {
     const int index = (int)(intptr_t)arg;
     pthread_mutex_lock(&pool.lock);
+#ifdef __linux__
+    pool.tids[index] = (pid_t)syscall(SYS_gettid);
+#endif
     unsigned long seen = pool.born[index];
     for (;;) {
         if (pool.generation == seen) {
+            const int caller_cpu = pool.caller_cpu;
             pthread_mutex_unlock(&pool.lock);
-            spin_while_equal(&pool.generation, seen);
+            spin_while_equal(&pool.generation, seen, caller_cpu);
             pthread_mutex_lock(&pool.lock);
         }
         while (pool.generation == seen) pthread_cond_wait(&pool.wake, &pool.lock);
@@ -882,6 +900,8 @@ static int run_tasks(task_fn fn, void **args, int n) {
         if (!pool.busy) {
             while (pool.size < n - 1 && pool.size < MAX_THREADS) {
                 pool.born[pool.size] = pool.generation;
+                pool.tids[pool.size] = 0;
+                pool.kept_off[pool.size] = -1;
                 if (pthread_create(&pool.threads[pool.size], NULL, pool_main, (void *)(intptr_t)pool.size) != 0) break;
                 pool.size++;
             }
@@ -891,6 +911,23 @@ static int run_tasks(task_fn fn, void **args, int n) {
                 pool.fn = fn;
                 for (int t = 0; t < workers; t++) pool.args[t] = args[t + 1];
                 pool.active = pool.pending = workers;
+#ifdef __linux__
+                /* The workers' affinity leaves out this thread's CPU, set before they are woken: the scheduler
+                   woke them on this CPU here, and kept this thread and a worker on one CPU call after call, the
+                   other idle (a two-thread product then took twice the one-thread time: the worker ran only when
+                   this thread waited). Set again only when this thread has moved. */
+                pool.caller_cpu = sched_getcpu();
+                cpu_set_t allowed;
+                if (pool.caller_cpu >= 0 && sched_getaffinity(0, sizeof allowed, &allowed) == 0) {
+                    CPU_CLR(pool.caller_cpu, &allowed);
+                    for (int t = 0; t < workers; t++)
+                        if (pool.tids[t] && pool.kept_off[t] != pool.caller_cpu && CPU_COUNT(&allowed) > 0
+                            && sched_setaffinity(pool.tids[t], sizeof allowed, &allowed) == 0)
+                            pool.kept_off[t] = pool.caller_cpu;
+                }
+#else
+                pool.caller_cpu = -1;
+#endif
                 __atomic_add_fetch(&pool.generation, 1, __ATOMIC_RELEASE);
                 pthread_cond_broadcast(&pool.wake);
             }
@@ -913,7 +950,8 @@ static int run_tasks(task_fn fn, void **args, int n) {
         while (pool.pending > 0) {
             pthread_mutex_unlock(&pool.lock);
             const long long end = now_ns() + POOL_SPIN_NS;
-            while (__atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) > 0 && now_ns() < end) cpu_relax();
+            /* yielding: a worker the scheduler put on this CPU gets it */
+            while (__atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) > 0 && now_ns() < end) sched_yield();
             pthread_mutex_lock(&pool.lock);
             if (pool.pending > 0) pthread_cond_wait(&pool.done, &pool.lock);
         }
