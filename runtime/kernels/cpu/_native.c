@@ -963,6 +963,60 @@ static int run_tasks(task_fn fn, void **args, int n) {
     return failed;
 }
 
+static int as_float32(PyObject *obj, Py_buffer *view, const char *what, int writable);
+
+PyDoc_STRVAR(pack_doc,
+"pack(src, dst, rows, cols, width, by_rows)\n\n"
+"sgemm's packed operands from a C-contiguous float32 src [rows, cols], in one pass. by_rows: panels of `width`\n"
+"rows, dst[p, c, r] = src[p*width + r, c] ([ceil(rows/width), cols, width]); else panels of `width` columns,\n"
+"dst[p, r, j] = src[r, p*width + j] ([ceil(cols/width), rows, width]). Zeros past the edge.");
+
+static PyObject *pack(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *so, *dobj;
+    Py_ssize_t rows, cols, width;
+    int by_rows;
+    if (!PyArg_ParseTuple(args, "OOnnnp", &so, &dobj, &rows, &cols, &width, &by_rows)) return NULL;
+    if (rows < 0 || cols < 0 || width < 1) {
+        PyErr_SetString(PyExc_ValueError, "pack: bad sizes");
+        return NULL;
+    }
+    Py_buffer sb, db;
+    if (as_float32(so, &sb, "src", 0) < 0) return NULL;
+    if (as_float32(dobj, &db, "dst", 1) < 0) { PyBuffer_Release(&sb); return NULL; }
+    const Py_ssize_t panels = ((by_rows ? rows : cols) + width - 1) / width;
+    PyObject *result = NULL;
+    if (sb.len / 4 != rows * cols || db.len / 4 != panels * width * (by_rows ? cols : rows)) {
+        PyErr_SetString(PyExc_ValueError, "pack: a buffer's size does not match");
+    } else {
+        const float *src = sb.buf;
+        float *dst = db.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t p = 0; p < panels; p++) {
+            const Py_ssize_t first = p * width, live = ((by_rows ? rows : cols) - first) < width
+                                                      ? (by_rows ? rows : cols) - first : width;
+            if (by_rows) {
+                float *panel = dst + p * cols * width;
+                if (live < width) memset(panel, 0, sizeof(float) * (size_t)(cols * width));
+                for (Py_ssize_t r = 0; r < live; r++) {
+                    const float *row = src + (first + r) * cols;
+                    for (Py_ssize_t c = 0; c < cols; c++) panel[c * width + r] = row[c];
+                }
+            } else {
+                float *panel = dst + p * rows * width;
+                for (Py_ssize_t r = 0; r < rows; r++) {
+                    memcpy(panel + r * width, src + r * cols + first, sizeof(float) * (size_t)live);
+                    if (live < width) memset(panel + r * width + live, 0, sizeof(float) * (size_t)(width - live));
+                }
+            }
+        }
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    PyBuffer_Release(&sb); PyBuffer_Release(&db);
+    return result;
+}
+
 PyDoc_STRVAR(sgemm_doc,
 "sgemm(a, b, c, bias, m, n, k, a_mode, b_mode, bias_mode, act, alpha, beta, threads, batch=1, stride_a=0,\n"
 "      stride_b=0)\n\n"
@@ -974,7 +1028,6 @@ PyDoc_STRVAR(sgemm_doc,
 "AVX-512F (the module's has_sgemm); `threads` split the batch, or one product's rows or columns.");
 
 static int has_avx512;
-static int as_float32(PyObject *obj, Py_buffer *view, const char *what, int writable);
 
 static PyObject *sgemm(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *ao, *bo, *co, *biaso;
@@ -1577,6 +1630,7 @@ static PyObject *gemm_out(PyObject *Py_UNUSED(self), PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"sgemm", sgemm, METH_VARARGS, sgemm_doc},
+    {"pack", pack, METH_VARARGS, pack_doc},
     {"im2col", im2col, METH_VARARGS, im2col_doc},
     {"gemm_out", gemm_out, METH_VARARGS, gemm_out_doc},
     {"direct_conv2d", direct_conv2d, METH_VARARGS, direct_conv2d_doc},

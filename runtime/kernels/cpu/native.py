@@ -152,24 +152,26 @@ def has_sgemm() -> bool:
     return _native is not None and bool(_native.has_sgemm) and SGEMM
 
 
+def _panels(src: np.ndarray, width: int, by_rows: bool) -> np.ndarray:
+    rows, cols = src.shape
+    panels = -(-(rows if by_rows else cols) // width)
+    dst = np.empty((panels, cols if by_rows else rows, width), np.float32)
+    _native.pack(np.ascontiguousarray(src, np.float32), dst, rows, cols, width, by_rows)
+    return dst
+
+
 def pack_rows(a: np.ndarray) -> np.ndarray:
     """``a`` [M, K] as ``_native.sgemm``'s A operand: panels of SGEMM_MR rows, [ceil(M/MR), K, MR], zero rows
-    past M."""
-    m, k = a.shape
-    panels = -(-m // SGEMM_MR)
-    padded = np.zeros((panels * SGEMM_MR, k), np.float32)
-    padded[:m] = a
-    return np.ascontiguousarray(padded.reshape(panels, SGEMM_MR, k).transpose(0, 2, 1))
+    past M (one native pass: numpy's pad-and-transpose took 83 of ResNet-18's 105 ms of load)."""
+    return _panels(a, SGEMM_MR, True)
 
 
 def pack_cols(b: np.ndarray) -> np.ndarray:
     """``b`` [K, N] as ``_native.sgemm``'s packed B operand: panels of SGEMM_NR columns, [ceil(N/NR), K, NR], zero
-    columns past N."""
-    k, n = b.shape
-    panels = -(-n // SGEMM_NR)
-    padded = np.zeros((k, panels * SGEMM_NR), np.float32)
-    padded[:, :n] = b
-    return np.ascontiguousarray(padded.reshape(k, panels, SGEMM_NR).transpose(1, 0, 2))
+    columns past N. A transposed view of a contiguous weight (nn.Linear's [N, K]) packs as row panels of it."""
+    if not b.flags.c_contiguous and b.T.flags.c_contiguous:
+        return _panels(b.T, SGEMM_NR, True)
+    return _panels(b, SGEMM_NR, False)
 
 
 def linear(weight: np.ndarray, bias: Optional[np.ndarray]) -> Optional[Callable]:
