@@ -332,3 +332,77 @@ def test_products_from_several_python_threads_at_once():
         results = list(pool.map(product, range(8)))
     for i, c in enumerate(results):
         np.testing.assert_allclose(c, a[i].astype(np.float64) @ b[i], rtol=1e-5, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- Winograd F(2x2, 3x3)
+@needs_sgemm
+@pytest.mark.parametrize("chunk_bytes", [8 << 20, 1])  # one chunk of samples, or one sample per chunk
+def test_winograd_against_float64(monkeypatch, chunk_bytes):
+    monkeypatch.setattr(native, "WINOGRAD_BYTES", chunk_bytes)
+    monkeypatch.setattr(native, "WINOGRAD_MIN_TILES", 1)  # every size through the transforms
+    ran = 0
+    for trial in range(60):
+        n, c, m = int(RNG.integers(1, 4)), int(RNG.integers(1, 20)), int(RNG.integers(1, 20))
+        h, wd = int(RNG.integers(1, 15)), int(RNG.integers(1, 15))
+        pads = [int(v) for v in RNG.integers(0, 3, 4)]
+        window = make_window((3, 3), pads=pads)
+        try:
+            window_out_shape(window, (h, wd))
+        except ValueError:
+            continue
+        x = RNG.standard_normal((n, c, h, wd)).astype(np.float32)
+        w = RNG.standard_normal((m, c, 3, 3)).astype(np.float32)
+        b = RNG.standard_normal(m).astype(np.float32) if trial % 2 else None
+        act = (4, -0.5, 0.75) if trial % 3 == 0 else (0, 0.0, 0.0)
+        got = native.winograd_conv2d(w, window, b, act)(x)
+        want = conv_float64(x, w, b, window)
+        if act[0] == 4:
+            want = np.clip(want, -0.5, 0.75)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(want).max())),
+                                   err_msg=f"{x.shape} {w.shape} pads {pads}")
+        ran += 1
+    assert ran > 30
+
+
+@needs_sgemm
+def test_winograd_takes_wide_3x3_convs_and_leaves_small_maps_to_the_gemm(monkeypatch):
+    k3 = make_window((3, 3), pads=(1, 1, 1, 1))
+    wide = np.zeros((128, 128, 3, 3), np.float32)
+    assert native.covers_winograd(wide, k3, 1)
+    assert not native.covers_winograd(wide, make_window((3, 3), strides=(2, 2), pads=(1, 1, 1, 1)), 1)
+    assert not native.covers_winograd(np.zeros((64, 64, 3, 3), np.float32), k3, 1)  # the transforms outweigh it
+    assert not native.covers_winograd(np.zeros((128, 128, 5, 5), np.float32), make_window((5, 5)), 1)
+    monkeypatch.setattr(native, "WINOGRAD", False)
+    assert not native.covers_winograd(wide, k3, 1)
+    monkeypatch.setattr(native, "WINOGRAD", True)
+    calls = []
+    real = native._native
+
+    class Spy:  # the C entry points, their calls recorded
+        def __getattr__(self, name):
+            entry = getattr(real, name)
+            if not callable(entry):
+                return entry
+
+            def call(*args):
+                calls.append(name)
+                return entry(*args)
+            return call
+    monkeypatch.setattr(native, "_native", Spy())
+    w = RNG.standard_normal((128, 128, 3, 3)).astype(np.float32) * 0.05
+    kernel = native.winograd_conv2d(w, k3, None)
+    for hw, path in ((16, "winograd_input"), (4, "im2col")):  # 64 tiles at 16x16; 4 at 4x4: the GEMM's
+        calls.clear()
+        x = RNG.standard_normal((1, 128, hw, hw)).astype(np.float32)
+        np.testing.assert_allclose(kernel(x), conv_float64(x, w, None, k3), rtol=1e-4, atol=1e-4)
+        assert path in calls and ("winograd_input" in calls) == (path == "winograd_input"), calls
+
+
+@needs_sgemm
+def test_winograd_entry_points_refuse_what_does_not_match():
+    x = np.zeros((1, 2, 4, 4), np.float32)
+    with pytest.raises(ValueError, match="size does not match"):
+        native._native.winograd_input(x, np.zeros((16, 2, 3), np.float32), 1, 2, 4, 4, 1, 1, 2, 2)
+    with pytest.raises(ValueError, match="bad arguments"):  # tiles that do not cover the output
+        native._native.winograd_output(np.zeros((16, 2, 4), np.float32), np.zeros((1, 2, 4, 4), np.float32), None,
+                                       1, 2, 4, 4, 1, 2, 0, 0.0, 0.0)

@@ -963,7 +963,207 @@ static int run_tasks(task_fn fn, void **args, int n) {
     return failed;
 }
 
+/* ------------------------------------------------------------------------------------------- Winograd F(2x2, 3x3)
+   A 3x3, stride-1 convolution as 16 products: each 2x2 output tile is A^T [(G g G^T) . (B^T d B)] A over the
+   4x4 input tile d it reads, so the products multiply 16 [M, C] transformed weights by 16 [C, tiles] transformed
+   inputs: 16 * tiles = 4 * H * W columns against im2col's 9 * H * W (2.25x fewer multiply-adds). The transforms
+   are adds only (B^T d B: rows then columns), written here; the weights' (G g G^T, with halves) is made once at
+   load in float64 (native.py). */
+typedef struct {
+    Py_ssize_t n, c, h, w, pt, pl, th, tw;  /* samples, channels, input size, pads (top, left), tiles */
+} wino_geometry;
+
+/* V[k, ci, t] (k = 4 * row + column of the transformed tile, t = (s * th + ty) * tw + tx) */
+static inline __attribute__((always_inline)) void wino_input_body(const float *x, float *v, const wino_geometry *g,
+                                                                 float *scratch) {
+    const Py_ssize_t th = g->th, tw = g->tw, half = tw + 1;  /* even and odd columns of the padded rows */
+    const Py_ssize_t tiles = g->n * th * tw, rows = 2 * th + 2;
+    float *even = scratch, *odd = scratch + rows * half;  /* the padded plane split by column parity */
+    float *te = odd + rows * half, *to = te + 4 * half;   /* the 4 rows of B^T d, split the same way */
+    for (Py_ssize_t s = 0; s < g->n; s++)
+        for (Py_ssize_t ci = 0; ci < g->c; ci++) {
+            const float *plane = x + (s * g->c + ci) * g->h * g->w;
+            for (Py_ssize_t r = 0; r < rows; r++) {
+                const Py_ssize_t ir = r - g->pt;
+                float *er = even + r * half, *or_ = odd + r * half;
+                if (ir < 0 || ir >= g->h) {
+                    for (Py_ssize_t q = 0; q < half; q++) er[q] = or_[q] = 0.0f;
+                    continue;
+                }
+                const float *src = plane + ir * g->w;
+                /* q in [lo, hi): both of its columns 2q - pl and 2q + 1 - pl inside the row (no checks) */
+                Py_ssize_t lo = (g->pl + 1) / 2, hi = (g->w + g->pl - 1) / 2;
+                if (hi > half) hi = half;
+                if (lo > hi) lo = hi;
+                for (Py_ssize_t q = 0; q < lo; q++) {
+                    const Py_ssize_t c0 = 2 * q - g->pl, c1 = c0 + 1;
+                    er[q] = c0 >= 0 && c0 < g->w ? src[c0] : 0.0f;
+                    or_[q] = c1 >= 0 && c1 < g->w ? src[c1] : 0.0f;
+                }
+                const float *base = src - g->pl;
+                for (Py_ssize_t q = lo; q < hi; q++) {
+                    er[q] = base[2 * q];
+                    or_[q] = base[2 * q + 1];
+                }
+                for (Py_ssize_t q = hi; q < half; q++) {
+                    const Py_ssize_t c0 = 2 * q - g->pl, c1 = c0 + 1;
+                    er[q] = c0 >= 0 && c0 < g->w ? src[c0] : 0.0f;
+                    or_[q] = c1 >= 0 && c1 < g->w ? src[c1] : 0.0f;
+                }
+            }
+            for (Py_ssize_t ty = 0; ty < th; ty++) {
+                /* B^T d: rows 2ty .. 2ty+3 -> d0 - d2, d1 + d2, d2 - d1, d1 - d3, for even and odd columns */
+                for (int par = 0; par < 2; par++) {
+                    const float *pl = (par ? odd : even) + 2 * ty * half;
+                    float *out = par ? to : te;
+                    const float *d0 = pl, *d1 = pl + half, *d2 = pl + 2 * half, *d3 = pl + 3 * half;
+                    for (Py_ssize_t q = 0; q < half; q++) {
+                        out[q] = d0[q] - d2[q];
+                        out[half + q] = d1[q] + d2[q];
+                        out[2 * half + q] = d2[q] - d1[q];
+                        out[3 * half + q] = d1[q] - d3[q];
+                    }
+                }
+                /* (B^T d) B: columns 2tx .. 2tx+3 are E[tx], O[tx], E[tx+1], O[tx+1] */
+                const Py_ssize_t t0 = (s * th + ty) * tw;
+                for (int i = 0; i < 4; i++) {
+                    const float *e = te + i * half, *o = to + i * half;
+                    float *v0 = v + ((4 * i + 0) * g->c + ci) * tiles + t0, *v1 = v + ((4 * i + 1) * g->c + ci) * tiles + t0;
+                    float *v2 = v + ((4 * i + 2) * g->c + ci) * tiles + t0, *v3 = v + ((4 * i + 3) * g->c + ci) * tiles + t0;
+                    for (Py_ssize_t tx = 0; tx < tw; tx++) {
+                        v0[tx] = e[tx] - e[tx + 1];
+                        v1[tx] = o[tx] + e[tx + 1];
+                        v2[tx] = e[tx + 1] - o[tx];
+                        v3[tx] = o[tx] - o[tx + 1];
+                    }
+                }
+            }
+        }
+}
+
+/* y[s, mo, 2ty + a, 2tx + b] = act(bias[mo] + (A^T M A)[a, b]) from the products M[k, mo, t] */
+static inline __attribute__((always_inline)) void wino_output_body(const float *mp, float *y, const float *bias,
+                                                                  Py_ssize_t mch, Py_ssize_t oh, Py_ssize_t ow,
+                                                                  const wino_geometry *g, int act, double alpha,
+                                                                  double beta, float *scratch) {
+    const Py_ssize_t th = g->th, tw = g->tw, tiles = g->n * th * tw;
+    float *r0 = scratch, *r1 = scratch + 2 * tw;  /* one tile row's two output rows, 2 * tw wide */
+    for (Py_ssize_t s = 0; s < g->n; s++)
+        for (Py_ssize_t mo = 0; mo < mch; mo++) {
+            float *plane = y + (s * mch + mo) * oh * ow;
+            const float b0 = bias ? bias[mo] : 0.0f;
+            for (Py_ssize_t ty = 0; ty < th; ty++) {
+                const Py_ssize_t t0 = (s * th + ty) * tw;
+                const float *m[16];
+                for (int k = 0; k < 16; k++) m[k] = mp + (k * mch + mo) * tiles + t0;
+                for (Py_ssize_t tx = 0; tx < tw; tx++) {
+                    /* A^T M: rows 0 + 1 + 2 and 1 - 2 - 3, per column j */
+                    float a[4], b[4];
+                    for (int j = 0; j < 4; j++) {
+                        a[j] = m[j][tx] + m[4 + j][tx] + m[8 + j][tx];
+                        b[j] = m[4 + j][tx] - m[8 + j][tx] - m[12 + j][tx];
+                    }
+                    r0[2 * tx] = a[0] + a[1] + a[2];
+                    r0[2 * tx + 1] = a[1] - a[2] - a[3];
+                    r1[2 * tx] = b[0] + b[1] + b[2];
+                    r1[2 * tx + 1] = b[1] - b[2] - b[3];
+                }
+                const Py_ssize_t oy = 2 * ty;
+                finish_row(plane + oy * ow, r0, ow, b0, act, alpha, beta);
+                if (oy + 1 < oh) finish_row(plane + (oy + 1) * ow, r1, ow, b0, act, alpha, beta);
+            }
+        }
+}
+
+#define wino_input_rows_body wino_input_body
+#define wino_output_rows_body wino_output_body
+DISPATCHED(wino_input_rows, (const float *x, float *v, const wino_geometry *g, float *scratch), (x, v, g, scratch))
+DISPATCHED(wino_output_rows, (const float *mp, float *y, const float *bias, Py_ssize_t mch, Py_ssize_t oh,
+                              Py_ssize_t ow, const wino_geometry *g, int act, double alpha, double beta,
+                              float *scratch),
+           (mp, y, bias, mch, oh, ow, g, act, alpha, beta, scratch))
+
 static int as_float32(PyObject *obj, Py_buffer *view, const char *what, int writable);
+
+PyDoc_STRVAR(winograd_input_doc,
+"winograd_input(x, v, n, c, h, w, pad_top, pad_left, th, tw)\n\n"
+"The transformed input tiles of a 3x3 stride-1 conv, F(2x2, 3x3): v[k, ci, (s*th + ty)*tw + tx] = (B^T d B)[k]\n"
+"for the 4x4 tile d at input row 2ty - pad_top, column 2tx - pad_left (zeros outside). float32, C-contiguous.");
+
+static PyObject *winograd_input(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *xo, *vo;
+    wino_geometry g;
+    if (!PyArg_ParseTuple(args, "OOnnnnnnnn", &xo, &vo, &g.n, &g.c, &g.h, &g.w, &g.pt, &g.pl, &g.th, &g.tw))
+        return NULL;
+    if (g.n < 0 || g.c < 0 || g.h < 0 || g.w < 0 || g.pt < 0 || g.pl < 0 || g.th < 0 || g.tw < 0) {
+        PyErr_SetString(PyExc_ValueError, "winograd_input: bad geometry");
+        return NULL;
+    }
+    Py_buffer xb, vb;
+    if (as_float32(xo, &xb, "x", 0) < 0) return NULL;
+    if (as_float32(vo, &vb, "v", 1) < 0) { PyBuffer_Release(&xb); return NULL; }
+    PyObject *result = NULL;
+    const Py_ssize_t half = g.tw + 1, rows = 2 * g.th + 2;
+    float *scratch = NULL;
+    if (xb.len / 4 != g.n * g.c * g.h * g.w || vb.len / 4 != 16 * g.c * g.n * g.th * g.tw) {
+        PyErr_SetString(PyExc_ValueError, "winograd_input: a buffer's size does not match");
+    } else if (!(scratch = malloc(sizeof(float) * (size_t)(2 * rows * half + 8 * half + 16)))) {
+        PyErr_NoMemory();
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        wino_input_rows(xb.buf, vb.buf, &g, scratch);
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    free(scratch);
+    PyBuffer_Release(&xb); PyBuffer_Release(&vb);
+    return result;
+}
+
+PyDoc_STRVAR(winograd_output_doc,
+"winograd_output(m, y, bias, n, mch, oh, ow, th, tw, act, alpha, beta)\n\n"
+"y[s, mo, 2ty + a, 2tx + b] = act(bias[mo] + (A^T M A)[a, b]) from the 16 products m[k, mo, tile] of the\n"
+"transformed weights and winograd_input's tiles; rows and columns past oh, ow dropped. bias may be None.");
+
+static PyObject *winograd_output(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *mo, *yo, *bo;
+    wino_geometry g = {0};
+    Py_ssize_t mch, oh, ow;
+    int act;
+    double alpha, beta;
+    if (!PyArg_ParseTuple(args, "OOOnnnnnnidd", &mo, &yo, &bo, &g.n, &mch, &oh, &ow, &g.th, &g.tw, &act, &alpha,
+                          &beta))
+        return NULL;
+    if (act < ACT_NONE || act >= ACT_COUNT || g.n < 0 || mch < 0 || oh < 0 || ow < 0 || g.th != (oh + 1) / 2
+        || g.tw != (ow + 1) / 2) {
+        PyErr_SetString(PyExc_ValueError, "winograd_output: bad arguments");
+        return NULL;
+    }
+    Py_buffer mb, yb, bb;
+    const int has_bias = bo != Py_None;
+    if (as_float32(mo, &mb, "m", 0) < 0) return NULL;
+    if (as_float32(yo, &yb, "y", 1) < 0) { PyBuffer_Release(&mb); return NULL; }
+    if (has_bias && as_float32(bo, &bb, "bias", 0) < 0) { PyBuffer_Release(&mb); PyBuffer_Release(&yb); return NULL; }
+    PyObject *result = NULL;
+    float *scratch = NULL;
+    if (mb.len / 4 != 16 * mch * g.n * g.th * g.tw || yb.len / 4 != g.n * mch * oh * ow
+        || (has_bias && bb.len / 4 != mch)) {
+        PyErr_SetString(PyExc_ValueError, "winograd_output: a buffer's size does not match");
+    } else if (!(scratch = malloc(sizeof(float) * (size_t)(4 * g.tw + 16)))) {
+        PyErr_NoMemory();
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        wino_output_rows(mb.buf, yb.buf, has_bias ? bb.buf : NULL, mch, oh, ow, &g, act, alpha, beta, scratch);
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    free(scratch);
+    PyBuffer_Release(&mb); PyBuffer_Release(&yb);
+    if (has_bias) PyBuffer_Release(&bb);
+    return result;
+}
 
 PyDoc_STRVAR(pack_doc,
 "pack(src, dst, rows, cols, width, by_rows)\n\n"
@@ -1631,6 +1831,8 @@ static PyObject *gemm_out(PyObject *Py_UNUSED(self), PyObject *args) {
 static PyMethodDef methods[] = {
     {"sgemm", sgemm, METH_VARARGS, sgemm_doc},
     {"pack", pack, METH_VARARGS, pack_doc},
+    {"winograd_input", winograd_input, METH_VARARGS, winograd_input_doc},
+    {"winograd_output", winograd_output, METH_VARARGS, winograd_output_doc},
     {"im2col", im2col, METH_VARARGS, im2col_doc},
     {"gemm_out", gemm_out, METH_VARARGS, gemm_out_doc},
     {"direct_conv2d", direct_conv2d, METH_VARARGS, direct_conv2d_doc},
@@ -1665,6 +1867,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         mean_rows = mean_rows_avx2;
         im2col_rows = im2col_rows_avx2;
         gemm_out_rows = gemm_out_rows_avx2;
+        wino_input_rows = wino_input_rows_avx2;
+        wino_output_rows = wino_output_rows_avx2;
         isa = "avx2+fma";
     }
 #endif

@@ -51,7 +51,7 @@ def conv(node, attrs) -> Callable[..., Any]:
     if native.covers_conv(input_dtype(node), w, window, group):
         body = native.direct_conv2d(w, window, group, bias)
     elif native.covers_gemm_conv(input_dtype(node), w, window, group):
-        body = native.gemm_conv2d(w, window, bias)
+        body = native.conv_kernel(w, window, group, bias, (0, 0.0, 0.0))
     elif group == m and w.shape[1] == 1 and group > 1:
         body = _depthwise(w, window, bias)
     elif w.shape[2:] == (1, 1) and group == 1 and window.pads == (0,) * 4 and window.auto_pad == "NOTSET":
