@@ -406,3 +406,23 @@ def test_winograd_entry_points_refuse_what_does_not_match():
     with pytest.raises(ValueError, match="bad arguments"):  # tiles that do not cover the output
         native._native.winograd_output(np.zeros((16, 2, 4), np.float32), np.zeros((1, 2, 4, 4), np.float32), None,
                                        1, 2, 4, 4, 1, 2, 0, 0.0, 0.0)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [2, 3])
+def test_row_kernels_on_several_threads_answer_bit_for_bit_as_on_one(monkeypatch, threads):
+    """The rows (Gelu and activations: runs of 64 floats) split over the pool: every value computed as on one."""
+    x = (RNG.standard_normal((37, 301)) * 4).astype(np.float32)
+    scale, bias = RNG.standard_normal(301).astype(np.float32), RNG.standard_normal(301).astype(np.float32)
+    from kiln.runtime.kernels.cpu import activation as act_kernels
+    neg_h = act_kernels._GELU_NEG_H_ARRAY
+
+    def all_kernels():
+        return [native.layer_norm(x, scale, bias, 1e-5), native.softmax(x), native.activation(x, 2, 1 / 6, 0.5),
+                native.mean_rows(x), native.gelu(x, neg_h)]
+    monkeypatch.setattr(native, "kernel_threads", lambda: 1)
+    one = all_kernels()
+    monkeypatch.setattr(native, "kernel_threads", lambda: threads)
+    monkeypatch.setattr(native, "ROW_FLOATS_PER_THREAD", 1)
+    for a, b in zip(one, all_kernels()):
+        np.testing.assert_array_equal(a, b)

@@ -504,6 +504,17 @@ def epilogue_kernel(node: Any, attrs: dict) -> Optional[Callable]:
 
 
 # ----------------------------------------------------------------------------- row kernels
+# The row kernels split their rows over the sgemm's thread pool, one thread per this many floats at most (a
+# [32, 128, 512] Gelu: 1.7 ms on one thread).
+ROW_FLOATS_PER_THREAD = 1 << 16
+
+
+def row_threads(size: int) -> int:
+    """Threads for a row kernel over ``size`` floats: what a run may use (kernel_threads), at most one per
+    ROW_FLOATS_PER_THREAD."""
+    return max(1, min(kernel_threads(), size // ROW_FLOATS_PER_THREAD))
+
+
 def rows_ok(x: np.ndarray) -> bool:
     """Whether the row kernels take ``x``: float32, C-contiguous (as the runtime's arrays almost always are)."""
     return _native is not None and x.dtype == np.float32 and x.flags.c_contiguous and x.size > 0
@@ -513,7 +524,7 @@ def gelu(x: np.ndarray, neg_h: np.ndarray) -> np.ndarray:
     """Exact Gelu of a float32 C-contiguous ``x`` (rows_ok) as x / (1 + exp(x * neg_h(x^2))): the numpy kernel's
     formula and polynomial (``neg_h``, float32, highest power first), one pass."""
     y = np.empty_like(x)
-    _native.gelu(x, y, neg_h)
+    _native.gelu(x, y, neg_h, row_threads(x.size))
     return y
 
 
@@ -523,14 +534,14 @@ def layer_norm(x: np.ndarray, scale: np.ndarray, bias: Optional[np.ndarray], eps
     y = np.empty_like(x)
     _native.layer_norm(x, y, n, np.ascontiguousarray(np.broadcast_to(scale, (n,)), np.float32),
                        None if bias is None else np.ascontiguousarray(np.broadcast_to(bias, (n,)), np.float32),
-                       float(eps))
+                       float(eps), row_threads(x.size))
     return y
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
     """Softmax over the last axis of ``x`` (rows_ok)."""
     y = np.empty_like(x)
-    _native.softmax(x, y, x.shape[-1])
+    _native.softmax(x, y, x.shape[-1], row_threads(x.size))
     return y
 
 
@@ -641,7 +652,7 @@ def activation(x: np.ndarray, code: int, alpha: float, beta: float) -> np.ndarra
     """A fresh ``act(x)`` of a float32 C-contiguous ``x`` (rows_ok), ``code`` as in ``ACTIVATIONS``: one pass,
     float32 arithmetic (the numpy kernels' two-rounding ``x * a + b`` may be an FMA here: an ulp apart)."""
     y = np.empty_like(x)
-    _native.activation(x, y, code, float(alpha), float(beta))
+    _native.activation(x, y, code, float(alpha), float(beta), row_threads(x.size))
     return y
 
 
@@ -649,5 +660,5 @@ def mean_rows(x: np.ndarray) -> np.ndarray:
     """The mean of each row of a float32 C-contiguous 2-D ``x`` (GlobalAveragePool): float32 partial sums in 16
     lanes added in double, then divided once (more exact than numpy's float32 pairwise sum, so not its bits)."""
     y = np.empty(x.shape[0], np.float32)
-    _native.mean(x, y, x.shape[1])
+    _native.mean(x, y, x.shape[1], row_threads(x.size))
     return y
