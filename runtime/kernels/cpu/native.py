@@ -342,8 +342,14 @@ WINOGRAD_MIN_CHANNELS = 128
 WINOGRAD_MIN_TILES = 64
 WINOGRAD_BYTES = 8 << 20  # transformed inputs per chunk of samples
 WINOGRAD = os.environ.get("KILN_WINOGRAD", "1").strip().lower() not in ("0", "false", "no", "off")
-# B^T d B and A^T m A are in _native.c; G g G^T is made here, in float64, once
-_G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
+# B^T d B and A^T m A are in _native.c; G g G^T is made here, in float64, once per conv
+
+
+def _g_rows(g: np.ndarray, axis: int) -> np.ndarray:
+    """G (4x3: rows g0, (g0 + g1 + g2) / 2, (g0 - g1 + g2) / 2, g2) applied along ``axis`` of size 3, as adds
+    (an einsum over ResNet-18's 512-channel weights took 50 ms at load)."""
+    g0, g1, g2 = (np.take(g, i, axis=axis) for i in range(3))
+    return np.stack([g0, (g0 + g1 + g2) * 0.5, (g0 - g1 + g2) * 0.5, g2], axis=axis)
 
 
 def covers_winograd(w: np.ndarray, window: Any, group: int) -> bool:
@@ -361,13 +367,18 @@ def winograd_conv2d(w: np.ndarray, window: Any, bias: Optional[np.ndarray],
     ``_native.sgemm``, and the output transform with the bias and ``activation`` in one native pass. Its rounding
     differs from the direct sum's by a few float32 ulps of the inputs' scale (tested against float64)."""
     m, c = w.shape[:2]
-    u = np.einsum("ai,mcij,bj->abmc", _G, w.astype(np.float64), _G).reshape(16, m, c).astype(np.float32)
-    packed = np.stack([pack_rows(u[k]) for k in range(16)])
     b = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32).reshape(-1)
+    transformed: list = []  # the packed G g G^T, made on first use (a map too small for Winograd never needs it)
+
+    def weights() -> np.ndarray:
+        if not transformed:
+            u = _g_rows(_g_rows(w.astype(np.float64), 2), 3)  # [M, C, 4, 4]: G g, then (G g) G^T
+            u = np.ascontiguousarray(u.transpose(2, 3, 0, 1), np.float32).reshape(16, m, c)
+            transformed.append(np.stack([pack_rows(u[k]) for k in range(16)]))
+        return transformed[0]
     code, alpha, beta = activation
     sgemm, transform_in, transform_out = _native.sgemm, _native.winograd_input, _native.winograd_output
     geometry: dict = {}
-    stride_a = packed[0].size
     fallback: list = []  # the GEMM convolution, made on first need (few tiles: small maps at small batches)
 
     def run(x: np.ndarray) -> np.ndarray:
@@ -389,8 +400,9 @@ def winograd_conv2d(w: np.ndarray, window: Any, bias: Optional[np.ndarray],
             v = scratch("tiles", (16, c, tiles))
             transform_in(x[start:start + size], v, size, c, h, wd, pt, pl, th, tw)
             prod = scratch("products", (16, m, tiles))
+            packed = weights()
             sgemm(packed, v, prod, None, m, tiles, c, _PACKED, _ROWS, _BIAS_NONE, 0, 0.0, 0.0,
-                  gemm_threads(16 * m, tiles, c), 16, stride_a, c * tiles)
+                  gemm_threads(16 * m, tiles, c), 16, packed[0].size, c * tiles)
             transform_out(prod, y[start:start + size], b, size, m, oh, ow, th, tw, code, alpha, beta)
         return y
     return run
