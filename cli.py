@@ -55,8 +55,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"registered ops: {len(schemas)}")
     from kiln.runtime.kernels.cpu import native
     if native.available():
-        print(f"native CPU kernels: yes ({native._native.isa}; direct convolutions, Gelu, LayerNorm and Softmax "
-              f"rows, fused elementwise chains; {native.MAX_THREADS} thread(s) a call)")
+        gemm = "its own AVX-512 sgemm for the products" if native.has_sgemm() else "numpy's BLAS for the products"
+        threads = "a run's threads" if native.MAX_THREADS >= 64 else f"{native.MAX_THREADS} thread(s)"
+        print(f"native CPU kernels: yes ({native._native.isa}; convolutions, Gelu, LayerNorm and Softmax rows, fused "
+              f"elementwise chains; {gemm}; {threads} a convolution)")
     else:
         print(f"native CPU kernels: no ({native.UNAVAILABLE}; the numpy kernels run)")
     from kiln import blas_env

@@ -1491,8 +1491,7 @@ static PyObject *direct_conv2d(PyObject *Py_UNUSED(self), PyObject *args) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > planes) threads = planes > 0 ? planes : 1;
     conv_job jobs[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
+    void *tasks[MAX_THREADS];
     Py_BEGIN_ALLOW_THREADS
     if (j.c / j.group > 1 && j.n * j.m > 0) {  /* dense: each input plane is read by several output planes */
         const Py_ssize_t plane_in = j.sh * j.sw * j.hq * j.lq;
@@ -1509,18 +1508,9 @@ static PyObject *direct_conv2d(PyObject *Py_UNUSED(self), PyObject *args) {
         jobs[t] = j;
         jobs[t].plane_begin = planes * t / threads;
         jobs[t].plane_end = planes * (t + 1) / threads;
+        tasks[t] = &jobs[t];
     }
-    if (!failed) {
-        for (Py_ssize_t t = 1; t < threads; t++)
-            started[t] = pthread_create(&tids[t], NULL, conv_worker, &jobs[t]) == 0;
-        failed |= conv_worker(&jobs[0]) != NULL;
-        for (Py_ssize_t t = 1; t < threads; t++) {
-            void *rc = NULL;
-            if (started[t]) pthread_join(tids[t], &rc);
-            else rc = conv_worker(&jobs[t]);  /* no thread to be had: this one does the range */
-            failed |= rc != NULL;
-        }
-    }
+    if (!failed) failed = run_tasks(conv_worker, tasks, (int)threads);  /* the sgemm's pool */
     free(j.prepared);
     Py_END_ALLOW_THREADS
     if (failed) {

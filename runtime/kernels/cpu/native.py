@@ -3,7 +3,8 @@
 The extension is built at install where a C compiler is found (pyproject.toml, an optional extension) and shipped
 prebuilt in wheels; without it kiln runs its numpy kernels, which stay the reference for every answer.
 ``KILN_NATIVE=0`` in the environment turns the native kernels off (read once, at import);
-``KILN_NATIVE_THREADS=N`` lets one call use up to N threads (default 1: see MAX_THREADS).
+``KILN_NATIVE_THREADS=N`` lets one convolution use up to N threads (default: a run's threads where the extension's
+sgemm runs the products, else 1; see MAX_THREADS).
 
 Covered: 2-D float32 convolutions computed directly (``direct_conv2d``): depthwise convs, and dense convs
 with few multiply-adds per output (``DIRECT_MAX_TAPS``: input channels per group x kernel taps;
@@ -53,18 +54,20 @@ else:
 # 1.7x faster direct; 1x1 over 16-24 channels 1.2-1.5x, over 48 and more 0.5-1.0x; bench/RESULTS.md, issue 24).
 DIRECT_MAX_TAPS = 27
 DIRECT_MAX_POINTWISE = 24
-# A thread per this many multiply-adds at most: below ~1M a thread costs more to start (~20-30 us here) than
-# it saves (a 48x28x28 depthwise 3x3, 0.34M: 34 us on one thread, 55 on two).
-MACS_PER_THREAD = 1 << 20
-# At most this many threads per call (KILN_NATIVE_THREADS; default 1). Inside a model the convs run between
-# BLAS GEMMs, whose OpenBLAS workers keep spinning for a while after each one: a second native thread then
-# competes with a spinning BLAS thread for the core. Measured on the 2-core EPYC, MobileNetV3-style, the same
-# process, interleaved: b1 1.28 ms with one native thread against 1.39 with two, b8 9.34 against 10.17 (alone,
-# outside a model, two threads win on the large layers). Threads also stay 1 on a busy host (kernel_threads).
-MAX_THREADS = max(1, int(os.environ.get("KILN_NATIVE_THREADS", "1") or 1))
+# A thread per this many multiply-adds at most. The threads are the sgemm's pool (kept, spinning briefly between
+# calls), so a second one costs microseconds, not the ~20-30 us a thread created per call did.
+MACS_PER_THREAD = 1 << 18
+# At most this many threads per call (KILN_NATIVE_THREADS; default: as many as a run may use, kernel_threads, where
+# the extension's sgemm runs the products, else 1).
+# It was 1 while numpy's OpenBLAS ran the GEMMs: its workers, spinning after each, took the second core from a
+# native thread (MobileNetV3-style b1 1.28 ms on one thread, 1.39 on two). Where the extension's sgemm runs the
+# products (AVX-512), the BLAS stays at one thread; measured on the 2-core Zen 5, MobileNetV3-style, one thread
+# against the pool's two: b1 0.58 -> 0.52 ms, b8 5.5 -> 3.9 ms. Threads stay 1 on a busy host (kernel_threads).
+SGEMM = os.environ.get("KILN_NATIVE_SGEMM", "1").strip().lower() not in ("0", "false", "no", "off")  # (see below)
+_OWN_GEMM_HERE = _native is not None and bool(_native.has_sgemm) and SGEMM
+MAX_THREADS = max(1, int(os.environ.get("KILN_NATIVE_THREADS", "") or (64 if _OWN_GEMM_HERE else 1)))
 # The extension's AVX-512 sgemm (the GEMM convolutions' product) where the CPU has AVX-512F; KILN_NATIVE_SGEMM=0
 # keeps numpy's BLAS for them. SGEMM_MR: the rows of its A panels (_native.c's GEMM_MR).
-SGEMM = os.environ.get("KILN_NATIVE_SGEMM", "1").strip().lower() not in ("0", "false", "no", "off")
 SGEMM_MR, SGEMM_NR = 12, 32
 _ROWS, _PACKED, _TRANSPOSED = 0, 1, 2   # sgemm's operand modes
 _BIAS_NONE, _BIAS_ROWS, _BIAS_COLS = 0, 1, 2
@@ -76,7 +79,7 @@ SGEMM_MACS_PER_THREAD = 1 << 20
 SGEMM_MIN_ROWS = 8
 
 
-if _native is not None and _native.has_sgemm and SGEMM:
+if _OWN_GEMM_HERE:
     # kiln's products run on the extension's threads: numpy's BLAS is kept to one thread in runs, so that its
     # workers never spin beside them (threads.py)
     own_gemm(True)
