@@ -426,3 +426,48 @@ def test_row_kernels_on_several_threads_answer_bit_for_bit_as_on_one(monkeypatch
     monkeypatch.setattr(native, "ROW_FLOATS_PER_THREAD", 1)
     for a, b in zip(one, all_kernels()):
         np.testing.assert_array_equal(a, b)
+
+
+# --------------------------------------------------------------------------- MaxPool
+@needs_native
+@pytest.mark.parametrize("threads", [1, 3])
+def test_max_pool_against_the_reference(monkeypatch, threads):
+    """Random 2-D MaxPools (kernel 1-4, stride 1-3, dilation 1-2, pads, ceil_mode; a NaN in some inputs) against
+    the reference's window maxima, value for value."""
+    from kiln.ir.ops.pool import max_pool_values
+    monkeypatch.setattr(native, "kernel_threads", lambda: threads)
+    monkeypatch.setattr(native, "ROW_FLOATS_PER_THREAD", 1)
+    ran = 0
+    for trial in range(200):
+        kernel = [int(v) for v in RNG.integers(1, 5, 2)]
+        strides = [int(v) for v in RNG.integers(1, 4, 2)]
+        dilations = [int(v) for v in RNG.integers(1, 3, 2)]
+        pads = [int(v) for v in RNG.integers(0, 2, 4)]
+        ceil = int(trial % 2)
+        x = RNG.standard_normal((int(RNG.integers(1, 3)), int(RNG.integers(1, 4)), int(RNG.integers(1, 13)),
+                                 int(RNG.integers(1, 13)))).astype(np.float32)
+        if trial % 5 == 0:
+            x.flat[int(RNG.integers(0, x.size))] = np.nan
+        try:
+            want = max_pool_values(x, kernel_shape=kernel, strides=strides, dilations=dilations, pads=pads,
+                                   auto_pad="NOTSET", ceil_mode=ceil)[0]
+            window = make_window(kernel, strides=strides, dilations=dilations, pads=pads, ceil_mode=ceil)
+        except ValueError:
+            continue
+        got = native.max_pool2d(window)(x)
+        np.testing.assert_array_equal(got, want, err_msg=f"{x.shape} {kernel} {strides} {dilations} {pads} {ceil}")
+        ran += 1
+    assert ran > 100
+
+
+@needs_native
+def test_programs_take_the_native_max_pool(monkeypatch):
+    calls = []
+    real = native.max_pool2d
+    monkeypatch.setattr(native, "max_pool2d", lambda window: calls.append(window) or real(window))
+    g = Graph("pool")
+    x = g.add_input("x", "float32", ["batch", 4, 15, 15])
+    g.outputs = [g.op("MaxPool", x, kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])]
+    feeds = {"x": RNG.standard_normal((2, 4, 15, 15)).astype(np.float32)}
+    np.testing.assert_array_equal(kiln.load(g).run(feeds, as_list=True)[0], evaluate(g, feeds)[0])
+    assert len(calls) == 1

@@ -518,6 +518,24 @@ def epilogue_kernel(node: Any, attrs: dict) -> Optional[Callable]:
     return run
 
 
+# ----------------------------------------------------------------------------- MaxPool
+def max_pool2d(window: Any) -> Callable:
+    """A 2-D MaxPool over ``_native.max_pool`` for float32 [N, C, H, W] (rows_ok): ``run(x)`` -> a fresh
+    [N, C, OH, OW] array, the geometry from the IR's rules; planes split over the pool for large inputs."""
+    (kh, kw), (sh, sw), (dh, dw) = window.kernel, window.strides, window.dilations
+    geometry: dict = {}
+    pool = _native.max_pool
+
+    def run(x: np.ndarray) -> np.ndarray:
+        n, c, h, w = x.shape
+        pt, pl, oh, ow = _geometry_of(window, geometry, (h, w))
+        y = np.empty((n, c, oh, ow), np.float32)
+        if y.size:
+            pool(x, y, n * c, h, w, oh, ow, kh, kw, sh, sw, dh, dw, pt, pl, row_threads(x.size))
+        return y
+    return run
+
+
 # ----------------------------------------------------------------------------- row kernels
 # The row kernels split their rows over the sgemm's thread pool, one thread per this many floats at most (a
 # [32, 128, 512] Gelu: 1.7 ms on one thread).
