@@ -471,3 +471,14 @@ def test_programs_take_the_native_max_pool(monkeypatch):
     feeds = {"x": RNG.standard_normal((2, 4, 15, 15)).astype(np.float32)}
     np.testing.assert_array_equal(kiln.load(g).run(feeds, as_list=True)[0], evaluate(g, feeds)[0])
     assert len(calls) == 1
+
+
+def test_when_the_extensions_sgemm_runs_the_products():
+    """Auto: where the CPU has AVX-512F and numpy's OpenBLAS runs kernels without it (measured: on a Xeon whose
+    OpenBLAS runs SkylakeX kernels, numpy's GEMM is as fast, and faster on many threads)."""
+    assert native.sgemm_wanted("", True, "Haswell")            # this sandbox's OPENBLAS_CORETYPE, or a Zen 5
+    assert not native.sgemm_wanted("", True, "SkylakeX")       # OpenBLAS already on AVX-512
+    assert not native.sgemm_wanted("", True, None)             # a BLAS that does not say (MKL, BLIS): left alone
+    assert not native.sgemm_wanted("", False, "Haswell")       # no AVX-512F
+    assert native.sgemm_wanted("1", True, "SkylakeX") and not native.sgemm_wanted("1", False, "Haswell")
+    assert not native.sgemm_wanted("0", True, "Haswell") and not native.sgemm_wanted(" off ", True, "Haswell")

@@ -63,8 +63,35 @@ MACS_PER_THREAD = 1 << 18
 # native thread (MobileNetV3-style b1 1.28 ms on one thread, 1.39 on two). Where the extension's sgemm runs the
 # products (AVX-512), the BLAS stays at one thread; measured on the 2-core Zen 5, MobileNetV3-style, one thread
 # against the pool's two: b1 0.58 -> 0.52 ms, b8 5.5 -> 3.9 ms. Threads stay 1 on a busy host (kernel_threads).
-SGEMM = os.environ.get("KILN_NATIVE_SGEMM", "1").strip().lower() not in ("0", "false", "no", "off")  # (see below)
-_OWN_GEMM_HERE = _native is not None and bool(_native.has_sgemm) and SGEMM
+# OpenBLAS kernel sets with AVX-512 (numpy's BLAS then runs as fast as the extension's sgemm, or faster on many
+# threads: measured on a 16-core Xeon with OpenBLAS's SkylakeX kernels, one thread 94-134 GFLOP/s against 100-133,
+# eight 439-597 against 325-871).
+AVX512_BLAS_KERNELS = frozenset({"SkylakeX", "Cooperlake", "SapphireRapids"})
+
+
+def sgemm_wanted(setting: str, cpu_has_avx512: bool, blas_kernels: Optional[str]) -> bool:
+    """Whether the extension's sgemm runs the products: ``KILN_NATIVE_SGEMM`` 0 (never), 1 (wherever the CPU has
+    AVX-512F), unset (auto: where the CPU has AVX-512F and numpy's BLAS is an OpenBLAS on kernels without it, as
+    on a Zen 5 that OpenBLAS 0.3.31 does not know, or under OPENBLAS_CORETYPE=Haswell)."""
+    setting = setting.strip().lower()
+    if setting in ("0", "false", "no", "off") or not cpu_has_avx512:
+        return False
+    if setting in ("1", "true", "yes", "on"):
+        return True
+    return blas_kernels is not None and blas_kernels not in AVX512_BLAS_KERNELS
+
+
+def _blas_kernels() -> Optional[str]:
+    from kiln.runtime.threads import blas_kernels
+    try:
+        return blas_kernels()
+    except OSError:
+        return None
+
+
+SGEMM = _native is not None and sgemm_wanted(os.environ.get("KILN_NATIVE_SGEMM", ""), bool(_native.has_sgemm),
+                                             _blas_kernels() if _native.has_sgemm else None)
+_OWN_GEMM_HERE = SGEMM
 MAX_THREADS = max(1, int(os.environ.get("KILN_NATIVE_THREADS", "") or (64 if _OWN_GEMM_HERE else 1)))
 # The extension's AVX-512 sgemm (the GEMM convolutions' product) where the CPU has AVX-512F; KILN_NATIVE_SGEMM=0
 # keeps numpy's BLAS for them. SGEMM_MR: the rows of its A panels (_native.c's GEMM_MR).
@@ -172,7 +199,7 @@ def covers_gemm_conv(x_dtype: Any, w: np.ndarray, window: Any, group: int) -> bo
 
 
 def has_sgemm() -> bool:
-    """Whether the extension's own AVX-512 sgemm runs here (``_native.sgemm``; KILN_NATIVE_SGEMM=0 turns it off)."""
+    """Whether the extension's own AVX-512 sgemm runs the products here (``SGEMM``: ``sgemm_wanted``)."""
     return _native is not None and bool(_native.has_sgemm) and SGEMM
 
 
