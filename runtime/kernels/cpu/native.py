@@ -98,10 +98,11 @@ MAX_THREADS = max(1, int(os.environ.get("KILN_NATIVE_THREADS", "") or (64 if _OW
 SGEMM_MR, SGEMM_NR = 12, 32
 _ROWS, _PACKED, _TRANSPOSED = 0, 1, 2   # sgemm's operand modes
 _BIAS_NONE, _BIAS_ROWS, _BIAS_COLS = 0, 1, 2
-# An sgemm runs on one thread below this many multiply-adds (~5 us of work): its pool's threads wait spinning
+# An sgemm runs on one thread below this many multiply-adds (~2 us of work): its pool's threads wait spinning
 # briefly between products, so a second one costs a few microseconds (a 128x64x784 product, 6.4M: 56 us on one
-# thread, 33 on two; BERT-style 2 layers b1 0.95 ms with a 32M threshold, 0.74 with this one).
-SGEMM_MACS_PER_THREAD = 1 << 20
+# thread, 33 on two). Measured on the 2-core Zen 5 against 1M: ViT-Tiny-style b1 0.88 -> 0.73 ms, MobileNetV3-style
+# b1 0.52 -> 0.48 ms, the BERT-style and MLP rows unchanged.
+SGEMM_MACS_PER_THREAD = 1 << 18
 # Products of fewer rows stay numpy's (BLAS's GEMV: a batch-1 Linear's one row would fill 1 of 12 panel rows).
 SGEMM_MIN_ROWS = 8
 
@@ -565,8 +566,8 @@ def max_pool2d(window: Any) -> Callable:
 
 # ----------------------------------------------------------------------------- row kernels
 # The row kernels split their rows over the sgemm's thread pool, one thread per this many floats at most (a
-# [32, 128, 512] Gelu: 1.7 ms on one thread).
-ROW_FLOATS_PER_THREAD = 1 << 16
+# [32, 128, 512] Gelu: 1.7 ms on one thread; BERT-style 2 layers b1 0.745 ms with 64K a thread, 0.672 with 16K).
+ROW_FLOATS_PER_THREAD = 1 << 14
 
 
 def row_threads(size: int) -> int:
