@@ -361,11 +361,16 @@ def _special(shape):
     ((3, 5, 40), [(), (40,), (1, 1, 40), (1, 5, 40), (5, 40)]),   # scalar, bias, periodic
     ((2, 2050), [(1,), (2050,), (1, 2050)]),                        # across a chunk boundary
     ((1, 8), [(1, 8), ()]),
+    ((3, 5003), [(), (5003,), (1, 5003)]),                          # several chunks, a part of one at the end
 ])
-def test_fused_chains_answer_bit_for_bit_as_the_numpy_kernels(shape, const_shapes):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fused_chains_answer_bit_for_bit_as_the_numpy_kernels(monkeypatch, shape, const_shapes, threads):
     """A chain of every op the extension runs (Add, Sub, Mul, Div, Max, Min, Neg, Abs, Relu, Sqrt) over
     full-size, scalar and periodic operands, NaN, infinities and signed zeros included: kiln.load fuses it
-    into one FusedElementwise run natively, and every output bit equals the unfused numpy kernels'."""
+    into one FusedElementwise run natively, and every output bit equals the unfused numpy kernels', on one thread
+    and with the chunks split over three."""
+    monkeypatch.setattr(native, "kernel_threads", lambda: threads)
+    monkeypatch.setattr(native, "ROW_FLOATS_PER_THREAD", 1)
     from kiln.ir.graph import Graph
     g = Graph("chain")
     x = g.add_input("x", "float32", ["batch", *shape[1:]])

@@ -1532,19 +1532,22 @@ typedef struct {
     const float *const *in;
     float *const *out;
     Py_ssize_t total, chunk;  /* chunk: floats per register, min(CHUNK, total) */
+    Py_ssize_t begin, end;    /* this part of [0, total): whole chunks but the last */
+    float *regs;
+    const float **src;
 } ew_job;
 
 static inline __attribute__((always_inline)) void ew_body(const ew_job *j, float *regs, const float **src) {
     /* regs: nreg chunks of `chunk` floats; input registers point into the inputs where they can (full size) */
     const Py_ssize_t chunk = j->chunk;
-    for (Py_ssize_t c0 = 0; c0 < j->total; c0 += chunk) {
-        const Py_ssize_t n = j->total - c0 < chunk ? j->total - c0 : chunk;
+    for (Py_ssize_t c0 = j->begin; c0 < j->end; c0 += chunk) {
+        const Py_ssize_t n = j->end - c0 < chunk ? j->end - c0 : chunk;
         for (int r = 0; r < j->nin; r++) {
             float *buf = regs + (Py_ssize_t)r * chunk;
             if (j->kind[r] == KIND_FULL) {
                 src[r] = j->in[r] + c0;
             } else if (j->kind[r] == KIND_SCALAR) {
-                if (c0 == 0)
+                if (c0 == j->begin)
                     for (Py_ssize_t i = 0; i < chunk; i++) buf[i] = j->in[r][0];
                 src[r] = buf;
             } else {
@@ -1568,6 +1571,12 @@ static inline __attribute__((always_inline)) void ew_body(const ew_job *j, float
 
 #define ew_run_body ew_body
 DISPATCHED(ew_run, (const ew_job *j, float *regs, const float **src), (j, regs, src))
+
+static void *ew_worker(void *arg) {
+    const ew_job *j = (const ew_job *)arg;
+    ew_run(j, j->regs, j->src);
+    return NULL;
+}
 
 static int as_float32(PyObject *obj, Py_buffer *view, const char *what, int writable) {
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
@@ -1827,7 +1836,9 @@ static PyObject *elementwise(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *ins, *kinds, *periods, *outs, *progo;
     int nreg;
     Py_ssize_t total;
-    if (!PyArg_ParseTuple(args, "OOOOOin", &ins, &kinds, &periods, &outs, &progo, &nreg, &total)) return NULL;
+    Py_ssize_t threads = 1;
+    if (!PyArg_ParseTuple(args, "OOOOOin|n", &ins, &kinds, &periods, &outs, &progo, &nreg, &total, &threads))
+        return NULL;
     if (!PyList_Check(ins) || !PyList_Check(kinds) || !PyList_Check(periods) || !PyList_Check(outs)) {
         PyErr_SetString(PyExc_TypeError, "elementwise: inputs, kinds, periods and outputs are lists");
         return NULL;
@@ -1897,16 +1908,28 @@ static PyObject *elementwise(PyObject *Py_UNUSED(self), PyObject *args) {
         }
     }
     const Py_ssize_t chunk = total < CHUNK ? (total > 0 ? total : 1) : CHUNK;
-    regs = malloc(sizeof(float) * (size_t)nreg * (size_t)chunk);
-    src = malloc(sizeof(float *) * (size_t)nreg);
+    const Py_ssize_t chunks = (total + chunk - 1) / chunk;
+    if (threads > chunks) threads = chunks;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads < 1) threads = 1;
+    regs = malloc(sizeof(float) * (size_t)threads * (size_t)nreg * (size_t)chunk);
+    src = malloc(sizeof(float *) * (size_t)threads * (size_t)nreg);
     if (!regs || !src) {
         PyErr_NoMemory();
         goto done;
     }
-    ew_job j = {(int)nin, nreg, nprog, (int)nout, prog, outreg, kind, period, inp, (float *const *)outp, total,
-                chunk};
+    /* parts of whole chunks, one a thread (the sgemm's pool); each with its own registers */
+    ew_job parts[MAX_THREADS];
+    void *tasks[MAX_THREADS];
+    for (Py_ssize_t t = 0; t < threads; t++) {
+        parts[t] = (ew_job){(int)nin, nreg, nprog, (int)nout, prog, outreg, kind, period, inp, (float *const *)outp,
+                            total, chunk, chunks * t / threads * chunk,
+                            t + 1 == threads ? total : chunks * (t + 1) / threads * chunk,
+                            regs + t * nreg * chunk, (const float **)src + t * nreg};
+        tasks[t] = &parts[t];
+    }
     Py_BEGIN_ALLOW_THREADS
-    ew_run(&j, regs, src);
+    run_tasks(ew_worker, tasks, (int)threads);
     Py_END_ALLOW_THREADS
     Py_INCREF(Py_None);
     result = Py_None;

@@ -704,7 +704,7 @@ def elementwise_kernel(node: Any, attrs: dict, fallback: Callable) -> Optional[C
         ins = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in args] + consts
         outputs = [np.empty(shape, np.float32) for _ in outs]
         if total:
-            run_native(ins, kinds, periods, outputs, program, nreg, total)
+            run_native(ins, kinds, periods, outputs, program, nreg, total, row_threads(total))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
     return run
 
