@@ -370,7 +370,7 @@ def test_winograd_takes_wide_3x3_convs_and_leaves_small_maps_to_the_gemm(monkeyp
     wide = np.zeros((128, 128, 3, 3), np.float32)
     assert native.covers_winograd(wide, k3, 1)
     assert not native.covers_winograd(wide, make_window((3, 3), strides=(2, 2), pads=(1, 1, 1, 1)), 1)
-    assert not native.covers_winograd(np.zeros((64, 64, 3, 3), np.float32), k3, 1)  # the transforms outweigh it
+    assert not native.covers_winograd(np.zeros((32, 32, 3, 3), np.float32), k3, 1)  # the transforms outweigh it
     assert not native.covers_winograd(np.zeros((128, 128, 5, 5), np.float32), make_window((5, 5)), 1)
     monkeypatch.setattr(native, "WINOGRAD", False)
     assert not native.covers_winograd(wide, k3, 1)

@@ -971,6 +971,7 @@ static int run_tasks(task_fn fn, void **args, int n) {
    load in float64 (native.py). */
 typedef struct {
     Py_ssize_t n, c, h, w, pt, pl, th, tw;  /* samples, channels, input size, pads (top, left), tiles */
+    Py_ssize_t kstride;  /* floats from one of the 16 transformed planes to the next (at least channels x tiles) */
 } wino_geometry;
 
 /* V[k, ci, t] (k = 4 * row + column of the transformed tile, t = (s * th + ty) * tw + tx) */
@@ -1001,7 +1002,16 @@ static inline __attribute__((always_inline)) void wino_input_body(const float *x
                     or_[q] = c1 >= 0 && c1 < g->w ? src[c1] : 0.0f;
                 }
                 const float *base = src - g->pl;
-                for (Py_ssize_t q = lo; q < hi; q++) {
+                Py_ssize_t q = lo;
+                {   /* 8 pairs at a time: the even and odd floats of 16 (reads stay inside the row: 2q + 15 < w + pl) */
+                    const v8si evens = {0, 2, 4, 6, 8, 10, 12, 14}, odds = {1, 3, 5, 7, 9, 11, 13, 15};
+                    for (; q + 8 <= hi; q += 8) {
+                        const v8sf a = load8(base + 2 * q), b = load8(base + 2 * q + 8);
+                        store8(er + q, __builtin_shuffle(a, b, evens));
+                        store8(or_ + q, __builtin_shuffle(a, b, odds));
+                    }
+                }
+                for (; q < hi; q++) {
                     er[q] = base[2 * q];
                     or_[q] = base[2 * q + 1];
                 }
@@ -1010,6 +1020,36 @@ static inline __attribute__((always_inline)) void wino_input_body(const float *x
                     er[q] = c0 >= 0 && c0 < g->w ? src[c0] : 0.0f;
                     or_[q] = c1 >= 0 && c1 < g->w ? src[c1] : 0.0f;
                 }
+            }
+            if (tw >= 8) {  /* 8 tiles at a time, all in registers; the last block overlaps the one before */
+                for (Py_ssize_t ty = 0; ty < th; ty++) {
+                    const Py_ssize_t t0 = (s * th + ty) * tw;
+                    for (Py_ssize_t b = 0; b < tw; b += 8) {
+                        const Py_ssize_t tx = b + 8 <= tw ? b : tw - 8;
+                        /* per column group (columns 2tx, 2tx+1, 2tx+2, 2tx+3 of each tile: E[tx], O[tx], E[tx+1],
+                           O[tx+1]), B^T d down the 4 rows: d0 - d2, d1 + d2, d2 - d1, d1 - d3 */
+                        v8sf t[4][4];
+                        for (int grp = 0; grp < 4; grp++) {
+                            const float *base = (grp & 1 ? odd : even) + 2 * ty * half + tx + (grp >> 1);
+                            const v8sf d0 = load8(base), d1 = load8(base + half), d2 = load8(base + 2 * half),
+                                       d3 = load8(base + 3 * half);
+                            t[0][grp] = d0 - d2;
+                            t[1][grp] = d1 + d2;
+                            t[2][grp] = d2 - d1;
+                            t[3][grp] = d1 - d3;
+                        }
+                        /* (B^T d) B along the row: u0 - u2, u1 + u2, u2 - u1, u1 - u3 (u: groups 0, 1, 2, 3) */
+                        for (int i = 0; i < 4; i++) {
+                            float *vi = v + (4 * i) * g->kstride + ci * tiles + t0 + tx;
+                            const Py_ssize_t step = g->kstride;
+                            store8(vi, t[i][0] - t[i][2]);
+                            store8(vi + step, t[i][1] + t[i][2]);
+                            store8(vi + 2 * step, t[i][2] - t[i][1]);
+                            store8(vi + 3 * step, t[i][1] - t[i][3]);
+                        }
+                    }
+                }
+                continue;
             }
             for (Py_ssize_t ty = 0; ty < th; ty++) {
                 /* B^T d: rows 2ty .. 2ty+3 -> d0 - d2, d1 + d2, d2 - d1, d1 - d3, for even and odd columns */
@@ -1028,8 +1068,8 @@ static inline __attribute__((always_inline)) void wino_input_body(const float *x
                 const Py_ssize_t t0 = (s * th + ty) * tw;
                 for (int i = 0; i < 4; i++) {
                     const float *e = te + i * half, *o = to + i * half;
-                    float *v0 = v + ((4 * i + 0) * g->c + ci) * tiles + t0, *v1 = v + ((4 * i + 1) * g->c + ci) * tiles + t0;
-                    float *v2 = v + ((4 * i + 2) * g->c + ci) * tiles + t0, *v3 = v + ((4 * i + 3) * g->c + ci) * tiles + t0;
+                    float *v0 = v + (4 * i + 0) * g->kstride + ci * tiles + t0, *v1 = v + (4 * i + 1) * g->kstride + ci * tiles + t0;
+                    float *v2 = v + (4 * i + 2) * g->kstride + ci * tiles + t0, *v3 = v + (4 * i + 3) * g->kstride + ci * tiles + t0;
                     for (Py_ssize_t tx = 0; tx < tw; tx++) {
                         v0[tx] = e[tx] - e[tx + 1];
                         v1[tx] = o[tx] + e[tx + 1];
@@ -1055,8 +1095,29 @@ static inline __attribute__((always_inline)) void wino_output_body(const float *
             for (Py_ssize_t ty = 0; ty < th; ty++) {
                 const Py_ssize_t t0 = (s * th + ty) * tw;
                 const float *m[16];
-                for (int k = 0; k < 16; k++) m[k] = mp + (k * mch + mo) * tiles + t0;
-                for (Py_ssize_t tx = 0; tx < tw; tx++) {
+                for (int k = 0; k < 16; k++) m[k] = mp + k * g->kstride + mo * tiles + t0;
+                Py_ssize_t done = 0;
+                if (tw >= 8) {  /* 8 tiles at a time; the last block overlaps the one before */
+                    const v8si lo = {0, 8, 1, 9, 2, 10, 3, 11}, hi = {4, 12, 5, 13, 6, 14, 7, 15};
+                    for (Py_ssize_t b = 0; b < tw; b += 8) {
+                        const Py_ssize_t tx = b + 8 <= tw ? b : tw - 8;
+                        v8sf a[4], c[4];
+                        for (int j = 0; j < 4; j++) {
+                            const v8sf m0 = load8(m[j] + tx), m1 = load8(m[4 + j] + tx), m2 = load8(m[8 + j] + tx),
+                                       m3 = load8(m[12 + j] + tx);
+                            a[j] = m0 + m1 + m2;
+                            c[j] = m1 - m2 - m3;
+                        }
+                        const v8sf y00 = a[0] + a[1] + a[2], y01 = a[1] - a[2] - a[3];
+                        const v8sf y10 = c[0] + c[1] + c[2], y11 = c[1] - c[2] - c[3];
+                        store8(r0 + 2 * tx, __builtin_shuffle(y00, y01, lo));
+                        store8(r0 + 2 * tx + 8, __builtin_shuffle(y00, y01, hi));
+                        store8(r1 + 2 * tx, __builtin_shuffle(y10, y11, lo));
+                        store8(r1 + 2 * tx + 8, __builtin_shuffle(y10, y11, hi));
+                    }
+                    done = tw;
+                }
+                for (Py_ssize_t tx = done; tx < tw; tx++) {
                     /* A^T M: rows 0 + 1 + 2 and 1 - 2 - 3, per column j */
                     float a[4], b[4];
                     for (int j = 0; j < 4; j++) {
@@ -1177,15 +1238,18 @@ DISPATCHED(wino_output_rows, (const float *mp, float *y, const float *bias, Py_s
 static int as_float32(PyObject *obj, Py_buffer *view, const char *what, int writable);
 
 PyDoc_STRVAR(winograd_input_doc,
-"winograd_input(x, v, n, c, h, w, pad_top, pad_left, th, tw)\n\n"
+"winograd_input(x, v, n, c, h, w, pad_top, pad_left, th, tw, kstride=0)\n\n"
 "The transformed input tiles of a 3x3 stride-1 conv, F(2x2, 3x3): v[k, ci, (s*th + ty)*tw + tx] = (B^T d B)[k]\n"
-"for the 4x4 tile d at input row 2ty - pad_top, column 2tx - pad_left (zeros outside). float32, C-contiguous.");
+"for the 4x4 tile d at input row 2ty - pad_top, column 2tx - pad_left (zeros outside); v's 16 planes kstride\n"
+"floats apart (0: c*tiles). float32, C-contiguous.");
 
 static PyObject *winograd_input(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *xo, *vo;
-    wino_geometry g;
-    if (!PyArg_ParseTuple(args, "OOnnnnnnnn", &xo, &vo, &g.n, &g.c, &g.h, &g.w, &g.pt, &g.pl, &g.th, &g.tw))
+    wino_geometry g = {0};
+    if (!PyArg_ParseTuple(args, "OOnnnnnnnn|n", &xo, &vo, &g.n, &g.c, &g.h, &g.w, &g.pt, &g.pl, &g.th, &g.tw,
+                          &g.kstride))
         return NULL;
+    if (g.kstride == 0) g.kstride = g.c * g.n * g.th * g.tw;
     if (g.n < 0 || g.c < 0 || g.h < 0 || g.w < 0 || g.pt < 0 || g.pl < 0 || g.th < 0 || g.tw < 0) {
         PyErr_SetString(PyExc_ValueError, "winograd_input: bad geometry");
         return NULL;
@@ -1196,7 +1260,7 @@ static PyObject *winograd_input(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *result = NULL;
     const Py_ssize_t half = g.tw + 1, rows = 2 * g.th + 2;
     float *scratch = NULL;
-    if (xb.len / 4 != g.n * g.c * g.h * g.w || vb.len / 4 != 16 * g.c * g.n * g.th * g.tw) {
+    if (g.kstride < g.c * g.n * g.th * g.tw || xb.len / 4 != g.n * g.c * g.h * g.w || vb.len / 4 != 16 * g.kstride) {
         PyErr_SetString(PyExc_ValueError, "winograd_input: a buffer's size does not match");
     } else if (!(scratch = malloc(sizeof(float) * (size_t)(2 * rows * half + 8 * half + 16)))) {
         PyErr_NoMemory();
@@ -1213,7 +1277,7 @@ static PyObject *winograd_input(PyObject *Py_UNUSED(self), PyObject *args) {
 }
 
 PyDoc_STRVAR(winograd_output_doc,
-"winograd_output(m, y, bias, n, mch, oh, ow, th, tw, act, alpha, beta)\n\n"
+"winograd_output(m, y, bias, n, mch, oh, ow, th, tw, act, alpha, beta, kstride=0)\n\n"
 "y[s, mo, 2ty + a, 2tx + b] = act(bias[mo] + (A^T M A)[a, b]) from the 16 products m[k, mo, tile] of the\n"
 "transformed weights and winograd_input's tiles; rows and columns past oh, ow dropped. bias may be None.");
 
@@ -1223,9 +1287,10 @@ static PyObject *winograd_output(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_ssize_t mch, oh, ow;
     int act;
     double alpha, beta;
-    if (!PyArg_ParseTuple(args, "OOOnnnnnnidd", &mo, &yo, &bo, &g.n, &mch, &oh, &ow, &g.th, &g.tw, &act, &alpha,
-                          &beta))
+    if (!PyArg_ParseTuple(args, "OOOnnnnnnidd|n", &mo, &yo, &bo, &g.n, &mch, &oh, &ow, &g.th, &g.tw, &act, &alpha,
+                          &beta, &g.kstride))
         return NULL;
+    if (g.kstride == 0) g.kstride = mch * g.n * g.th * g.tw;
     if (act < ACT_NONE || act >= ACT_COUNT || g.n < 0 || mch < 0 || oh < 0 || ow < 0 || g.th != (oh + 1) / 2
         || g.tw != (ow + 1) / 2) {
         PyErr_SetString(PyExc_ValueError, "winograd_output: bad arguments");
@@ -1238,7 +1303,7 @@ static PyObject *winograd_output(PyObject *Py_UNUSED(self), PyObject *args) {
     if (has_bias && as_float32(bo, &bb, "bias", 0) < 0) { PyBuffer_Release(&mb); PyBuffer_Release(&yb); return NULL; }
     PyObject *result = NULL;
     float *scratch = NULL;
-    if (mb.len / 4 != 16 * mch * g.n * g.th * g.tw || yb.len / 4 != g.n * mch * oh * ow
+    if (g.kstride < mch * g.n * g.th * g.tw || mb.len / 4 != 16 * g.kstride || yb.len / 4 != g.n * mch * oh * ow
         || (has_bias && bb.len / 4 != mch)) {
         PyErr_SetString(PyExc_ValueError, "winograd_output: a buffer's size does not match");
     } else if (!(scratch = malloc(sizeof(float) * (size_t)(4 * g.tw + 16)))) {
@@ -1373,12 +1438,13 @@ static PyObject *pack(PyObject *Py_UNUSED(self), PyObject *args) {
 
 PyDoc_STRVAR(sgemm_doc,
 "sgemm(a, b, c, bias, m, n, k, a_mode, b_mode, bias_mode, act, alpha, beta, threads, batch=1, stride_a=0,\n"
-"      stride_b=0)\n\n"
+"      stride_b=0, stride_c=0)\n\n"
 "c[m, n] = act(A @ B + bias), float32, C-contiguous buffers. a_mode: 0 a is A [m, k]; 1 a is A packed in panels\n"
 "of 12 rows, [ceil(m/12), k, 12], zero rows past m. b_mode: 0 b is B [k, n]; 1 b is B packed in panels of 32\n"
 "columns, [ceil(n/32), k, 32], zero columns past n; 2 b is B's transpose [n, k]. bias_mode: 0 none (bias None),\n"
 "1 bias[m] per row, 2 bias[n] per column; act as in direct_conv2d. batch products at once: a and b hold batch\n"
-"operands at stride_a/stride_b floats (0: one operand shared by all), c batch results. Only where the CPU has\n"
+"operands at stride_a/stride_b floats (0: one operand shared by all; at least the operand's size), c batch results\n"
+"at stride_c floats (0: m*n). Only where the CPU has\n"
 "AVX-512F (the module's has_sgemm); `threads` split the batch, or one product's rows or columns.");
 
 static int has_avx512;
@@ -1388,17 +1454,19 @@ static PyObject *sgemm(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_ssize_t m, n, k, threads;
     int a_mode, b_mode, bias_mode, act;
     double alpha, beta;
-    Py_ssize_t batch = 1, stride_a = 0, stride_b = 0;
-    if (!PyArg_ParseTuple(args, "OOOOnnniiiiddn|nnn", &ao, &bo, &co, &biaso, &m, &n, &k, &a_mode, &b_mode,
-                          &bias_mode, &act, &alpha, &beta, &threads, &batch, &stride_a, &stride_b))
+    Py_ssize_t batch = 1, stride_a = 0, stride_b = 0, stride_c = 0;
+    if (!PyArg_ParseTuple(args, "OOOOnnniiiiddn|nnnn", &ao, &bo, &co, &biaso, &m, &n, &k, &a_mode, &b_mode,
+                          &bias_mode, &act, &alpha, &beta, &threads, &batch, &stride_a, &stride_b, &stride_c))
         return NULL;
     if (!has_avx512) {
         PyErr_SetString(PyExc_RuntimeError, "sgemm: this CPU has no AVX-512F");
         return NULL;
     }
-    if (batch < 1 || (stride_a != 0 && stride_a != (a_mode == OPERAND_PACKED ? (m + GEMM_MR - 1) / GEMM_MR * GEMM_MR * k : m * k))
-        || (stride_b != 0 && stride_b != (b_mode == OPERAND_PACKED ? (n + GEMM_NR - 1) / GEMM_NR * GEMM_NR * k : n * k))) {
-        PyErr_SetString(PyExc_ValueError, "sgemm: a batch stride is neither 0 (shared) nor the operand's size");
+    if (stride_c == 0) stride_c = m * n;
+    if (batch < 1 || (stride_a != 0 && stride_a < (a_mode == OPERAND_PACKED ? (m + GEMM_MR - 1) / GEMM_MR * GEMM_MR * k : m * k))
+        || (stride_b != 0 && stride_b < (b_mode == OPERAND_PACKED ? (n + GEMM_NR - 1) / GEMM_NR * GEMM_NR * k : n * k))
+        || stride_c < m * n) {
+        PyErr_SetString(PyExc_ValueError, "sgemm: a batch stride is neither 0 (shared) nor at least the operand's size");
         return NULL;
     }
     if (act < ACT_NONE || act >= ACT_COUNT || m < 0 || n < 0 || k < 1 || a_mode < 0 || a_mode > 1 || b_mode < 0
@@ -1418,8 +1486,8 @@ static PyObject *sgemm(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *result = NULL;
     const Py_ssize_t a_len = a_mode == OPERAND_PACKED ? (m + GEMM_MR - 1) / GEMM_MR * GEMM_MR * k : m * k;
     const Py_ssize_t b_len = b_mode == OPERAND_PACKED ? (n + GEMM_NR - 1) / GEMM_NR * GEMM_NR * k : n * k;
-    if (ab.len / 4 != (stride_a ? batch : 1) * a_len || bb.len / 4 != (stride_b ? batch : 1) * b_len
-        || cb.len / 4 != batch * m * n
+    if (ab.len / 4 != (stride_a ? batch * stride_a : a_len) || bb.len / 4 != (stride_b ? batch * stride_b : b_len)
+        || cb.len / 4 != (batch > 1 ? batch * stride_c : m * n)
         || (has_bias && biasb.len / 4 != (bias_mode == BIAS_ROWS ? m : n))) {
         PyErr_SetString(PyExc_ValueError, "sgemm: a buffer's size does not match m, n, k and the modes");
     } else if (m > 0 && n > 0) {
@@ -1451,7 +1519,7 @@ static PyObject *sgemm(PyObject *Py_UNUSED(self), PyObject *args) {
             g->row_end = by_rows ? end : m;
             g->item_begin = by_items ? begin : 0;
             g->item_end = by_items ? end : batch;
-            g->stride_a = stride_a; g->stride_b = stride_b; g->stride_c = m * n;
+            g->stride_a = stride_a; g->stride_b = stride_b; g->stride_c = stride_c;
             g->act = act; g->alpha = alpha; g->beta = beta;
         }
         Py_BEGIN_ALLOW_THREADS

@@ -366,10 +366,11 @@ def gemm_conv2d(w: np.ndarray, window: Any, bias: Optional[np.ndarray],
 # 3x3 stride-1 convs over at least this many input and output channels run as Winograd's 16 products (2.25x fewer
 # multiply-adds than im2col's product; the transforms are adds), where a chunk of samples gives each product at
 # least WINOGRAD_MIN_TILES columns (else the GEMM convolution runs). Measured on the 2-core Zen 5 (ms, Winograd
-# against the GEMM convolution, ResNet-18's layers): 128x28x28 b1 0.60/0.69, b8 4.85/5.43; 256x14x14 b1 0.49/0.73,
-# b8 3.81/5.36; 512x7x7 (16 tiles) b1 1.15/0.80, b8 5.59/5.83; 64x56x56 b1 0.95/0.80, b8 8.1/6.5 (the transforms,
-# 0.6 ms at b1, outweigh the product they save over 64 channels).
-WINOGRAD_MIN_CHANNELS = 128
+# against the GEMM convolution, ResNet-18's layers, one process): 64x56x56 b1 0.78/1.49, b8 4.0/6.2; 128x28x28 b1
+# 0.52/1.06, b8 4.3/8.0; 256x14x14 (49 tiles) b1 1.02/1.01, b8 5.1/6.4; 512x7x7 (16 tiles) b1 0.99/0.99 (the GEMM's,
+# below 64 tiles), b8 6.7/6.9. The 64-channel layers won only once the transformed planes stopped being 4 KiB
+# multiples apart (_unaliased): before, the input transform took 0.30 ms there, and Winograd lost (0.95/0.80).
+WINOGRAD_MIN_CHANNELS = 64
 WINOGRAD_MIN_TILES = 64
 WINOGRAD_BYTES = 8 << 20  # transformed inputs per chunk of samples
 WINOGRAD = os.environ.get("KILN_WINOGRAD", "1").strip().lower() not in ("0", "false", "no", "off")
@@ -381,6 +382,15 @@ def _g_rows(g: np.ndarray, axis: int) -> np.ndarray:
     (an einsum over ResNet-18's 512-channel weights took 50 ms at load)."""
     g0, g1, g2 = (np.take(g, i, axis=axis) for i in range(3))
     return np.stack([g0, (g0 + g1 + g2) * 0.5, (g0 - g1 + g2) * 0.5, g2], axis=axis)
+
+
+def _unaliased(floats: int) -> int:
+    """A stride of at least ``floats`` floats that is not within 256 bytes of a multiple of 4 KiB: the 16 transformed
+    planes are written and read as 16 streams, and at a 4 KiB multiple apart they fell into the same L1 sets (64
+    channels of 56x56: 784 tiles, 200,704 bytes a plane, 49 x 4 KiB: the input transform took 0.30 ms, 0.06 for
+    128 channels of 28x28 with half the tiles)."""
+    offset = (floats * 4) % 4096
+    return floats + 64 if offset < 256 or offset > 4096 - 256 else floats
 
 
 def covers_winograd(w: np.ndarray, window: Any, group: int) -> bool:
@@ -428,13 +438,14 @@ def winograd_conv2d(w: np.ndarray, window: Any, bias: Optional[np.ndarray],
         for start in range(0, n, chunk):
             size = min(chunk, n - start)
             tiles = size * th * tw
-            v = scratch("tiles", (16, c, tiles))
-            transform_in(x[start:start + size], v, size, c, h, wd, pt, pl, th, tw)
-            prod = scratch("products", (16, m, tiles))
+            kv, km = _unaliased(c * tiles), _unaliased(m * tiles)
+            v = scratch("tiles", (16, kv))
+            transform_in(x[start:start + size], v, size, c, h, wd, pt, pl, th, tw, kv)
+            prod = scratch("products", (16, km))
             packed = weights()
             sgemm(packed, v, prod, None, m, tiles, c, _PACKED, _ROWS, _BIAS_NONE, 0, 0.0, 0.0,
-                  gemm_threads(16 * m, tiles, c), 16, packed[0].size, c * tiles)
-            transform_out(prod, y[start:start + size], b, size, m, oh, ow, th, tw, code, alpha, beta)
+                  gemm_threads(16 * m, tiles, c), 16, packed[0].size, kv, km)
+            transform_out(prod, y[start:start + size], b, size, m, oh, ow, th, tw, code, alpha, beta, km)
         return y
     return run
 
