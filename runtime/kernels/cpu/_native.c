@@ -1416,9 +1416,15 @@ static PyObject *pack(PyObject *Py_UNUSED(self), PyObject *args) {
             if (by_rows) {
                 float *panel = dst + p * cols * width;
                 if (live < width) memset(panel, 0, sizeof(float) * (size_t)(cols * width));
-                for (Py_ssize_t r = 0; r < live; r++) {
-                    const float *row = src + (first + r) * cols;
-                    for (Py_ssize_t c = 0; c < cols; c++) panel[c * width + r] = row[c];
+                /* column by column: the writes run contiguously, the reads as `live` sequential streams (row by
+                   row, every write was `width` floats from the last: 49 ms for ResNet-18's weights) */
+                const float *rows_at = src + first * cols;
+                if (live == width) {
+                    for (Py_ssize_t c = 0; c < cols; c++)
+                        for (Py_ssize_t r = 0; r < width; r++) panel[c * width + r] = rows_at[r * cols + c];
+                } else {
+                    for (Py_ssize_t c = 0; c < cols; c++)
+                        for (Py_ssize_t r = 0; r < live; r++) panel[c * width + r] = rows_at[r * cols + c];
                 }
             } else {
                 float *panel = dst + p * rows * width;
