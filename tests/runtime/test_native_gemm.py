@@ -482,3 +482,41 @@ def test_when_the_extensions_sgemm_runs_the_products():
     assert not native.sgemm_wanted("", False, "Haswell")       # no AVX-512F
     assert native.sgemm_wanted("1", True, "SkylakeX") and not native.sgemm_wanted("1", False, "Haswell")
     assert not native.sgemm_wanted("0", True, "Haswell") and not native.sgemm_wanted(" off ", True, "Haswell")
+
+
+@needs_sgemm
+def test_native_matmul_reads_strided_views_in_place(monkeypatch):
+    """Attention's heads split from [batch, seq, heads, dim] memory, and K^T, are read through row strides and
+    per-product offsets (no copy made), answering as float64 does; views it cannot read in place are copied."""
+    copies = []
+    real = np.ascontiguousarray
+    monkeypatch.setattr(native.np, "ascontiguousarray",  # copies of the operands (not of the offsets)
+                        lambda x, *a, **k: (x.dtype == np.float32 and copies.append(x.shape)) or real(x, *a, **k))
+    mem = RNG.standard_normal((3, 10, 2, 8)).astype(np.float32)      # [batch, seq, heads, dim]
+    q = mem.transpose(0, 2, 1, 3)                                      # [batch, heads, seq, dim], rows 16 apart
+    kt = q.transpose(0, 1, 3, 2)                                       # K^T: unit stride down its rows
+    v = mem[:, :, :, :5].transpose(0, 2, 1, 3)                         # a column slice too
+    for a, b in ((q, kt), (q @ kt, v), (q[0, 0], kt), (q, kt[0, 0])):
+        np.testing.assert_allclose(native.matmul(a, b), a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+    assert copies == []
+    reversed_rows = q[:, :, ::-1]                                      # a negative stride: copied, still right
+    np.testing.assert_allclose(native.matmul(reversed_rows, kt), reversed_rows.astype(np.float64) @ kt,
+                               rtol=1e-5, atol=1e-5)
+    assert copies
+
+
+@needs_sgemm
+def test_sgemm_refuses_offsets_outside_the_buffer():
+    a = np.zeros(100, np.float32)
+    b = np.zeros((5, 6), np.float32)
+    c = np.zeros((2, 4, 6), np.float32)
+    ok = np.array([0, 20], np.int64)
+    native._native.sgemm(a, b, c, None, 4, 6, 5, 0, 0, 0, 0, 0.0, 0.0, 1, 2, 0, 0, 0, 5, 0, ok, None)
+    with pytest.raises(ValueError, match="size does not match"):
+        native._native.sgemm(a, b, c, None, 4, 6, 5, 0, 0, 0, 0, 0.0, 0.0, 1, 2, 0, 0, 0, 5, 0,
+                             np.array([0, 90], np.int64), None)
+    with pytest.raises(ValueError, match="batch int64s"):
+        native._native.sgemm(a, b, c, None, 4, 6, 5, 0, 0, 0, 0, 0.0, 0.0, 1, 2, 0, 0, 0, 5, 0,
+                             np.array([0], np.int64), None)
+    with pytest.raises(ValueError, match="row strides"):
+        native._native.sgemm(a, b, c, None, 4, 6, 5, 0, 0, 0, 0, 0.0, 0.0, 1, 2, 0, 0, 0, 3, 0, ok, None)

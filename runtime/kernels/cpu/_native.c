@@ -630,6 +630,8 @@ typedef struct {
     Py_ssize_t row_begin, row_end;  /* and rows (a multiple of GEMM_MR from row_begin) */
     Py_ssize_t item_begin, item_end;  /* and products of a batch */
     Py_ssize_t stride_a, stride_b, stride_c;  /* floats from one product's operand to the next (0: shared) */
+    Py_ssize_t lda, ldb;  /* row strides of unpacked A and B (B's transpose in mode 2), in floats */
+    const long long *a_offsets, *b_offsets;  /* or each product's operand at these offsets (NULL: the strides) */
     float *ap, *bp;  /* packing buffers */
 } gemm_job;
 
@@ -676,14 +678,14 @@ static void pack_b_panel(const gemm_job *j, Py_ssize_t pc, Py_ssize_t kc, Py_ssi
     if (j->b_mode == OPERAND_TRANSPOSED) {  /* Bt [n, k]: column jj of the panel is row j0 + jj of Bt */
         if (w < GEMM_NR) memset(dst, 0, sizeof(float) * (size_t)(kc * GEMM_NR));
         for (Py_ssize_t jj = 0; jj < w; jj++) {
-            const float *src = j->b + (j0 + jj) * j->k + pc;
+            const float *src = j->b + (j0 + jj) * j->ldb + pc;
             for (Py_ssize_t q = 0; q < kc; q++) dst[q * GEMM_NR + jj] = src[q];
         }
         return;
     }
-    const float *src = j->b + pc * j->n + j0;
+    const float *src = j->b + pc * j->ldb + j0;
     for (Py_ssize_t q = 0; q < kc; q++) {
-        memcpy(dst + q * GEMM_NR, src + q * j->n, (size_t)w * sizeof(float));
+        memcpy(dst + q * GEMM_NR, src + q * j->ldb, (size_t)w * sizeof(float));
         if (w < GEMM_NR) memset(dst + q * GEMM_NR + w, 0, (size_t)(GEMM_NR - w) * sizeof(float));
     }
 }
@@ -696,7 +698,7 @@ static void pack_a_block(const gemm_job *j, Py_ssize_t i0, Py_ssize_t rows, Py_s
         const Py_ssize_t live = rows - p < GEMM_MR ? rows - p : GEMM_MR;
         if (live < GEMM_MR) memset(panel, 0, sizeof(float) * (size_t)(kc * GEMM_MR));
         for (Py_ssize_t r = 0; r < live; r++) {
-            const float *src = j->a + (i0 + p + r) * j->k + pc;
+            const float *src = j->a + (i0 + p + r) * j->lda + pc;
             for (Py_ssize_t q = 0; q < kc; q++) panel[q * GEMM_MR + r] = src[q];
         }
     }
@@ -791,8 +793,8 @@ static void *gemm_worker(void *arg) {
     const float *a = j.a, *b = j.b;
     float *c = j.c;
     for (Py_ssize_t item = j.item_begin; item < j.item_end; item++) {
-        j.a = a + item * j.stride_a;
-        j.b = b + item * j.stride_b;
+        j.a = a + (j.a_offsets ? j.a_offsets[item] : item * j.stride_a);
+        j.b = b + (j.b_offsets ? j.b_offsets[item] : item * j.stride_b);
         j.c = c + item * j.stride_c;
         gemm_product(&j);
     }
@@ -1444,13 +1446,15 @@ static PyObject *pack(PyObject *Py_UNUSED(self), PyObject *args) {
 
 PyDoc_STRVAR(sgemm_doc,
 "sgemm(a, b, c, bias, m, n, k, a_mode, b_mode, bias_mode, act, alpha, beta, threads, batch=1, stride_a=0,\n"
-"      stride_b=0, stride_c=0)\n\n"
+"      stride_b=0, stride_c=0, lda=0, ldb=0, a_offsets=None, b_offsets=None)\n\n"
 "c[m, n] = act(A @ B + bias), float32, C-contiguous buffers. a_mode: 0 a is A [m, k]; 1 a is A packed in panels\n"
 "of 12 rows, [ceil(m/12), k, 12], zero rows past m. b_mode: 0 b is B [k, n]; 1 b is B packed in panels of 32\n"
 "columns, [ceil(n/32), k, 32], zero columns past n; 2 b is B's transpose [n, k]. bias_mode: 0 none (bias None),\n"
 "1 bias[m] per row, 2 bias[n] per column; act as in direct_conv2d. batch products at once: a and b hold batch\n"
 "operands at stride_a/stride_b floats (0: one operand shared by all; at least the operand's size), c batch results\n"
-"at stride_c floats (0: m*n). Only where the CPU has\n"
+"at stride_c floats (0: m*n). Unpacked A and B may be strided: row strides lda, ldb (0: dense) and, instead of\n"
+"the strides, each product's operand at its own offset (int64 buffers of batch floats offsets). Only where the\n"
+"CPU has\n"
 "AVX-512F (the module's has_sgemm); `threads` split the batch, or one product's rows or columns.");
 
 static int has_avx512;
@@ -1460,9 +1464,11 @@ static PyObject *sgemm(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_ssize_t m, n, k, threads;
     int a_mode, b_mode, bias_mode, act;
     double alpha, beta;
-    Py_ssize_t batch = 1, stride_a = 0, stride_b = 0, stride_c = 0;
-    if (!PyArg_ParseTuple(args, "OOOOnnniiiiddn|nnnn", &ao, &bo, &co, &biaso, &m, &n, &k, &a_mode, &b_mode,
-                          &bias_mode, &act, &alpha, &beta, &threads, &batch, &stride_a, &stride_b, &stride_c))
+    Py_ssize_t batch = 1, stride_a = 0, stride_b = 0, stride_c = 0, lda = 0, ldb = 0;
+    PyObject *aoffo = Py_None, *boffo = Py_None;
+    if (!PyArg_ParseTuple(args, "OOOOnnniiiiddn|nnnnnnOO", &ao, &bo, &co, &biaso, &m, &n, &k, &a_mode, &b_mode,
+                          &bias_mode, &act, &alpha, &beta, &threads, &batch, &stride_a, &stride_b, &stride_c, &lda,
+                          &ldb, &aoffo, &boffo))
         return NULL;
     if (!has_avx512) {
         PyErr_SetString(PyExc_RuntimeError, "sgemm: this CPU has no AVX-512F");
@@ -1480,19 +1486,67 @@ static PyObject *sgemm(PyObject *Py_UNUSED(self), PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "sgemm: bad arguments");
         return NULL;
     }
-    Py_buffer ab, bb, cb, biasb;
-    const int has_bias = biaso != Py_None;
-    if (as_float32(ao, &ab, "a", 0) < 0) return NULL;
-    if (as_float32(bo, &bb, "b", 0) < 0) { PyBuffer_Release(&ab); return NULL; }
-    if (as_float32(co, &cb, "c", 1) < 0) { PyBuffer_Release(&ab); PyBuffer_Release(&bb); return NULL; }
-    if (has_bias && as_float32(biaso, &biasb, "bias", 0) < 0) {
-        PyBuffer_Release(&ab); PyBuffer_Release(&bb); PyBuffer_Release(&cb);
+    /* unpacked operands may be strided views: row strides lda/ldb (0: dense), and each product's operand at an
+       offset of its own (aoff/boff: int64 buffers of batch entries, or None); all checked to lie in the buffer */
+    if (lda == 0) lda = k;
+    if (ldb == 0) ldb = b_mode == OPERAND_TRANSPOSED ? k : n;
+    if ((a_mode == OPERAND_PACKED && (lda != k || aoffo != Py_None)) || (b_mode == OPERAND_PACKED && boffo != Py_None)
+        || lda < k || ldb < (b_mode == OPERAND_TRANSPOSED ? k : n)) {
+        PyErr_SetString(PyExc_ValueError, "sgemm: bad row strides or offsets for the operands' modes");
         return NULL;
     }
+    Py_buffer aob, bob;
+    const int has_aoff = aoffo != Py_None, has_boff = boffo != Py_None;
+    if (has_aoff) {
+        if (PyObject_GetBuffer(aoffo, &aob, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+        if (aob.itemsize != 8 || aob.len / 8 != batch) {
+            PyBuffer_Release(&aob);
+            PyErr_SetString(PyExc_ValueError, "sgemm: a_offsets must be batch int64s");
+            return NULL;
+        }
+    }
+    if (has_boff) {
+        if (PyObject_GetBuffer(boffo, &bob, PyBUF_C_CONTIGUOUS) < 0) { if (has_aoff) PyBuffer_Release(&aob); return NULL; }
+        if (bob.itemsize != 8 || bob.len / 8 != batch) {
+            PyBuffer_Release(&bob);
+            if (has_aoff) PyBuffer_Release(&aob);
+            PyErr_SetString(PyExc_ValueError, "sgemm: b_offsets must be batch int64s");
+            return NULL;
+        }
+    }
+    Py_buffer ab, bb, cb, biasb;
+    const int has_bias = biaso != Py_None;
+    if (as_float32(ao, &ab, "a", 0) < 0) goto offsets_done;
+    if (as_float32(bo, &bb, "b", 0) < 0) { PyBuffer_Release(&ab); goto offsets_done; }
+    if (as_float32(co, &cb, "c", 1) < 0) { PyBuffer_Release(&ab); PyBuffer_Release(&bb); goto offsets_done; }
+    if (has_bias && as_float32(biaso, &biasb, "bias", 0) < 0) {
+        PyBuffer_Release(&ab); PyBuffer_Release(&bb); PyBuffer_Release(&cb);
+        goto offsets_done;
+    }
     PyObject *result = NULL;
-    const Py_ssize_t a_len = a_mode == OPERAND_PACKED ? (m + GEMM_MR - 1) / GEMM_MR * GEMM_MR * k : m * k;
-    const Py_ssize_t b_len = b_mode == OPERAND_PACKED ? (n + GEMM_NR - 1) / GEMM_NR * GEMM_NR * k : n * k;
-    if (ab.len / 4 != (stride_a ? batch * stride_a : a_len) || bb.len / 4 != (stride_b ? batch * stride_b : b_len)
+    /* the floats one operand spans, and whether every product's operand lies inside its buffer */
+    const Py_ssize_t a_len = a_mode == OPERAND_PACKED ? (m + GEMM_MR - 1) / GEMM_MR * GEMM_MR * k
+                                                      : (m > 0 ? (m - 1) * lda + k : 0);
+    const Py_ssize_t b_rows = b_mode == OPERAND_TRANSPOSED ? n : k, b_cols = b_mode == OPERAND_TRANSPOSED ? k : n;
+    const Py_ssize_t b_len = b_mode == OPERAND_PACKED ? (n + GEMM_NR - 1) / GEMM_NR * GEMM_NR * k
+                                                      : (b_rows > 0 ? (b_rows - 1) * ldb + b_cols : 0);
+    int inside = 1;
+    if (has_aoff)
+        for (Py_ssize_t i = 0; i < batch; i++) {
+            const long long o = ((const long long *)aob.buf)[i];
+            inside &= o >= 0 && o + a_len <= ab.len / 4;
+        }
+    if (has_boff)
+        for (Py_ssize_t i = 0; i < batch; i++) {
+            const long long o = ((const long long *)bob.buf)[i];
+            inside &= o >= 0 && o + b_len <= bb.len / 4;
+        }
+    const int dense = lda == k && ldb == (b_mode == OPERAND_TRANSPOSED ? k : n);
+    if (!inside
+        || (!has_aoff && (dense ? ab.len / 4 != (stride_a ? batch * stride_a : a_len)
+                                : ab.len / 4 < (stride_a ? (batch - 1) * stride_a : 0) + a_len))
+        || (!has_boff && (dense ? bb.len / 4 != (stride_b ? batch * stride_b : b_len)
+                                : bb.len / 4 < (stride_b ? (batch - 1) * stride_b : 0) + b_len))
         || cb.len / 4 != (batch > 1 ? batch * stride_c : m * n)
         || (has_bias && biasb.len / 4 != (bias_mode == BIAS_ROWS ? m : n))) {
         PyErr_SetString(PyExc_ValueError, "sgemm: a buffer's size does not match m, n, k and the modes");
@@ -1526,6 +1580,9 @@ static PyObject *sgemm(PyObject *Py_UNUSED(self), PyObject *args) {
             g->item_begin = by_items ? begin : 0;
             g->item_end = by_items ? end : batch;
             g->stride_a = stride_a; g->stride_b = stride_b; g->stride_c = stride_c;
+            g->lda = lda; g->ldb = ldb;
+            g->a_offsets = has_aoff ? aob.buf : NULL;
+            g->b_offsets = has_boff ? bob.buf : NULL;
             g->act = act; g->alpha = alpha; g->beta = beta;
         }
         Py_BEGIN_ALLOW_THREADS
@@ -1540,7 +1597,13 @@ static PyObject *sgemm(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     PyBuffer_Release(&ab); PyBuffer_Release(&bb); PyBuffer_Release(&cb);
     if (has_bias) PyBuffer_Release(&biasb);
+    if (has_aoff) PyBuffer_Release(&aob);
+    if (has_boff) PyBuffer_Release(&bob);
     return result;
+offsets_done:
+    if (has_aoff) PyBuffer_Release(&aob);
+    if (has_boff) PyBuffer_Release(&bob);
+    return NULL;
 }
 
 #define gelu_rows_body gelu_body
