@@ -422,8 +422,11 @@ def gemm_conv2d(w: np.ndarray, window: Any, bias: Optional[np.ndarray],
 # 0.52/1.06, b8 4.3/8.0; 256x14x14 (49 tiles) b1 1.02/1.01, b8 5.1/6.4; 512x7x7 (16 tiles) b1 0.99/0.99 (the GEMM's,
 # below 64 tiles), b8 6.7/6.9. The 64-channel layers won only once the transformed planes stopped being 4 KiB
 # multiples apart (_unaliased): before, the input transform took 0.30 ms there, and Winograd lost (0.95/0.80).
+# With the faster transforms, 32 tiles: 256x14x14 (49 tiles) b1 0.69/1.02 alone, and ResNet-18 b1 14.1-14.2 ->
+# 13.2-13.3 ms (64 -> 32); 16 tiles (512x7x7 b1) wins alone (0.85/1.04) but loses in the model (14.8 ms): its
+# transformed weights, 16/9 of the 9.4 MB, come from memory every run.
 WINOGRAD_MIN_CHANNELS = 64
-WINOGRAD_MIN_TILES = 64
+WINOGRAD_MIN_TILES = 32
 WINOGRAD_BYTES = 8 << 20  # transformed inputs per chunk of samples
 WINOGRAD = os.environ.get("KILN_WINOGRAD", "1").strip().lower() not in ("0", "false", "no", "off")
 # B^T d B and A^T m A are in _native.c; G g G^T is made here, in float64, once per conv
