@@ -520,3 +520,19 @@ def test_sgemm_refuses_offsets_outside_the_buffer():
                              np.array([0], np.int64), None)
     with pytest.raises(ValueError, match="row strides"):
         native._native.sgemm(a, b, c, None, 4, 6, 5, 0, 0, 0, 0, 0.0, 0.0, 1, 2, 0, 0, 0, 3, 0, ok, None)
+
+
+@needs_sgemm
+def test_native_matmul_copies_views_whose_rows_overlap():
+    """A row stride under the row's length (rows broadcast, stride 0; or overlapping rows) is no strided matrix the
+    sgemm can read: such views are copied, and the answer is numpy's."""
+    big = RNG.standard_normal(1000).astype(np.float32)
+    broadcast = np.broadcast_to(big[:7], (3, 5, 7))                      # rows 0 floats apart, inside a larger root
+    overlapping = np.lib.stride_tricks.as_strided(big, (4, 6), (8, 4))  # rows 2 floats apart, 6 long
+    b = RNG.standard_normal((7, 4)).astype(np.float32)
+    np.testing.assert_allclose(native.matmul(broadcast, b), broadcast.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+    c = RNG.standard_normal((6, 3)).astype(np.float32)
+    np.testing.assert_allclose(native.matmul(overlapping, c), overlapping.astype(np.float64) @ c, rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(native.matmul(c.T.copy(), overlapping.T), c.T.astype(np.float64) @ overlapping.T,
+                               rtol=1e-5, atol=1e-5)

@@ -91,10 +91,8 @@ def _blas_kernels() -> Optional[str]:
 
 SGEMM = _native is not None and sgemm_wanted(os.environ.get("KILN_NATIVE_SGEMM", ""), bool(_native.has_sgemm),
                                              _blas_kernels() if _native.has_sgemm else None)
-_OWN_GEMM_HERE = SGEMM
-MAX_THREADS = max(1, int(os.environ.get("KILN_NATIVE_THREADS", "") or (64 if _OWN_GEMM_HERE else 1)))
-# The extension's AVX-512 sgemm (the GEMM convolutions' product) where the CPU has AVX-512F; KILN_NATIVE_SGEMM=0
-# keeps numpy's BLAS for them. SGEMM_MR: the rows of its A panels (_native.c's GEMM_MR).
+MAX_THREADS = max(1, int(os.environ.get("KILN_NATIVE_THREADS", "") or (64 if SGEMM else 1)))
+# SGEMM_MR, SGEMM_NR: the rows of the sgemm's A panels and the columns of its B panels (_native.c's GEMM_MR, NR).
 SGEMM_MR, SGEMM_NR = 12, 32
 _ROWS, _PACKED, _TRANSPOSED = 0, 1, 2   # sgemm's operand modes
 _BIAS_NONE, _BIAS_ROWS, _BIAS_COLS = 0, 1, 2
@@ -107,7 +105,7 @@ SGEMM_MACS_PER_THREAD = 1 << 18
 SGEMM_MIN_ROWS = 8
 
 
-if _OWN_GEMM_HERE:
+if SGEMM:
     # kiln's products run on the extension's threads: numpy's BLAS is kept to one thread in runs, so that its
     # workers never spin beside them (threads.py)
     own_gemm(True)
@@ -201,7 +199,7 @@ def covers_gemm_conv(x_dtype: Any, w: np.ndarray, window: Any, group: int) -> bo
 
 def has_sgemm() -> bool:
     """Whether the extension's own AVX-512 sgemm runs the products here (``SGEMM``: ``sgemm_wanted``)."""
-    return _native is not None and bool(_native.has_sgemm) and SGEMM
+    return _native is not None and SGEMM  # SGEMM already asks for the CPU's AVX-512F (sgemm_wanted)
 
 
 def _panels(src: np.ndarray, width: int, by_rows: bool) -> np.ndarray:
@@ -267,8 +265,9 @@ def _strided(x: np.ndarray, lead: tuple, unit_axis: int) -> Optional[tuple]:
     one of unit stride) in place: ``memory`` a flat view of the C-contiguous array it lies in, from ``x``'s first
     float on; the row stride in floats; each product's offset into ``memory`` (int64, broadcast over ``lead``
     where ``x`` has no leading dims). None where ``x`` is not such a view (then it is copied)."""
-    if x.strides[unit_axis] != 4 or any(st % 4 or st < 0 for st in x.strides):
-        return None
+    row = x.strides[-2 if unit_axis == -1 else -1] // 4
+    if x.strides[unit_axis] != 4 or any(st % 4 or st < 0 for st in x.strides) or row < x.shape[unit_axis]:
+        return None  # a row stride under the row's length (0: rows broadcast; overlapping rows): copied
     root = x
     while isinstance(root.base, np.ndarray):
         root = root.base
@@ -289,7 +288,6 @@ def _strided(x: np.ndarray, lead: tuple, unit_axis: int) -> Optional[tuple]:
         if len(_OFFSETS) > 256:  # many shapes (dynamic dims): keep the cache bounded
             _OFFSETS.clear()
         _OFFSETS[key] = offsets
-    row = x.strides[-2 if unit_axis == -1 else -1] // 4
     return root.reshape(-1)[start // 4:], row, offsets
 
 

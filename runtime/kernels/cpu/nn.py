@@ -48,10 +48,9 @@ def conv(node, attrs) -> Callable[..., Any]:
     # _im2col and _depthwise add the bias while copying their result out; _pointwise's GEMM
     # writes the result directly, so the bias is one more pass here.
     bias_col = None
-    if native.covers_conv(input_dtype(node), w, window, group):
-        body = native.direct_conv2d(w, window, group, bias)
-    elif native.covers_gemm_conv(input_dtype(node), w, window, group):
-        body = native.conv_kernel(w, window, group, bias, (0, 0.0, 0.0))
+    if native.covers_conv(input_dtype(node), w, window, group) \
+            or native.covers_gemm_conv(input_dtype(node), w, window, group):
+        body = native.conv_kernel(w, window, group, bias, (0, 0.0, 0.0))  # direct, Winograd or GEMM
     elif group == m and w.shape[1] == 1 and group > 1:
         body = _depthwise(w, window, bias)
     elif w.shape[2:] == (1, 1) and group == 1 and window.pads == (0,) * 4 and window.auto_pad == "NOTSET":
