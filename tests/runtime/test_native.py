@@ -111,20 +111,85 @@ def test_random_geometries_against_float64(monkeypatch):
         b = RNG.standard_normal(m).astype(np.float32) if trial % 2 else None
         got = native.direct_conv2d(w, window, group, b)(x)
         begin, end, _ = static_pads(window, (h, wd))
-        xp = np.zeros((n, c, h + begin[0] + end[0] + kh * dh, wd + begin[1] + end[1] + kw * dw))
-        xp[:, :, begin[0]:begin[0] + h, begin[1]:begin[1] + wd] = x
-        want = np.zeros((n, m, oh, ow)) + (0 if b is None else b.astype(np.float64)[:, None, None])
-        cpg, mpg = c // group, m // group
-        for mo in range(m):
-            for ci in range(cpg):
-                for i in range(kh):
-                    for j in range(kw):
-                        want[:, mo] += float(w[mo, ci, i, j]) * xp[:, (mo // mpg) * cpg + ci,
-                                                                    i * dh: i * dh + sh * (oh - 1) + 1: sh,
-                                                                    j * dw: j * dw + sw * (ow - 1) + 1: sw]
+        want = conv_float64(x, w, b, group, (sh, sw), (dh, dw), (begin[0], begin[1], end[0], end[1]))
+        assert want.shape == (n, m, oh, ow)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=f"{(n, c, h, wd)} {w.shape} {window}")
         ran += 1
     assert ran > 200
+
+
+def conv_float64(x, w, b, group, strides, dilations, pads):
+    """The convolution as a float64 sum over the taps (pads: top, left, bottom, right)."""
+    n, c, h, wd = x.shape
+    m, cpg, kh, kw = w.shape
+    (sh, sw), (dh, dw), (pt, pl, pb, pr) = strides, dilations, pads
+    oh, ow = (h + pt + pb - dh * (kh - 1) - 1) // sh + 1, (wd + pl + pr - dw * (kw - 1) - 1) // sw + 1
+    xp = np.zeros((n, c, h + pt + pb + kh * dh, wd + pl + pr + kw * dw))
+    xp[:, :, pt:pt + h, pl:pl + wd] = x
+    want = np.zeros((n, m, oh, ow)) + (0 if b is None else b.astype(np.float64)[:, None, None])
+    mpg = m // group
+    for mo in range(m):
+        for ci in range(cpg):
+            for i in range(kh):
+                for j in range(kw):
+                    want[:, mo] += float(w[mo, ci, i, j]) * xp[:, (mo // mpg) * cpg + ci,
+                                                                i * dh: i * dh + sh * (oh - 1) + 1: sh,
+                                                                j * dw: j * dw + sw * (ow - 1) + 1: sw]
+    return want
+
+
+ACTIVATIONS = {  # code, alpha, beta -> the activation in float64
+    0: ((0, 0.0, 0.0), lambda t: t),
+    1: ((1, 0.0, 0.0), lambda t: np.maximum(t, 0)),
+    2: ((2, 1 / 6, 0.5), lambda t: t * np.clip(t / 6 + 0.5, 0, 1)),
+    3: ((3, 0.2, 0.5), lambda t: np.clip(0.2 * t + 0.5, 0, 1)),
+    4: ((4, -0.5, 0.75), lambda t: np.minimum(np.maximum(t, -0.5), 0.75)),
+    5: ((5, 0.1, 0.0), lambda t: np.where(t < 0, 0.1 * t, t)),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("impl", [0, 1])
+def test_every_tile_shape_against_float64(impl):
+    """The kernels' register tiles, each at the edges that mask them: depthwise 3x3 and 5x5 at strides 1 and 2 (the
+    tiles that load each input row once) and other depthwise shapes, over map widths that give 1, 2 and 4 vectors a
+    strip and ragged ends; dense convs over few channels (blocks of 4, 8 and 16 channels, a partial last block);
+    pointwise convs whose planes are read flat (64, 32 or 16 wide) and ones that are not; every activation, with
+    and without a bias, and several threads. impl 0 is the AVX-512 kernel where the CPU has it, impl 1 the
+    8-float one; both must give the float64 answer."""
+    from kiln.runtime.kernels.cpu import _native
+    cases = []
+    for k in (3, 5):
+        for s in (1, 2):
+            for wd in (7, 16, 20, 33, 70):
+                cases.append(((2, 3, 9 + wd % 5, wd), (3, 1, k, k), 3, (s, s), (1, 1), (k // 2,) * 4))
+    cases += [
+        ((1, 4, 11, 12), (4, 1, 3, 3), 4, (2, 1), (1, 1), (1, 1, 1, 1)),  # unequal strides: the general tiles
+        ((1, 2, 13, 40), (2, 1, 3, 3), 2, (1, 1), (2, 2), (2, 2, 2, 2)),  # dilated
+        ((1, 2, 9, 35), (2, 1, 3, 3), 2, (3, 3), (1, 1), (0, 1, 2, 1)),  # stride 3: gathers
+        ((1, 3, 1, 5), (3, 1, 3, 3), 3, (1, 1), (1, 1), (1, 1, 1, 1)),  # one row, every tap row but one padding
+        ((2, 3, 30, 34), (16, 3, 3, 3), 1, (2, 2), (1, 1), (1, 1, 1, 1)),  # the stem: a block of 8 x 2 vectors
+        ((1, 3, 12, 12), (16, 3, 3, 3), 1, (1, 1), (1, 1), (1, 1, 1, 1)),  # 16 channels x 1 vector
+        ((1, 3, 12, 40), (13, 3, 3, 3), 1, (1, 1), (1, 1), (0, 2, 1, 0)),  # 8 + a partial block of 5
+        ((1, 4, 10, 10), (6, 2, 3, 3), 2, (1, 1), (1, 1), (1, 1, 1, 1)),  # grouped: blocks of 4
+        ((2, 16, 8, 8), (24, 16, 1, 1), 1, (1, 1), (1, 1), (0, 0, 0, 0)),  # pointwise, read as rows of 16
+        ((1, 16, 16, 16), (8, 16, 1, 1), 1, (1, 1), (1, 1), (0, 0, 0, 0)),  # rows of 64
+        ((1, 5, 6, 16), (8, 5, 1, 1), 1, (1, 1), (1, 1), (0, 0, 0, 0)),  # rows of 32
+        ((1, 8, 7, 7), (8, 8, 1, 1), 1, (1, 1), (1, 1), (0, 0, 0, 0)),  # 49: not flat
+        ((1, 8, 7, 9), (8, 8, 1, 1), 1, (2, 2), (1, 1), (0, 0, 0, 0)),  # strided: not flat
+    ]
+    for index, (x_shape, w_shape, group, strides, dilations, pads) in enumerate(cases):
+        n, c, h, wd = x_shape
+        m, _, kh, kw = w_shape
+        x = RNG.standard_normal(x_shape).astype(np.float32)
+        w = RNG.standard_normal(w_shape).astype(np.float32)
+        b = RNG.standard_normal(m).astype(np.float32) if index % 2 else None
+        (code, alpha, beta), act = ACTIVATIONS[index % len(ACTIVATIONS)]
+        want = act(conv_float64(x, w, b, group, strides, dilations, pads))
+        y = np.full(want.shape, np.nan, np.float32)
+        _native.direct_conv2d(x, w, b, y, n, c, h, wd, m, *want.shape[2:], kh, kw, group, *strides, *dilations,
+                              pads[0], pads[1], 1 + index % 3, code, alpha, beta, impl)
+        np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4, err_msg=f"case {index}: {x_shape} {w_shape}")
 
 
 @needs_native

@@ -11,7 +11,9 @@
      (4 vectors of a depthwise plane, or 4 output channels x 2 vectors of a dense conv, so each input load feeds
      8 FMAs), a chunk of output rows at a time; the bias and an activation (Relu, HardSwish, HardSigmoid, Clip,
      LeakyRelu) are applied in the pass that copies the result out. For depthwise convs, the 3-channel stem and
-     1x1 convs over few channels, where im2col + GEMM copies more than it multiplies.
+     1x1 convs over few channels, where im2col + GEMM copies more than it multiplies. Where the CPU has AVX-512F
+     the same entry point runs dconv/dwconv/dwk register tiles instead (see "AVX-512 direct conv" below): they
+     read the input rows in place, with masked loads at the edges, and need no phase images.
    - im2col, gemm_out: the GEMM convolution's columns in one pass, and its output pass (bias, activation).
    - sgemm: an AVX-512 GEMM (packed operands, a 12 x 32 micro-kernel, threads over columns, rows or a batch)
      for the convolutions' and MatMul/Gemm's float32 products, where numpy's OpenBLAS may run AVX2 kernels.
@@ -1458,6 +1460,7 @@ PyDoc_STRVAR(sgemm_doc,
 "AVX-512F (the module's has_sgemm); `threads` split the batch, or one product's rows or columns.");
 
 static int has_avx512;
+static int dconv_rows_loaded = 1;  /* testing switch: 0 keeps depthwise convs on dwconv_* */
 
 static PyObject *sgemm(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *ao, *bo, *co, *biaso;
@@ -1728,23 +1731,374 @@ static int as_float32(PyObject *obj, Py_buffer *view, const char *what, int writ
     return 0;
 }
 
+/* ------------------------------------------------------------------------------------------- AVX-512 direct conv
+   direct_conv2d's kernel where the CPU has AVX-512F: no phase images, no accumulator buffer. Each step computes
+   a register tile of OCB output channels x V vectors of 16 adjacent outputs of one output row, reading the input
+   rows in place: per kernel tap, V input vectors (stride 1: a masked load; stride 2: two masked loads and one
+   permute that keeps the even lanes; other strides: a masked gather), each fed to OCB multiply-adds against
+   broadcast weights; the masks (padding, the row's ends) are made once per tile and tap column, so every
+   tap is branch-free. The bias and the activation are applied in registers and the tile stored masked to the
+   row's width. Dense convs take OCB = 8 or 16 (each input vector feeds 8-16 FMAs: the stem, 1x1 convs over
+   few channels), depthwise convs OCB = 1 (load-bound: their 9 or 25 taps per output are L1 hits).
+   Threads take contiguous ranges of (sample, channel block, output row) items. */
+#ifdef KILN_X86_DISPATCH
+typedef struct {
+    const float *x, *w, *bias;
+    float *y;
+    Py_ssize_t n, c, h, wd, m, oh, ow, kh, kw, group, sh, sw, dh, dw, pt, pl;
+    int act;
+    float alpha, beta;
+    Py_ssize_t ocb, v, blocks;      /* register tile: output channels (1: depthwise), vectors; blocks per group */
+    const float *wp;                /* dense: the weights as [group * blocks][taps][ocb], zeros past a group's end */
+    Py_ssize_t item_begin, item_end;
+} dconv_job;
+
+/* lanes e (0..15) with 0 <= start + e < limit */
+static inline __attribute__((always_inline)) __mmask16 lanes_within(Py_ssize_t start, Py_ssize_t limit) {
+    Py_ssize_t lo = -start, hi = limit - start;
+    if (lo < 0) lo = 0;
+    if (hi > 16) hi = 16;
+    if (hi <= lo) return 0;
+    return (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+__attribute__((target("avx512f"))) static inline __m512 dconv_act(__m512 t, int act, float alpha, float beta) {
+    const __m512 zero = _mm512_setzero_ps();
+    switch (act) {  /* NaN kept: max/min return their second operand when either is NaN */
+    case ACT_RELU:
+        return _mm512_max_ps(zero, t);
+    case ACT_HARDSWISH:
+    case ACT_HARDSIGMOID: {
+        __m512 u = _mm512_fmadd_ps(_mm512_set1_ps(alpha), t, _mm512_set1_ps(beta));
+        u = _mm512_min_ps(_mm512_set1_ps(1.0f), _mm512_max_ps(zero, u));
+        return act == ACT_HARDSWISH ? _mm512_mul_ps(t, u) : u;
+    }
+    case ACT_CLIP:  /* max then min, as Clip's reference: min > max gives max everywhere */
+        return _mm512_min_ps(_mm512_set1_ps(beta), _mm512_max_ps(_mm512_set1_ps(alpha), t));
+    case ACT_LEAKYRELU:
+        return _mm512_mask_mul_ps(t, _mm512_cmp_ps_mask(t, zero, _CMP_LT_OQ), t, _mm512_set1_ps(alpha));
+    default:
+        return t;
+    }
+}
+
+/* The tiles, one function per shape (a macro: the accumulators are an array of that exact size, which the compiler
+   keeps in registers; one array shared by every size was kept on the stack and stored back at every tap). SW is the
+   column stride: 1 and 2 have their own loads, 0 any other (gathers). A strip is 16 V adjacent output columns; its
+   masks (one per vector and tap column: padding and the row's ends) are made once for all its rows, and a strip
+   whose every load is inside the row (interior) takes plain loads (masked ones cost a third more here).
+   Dense tiles (dconv_*): OCB output channels x V vectors of one row, weights packed [block][tap][OCB] (wp), so
+   each tap's OCB broadcasts are adjacent; each input vector feeds OCB FMAs. Depthwise tiles (dwconv_*): one
+   channel, R rows x V vectors, R x V independent accumulators (a tap feeds one FMA per input vector; one row's V
+   chains alone would wait on the FMA's latency); rows above or below the input read a zero row (zrow). */
+/* A tile's vector stored: a plain store where every lane is in the row (masked stores are slow on AMD's cores: a
+   tile of masked stores ran at half the speed of plain ones on Zen 5), else masked to the row's end. */
+__attribute__((target("avx512f"))) static inline void dconv_store(float *p, __mmask16 m, __m512 v) {
+    if (m == 0xFFFF) _mm512_storeu_ps(p, v);
+    else _mm512_mask_storeu_ps(p, m, v);
+}
+
+#define DCONV_UNROLL _Pragma("GCC unroll 16")
+#define DCONV_LOAD(MASKED, SW, v, q, at)                                                                               \
+    ((SW) == 1 ? ((MASKED) ? _mm512_maskz_loadu_ps(mlo[v][q], (at) + 16 * (v)) : _mm512_loadu_ps((at) + 16 * (v)))     \
+     : (SW) == 2 ? _mm512_permutex2var_ps(                                                                             \
+                       (MASKED) ? _mm512_maskz_loadu_ps(mlo[v][q], (at) + 32 * (v)) : _mm512_loadu_ps((at) + 32 * (v)), \
+                       even,                                                                                           \
+                       (MASKED) ? _mm512_maskz_loadu_ps(mhi[v][q], (at) + 32 * (v) + 16)                               \
+                                : _mm512_loadu_ps((at) + 32 * (v) + 16))                                               \
+     : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mlo[v][q],                                                        \
+                                _mm512_add_epi32(vstride, _mm512_set1_epi32((int)(16 * (v) * sw))), (at), 4))
+
+#define DCONV_PROLOGUE(V, SW, K)                                                                                          \
+    const Py_ssize_t kh = K ? K : j->kh, kw = K ? K : j->kw, sw = SW ? SW : j->sw, step = K ? 1 : j->dw;               \
+    const Py_ssize_t dh = K ? 1 : j->dh;                                                                               \
+    (void)dh;                                       \
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);                  \
+    const __m512i vstride = _mm512_mullo_epi32(                                                                        \
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32((int)sw));           \
+    __mmask16 mlo[V][64], mhi[V][64];                                                                                  \
+    (void)even; (void)vstride; (void)mhi;
+
+#define DCONV_STRIP_MASKS(V, SW)                                                                                       \
+    const Py_ssize_t left = x0 * sw - j->pl;  /* the strip's first input column at tap column 0 */                     \
+    int interior = 1;                                                                                                  \
+    DCONV_UNROLL for (int v = 0; v < V; v++)                                                                           \
+        for (Py_ssize_t q = 0; q < kw; q++) {                                                                          \
+            const Py_ssize_t ix0 = left + 16 * v * sw + q * step;                                                      \
+            if (SW == 0) {  /* lanes e with 0 <= ix0 + sw * e < wd */                                                  \
+                const __m512i idx = _mm512_add_epi32(vstride, _mm512_set1_epi32((int)ix0));                            \
+                mlo[v][q] = _mm512_cmpge_epi32_mask(idx, _mm512_setzero_si512()) &                                     \
+                            _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32((int)j->wd));                               \
+            } else {                                                                                                   \
+                mlo[v][q] = lanes_within(ix0, j->wd);                                                                  \
+                mhi[v][q] = SW == 2 ? lanes_within(ix0 + 16, j->wd) : 0xFFFF;                                          \
+            }                                                                                                          \
+            interior &= mlo[v][q] == 0xFFFF && (SW != 2 || mhi[v][q] == 0xFFFF);                                       \
+        }                                                                                                              \
+    __mmask16 out[V];                                                                                                  \
+    DCONV_UNROLL for (int v = 0; v < V; v++) out[v] = lanes_within(x0 + 16 * v, j->ow);
+
+#define DCONV_TAPS(MASKED, OCB, V, SW)                                                                                 \
+    for (Py_ssize_t ci = 0; ci < cpg; ci++)                                                                            \
+        for (Py_ssize_t i = 0; i < kh; i++) {                                                                          \
+            const Py_ssize_t iy = oy * j->sh - j->pt + i * j->dh;                                                      \
+            if (iy < 0 || iy >= j->h) continue;                                                                        \
+            const float *row = xin + (ci * j->h + iy) * j->wd + left;                                                  \
+            const float *wt = wb + (ci * kh + i) * kw * OCB;                                                           \
+            for (Py_ssize_t q = 0; q < kw; q++) {                                                                      \
+                const float *at = row + q * step;                                                                      \
+                __m512 xv[V];                                                                                          \
+                DCONV_UNROLL for (int v = 0; v < V; v++) xv[v] = DCONV_LOAD(MASKED, SW, v, q, at);                     \
+                DCONV_UNROLL for (int o = 0; o < OCB; o++) {                                                           \
+                    const __m512 wv = _mm512_set1_ps(wt[q * OCB + o]);                                                 \
+                    DCONV_UNROLL for (int v = 0; v < V; v++) acc[o][v] = _mm512_fmadd_ps(wv, xv[v], acc[o][v]);        \
+                }                                                                                                      \
+            }                                                                                                          \
+        }
+
+#define DCONV_DEFINE(OCB, V, SW)                                                                                       \
+__attribute__((target("avx512f"))) static void dconv_##OCB##_##V##_##SW(                                               \
+        const dconv_job *j, const float *xin, Py_ssize_t b, Py_ssize_t oc0, Py_ssize_t cnt, Py_ssize_t oy0,            \
+        Py_ssize_t oy1, float *yplane, const float *zrow) {                                                            \
+    (void)zrow;                                                                                                        \
+    DCONV_PROLOGUE(V, SW, 0)                                                                                            \
+    const Py_ssize_t cpg = j->c / j->group, plane = j->oh * j->ow;                                                     \
+    const float *wb = j->wp + b * cpg * kh * kw * OCB;                                                                 \
+    __m512 bias[OCB];                                                                                                  \
+    DCONV_UNROLL for (int o = 0; o < OCB; o++)                                                                         \
+        bias[o] = _mm512_set1_ps(j->bias && o < cnt ? j->bias[oc0 + o] : 0.0f);                                        \
+    for (Py_ssize_t x0 = 0; x0 < j->ow; x0 += 16 * V) {                                                                \
+        DCONV_STRIP_MASKS(V, SW)                                                                                       \
+        for (Py_ssize_t oy = oy0; oy < oy1; oy++) {                                                                    \
+            __m512 acc[OCB][V];                                                                                        \
+            DCONV_UNROLL for (int o = 0; o < OCB; o++)                                                                 \
+                DCONV_UNROLL for (int v = 0; v < V; v++) acc[o][v] = _mm512_setzero_ps();                              \
+            if (interior) {                                                                                            \
+                DCONV_TAPS(0, OCB, V, SW)                                                                              \
+            } else {                                                                                                   \
+                DCONV_TAPS(1, OCB, V, SW)                                                                              \
+            }                                                                                                          \
+            float *yr = yplane + oy * j->ow + x0;                                                                      \
+            DCONV_UNROLL for (int o = 0; o < OCB; o++) {                                                               \
+                if (o >= cnt) break;                                                                                   \
+                DCONV_UNROLL for (int v = 0; v < V; v++)                                                               \
+                    dconv_store(yr + o * plane + 16 * v, out[v],                                             \
+                                          dconv_act(_mm512_add_ps(acc[o][v], bias[o]), j->act, j->alpha, j->beta));    \
+            }                                                                                                          \
+        }                                                                                                              \
+    }                                                                                                                  \
+}
+
+/* A depthwise tile's rows stored (those before oy1), with the bias and the activation. */
+#define DWCONV_STORE_ROWS(R, V)                                                                                        \
+    DCONV_UNROLL for (int r = 0; r < R; r++) {                                                                         \
+        if (oy + r >= oy1) break;                                                                                      \
+        float *yr = yplane + (oy + r) * j->ow + x0;                                                                    \
+        DCONV_UNROLL for (int v = 0; v < V; v++)                                                                       \
+            dconv_store(yr + 16 * v, out[v], dconv_act(_mm512_add_ps(acc[r][v], bias), j->act, j->alpha, j->beta));    \
+    }
+
+#define DWCONV_TAPS(MASKED, R, V, SW)                                                                                  \
+    for (Py_ssize_t i = 0; i < kh; i++) {                                                                              \
+        const float *rp[R];                                                                                            \
+        DCONV_UNROLL for (int r = 0; r < R; r++) {                                                                     \
+            const Py_ssize_t iy = (oy + r) * j->sh - j->pt + i * dh;                                                \
+            rp[r] = (iy >= 0 && iy < j->h ? xin + iy * j->wd : zrow) + left;                                           \
+        }                                                                                                              \
+        const float *wi = wk + i * kw;                                                                                 \
+        for (Py_ssize_t q = 0; q < kw; q++) {                                                                          \
+            const __m512 wv = _mm512_set1_ps(wi[q]);                                                                   \
+            DCONV_UNROLL for (int r = 0; r < R; r++) {                                                                 \
+                const float *at = rp[r] + q * step;                                                                    \
+                DCONV_UNROLL for (int v = 0; v < V; v++)                                                               \
+                    acc[r][v] = _mm512_fmadd_ps(wv, DCONV_LOAD(MASKED, SW, v, q, at), acc[r][v]);                      \
+            }                                                                                                          \
+        }                                                                                                              \
+    }
+
+#define DWCONV_DEFINE(R, V, SW, K)                                                                                        \
+__attribute__((target("avx512f"))) static void dwconv_##R##_##V##_##SW##_##K(                                                \
+        const dconv_job *j, const float *xin, Py_ssize_t b, Py_ssize_t oc0, Py_ssize_t cnt, Py_ssize_t oy0,            \
+        Py_ssize_t oy1, float *yplane, const float *zrow) {                                                            \
+    (void)b; (void)cnt;                                                                                                \
+    DCONV_PROLOGUE(V, SW, K)                                                                                              \
+    const float *wk = j->w + oc0 * kh * kw;                                                                            \
+    const __m512 bias = _mm512_set1_ps(j->bias ? j->bias[oc0] : 0.0f);                                                 \
+    for (Py_ssize_t x0 = 0; x0 < j->ow; x0 += 16 * V) {                                                                \
+        DCONV_STRIP_MASKS(V, SW)                                                                                       \
+        for (Py_ssize_t oy = oy0; oy < oy1; oy += R) {                                                                 \
+            __m512 acc[R][V];                                                                                          \
+            DCONV_UNROLL for (int r = 0; r < R; r++)                                                                   \
+                DCONV_UNROLL for (int v = 0; v < V; v++) acc[r][v] = _mm512_setzero_ps();                              \
+            if (interior) {                                                                                            \
+                DWCONV_TAPS(0, R, V, SW)                                                                               \
+            } else {                                                                                                   \
+                DWCONV_TAPS(1, R, V, SW)                                                                               \
+            }                                                                                                          \
+            DWCONV_STORE_ROWS(R, V)                                                                                    \
+        }                                                                                                              \
+    }                                                                                                                  \
+}
+
+/* K: a K x K kernel without dilation (3 and 5: the loops over the taps unrolled), 0 any */
+#define DWCONV_SIZES(R, V, SW) DWCONV_DEFINE(R, V, SW, 3) DWCONV_DEFINE(R, V, SW, 5) DWCONV_DEFINE(R, V, SW, 0)
+#define DWCONV_STRIDES(R, V) DWCONV_SIZES(R, V, 1) DWCONV_SIZES(R, V, 2) DWCONV_SIZES(R, V, 0)
+DWCONV_STRIDES(8, 1) DWCONV_STRIDES(4, 2) DWCONV_STRIDES(2, 4)
+#define DCONV_STRIDES(OCB, V) DCONV_DEFINE(OCB, V, 1) DCONV_DEFINE(OCB, V, 2) DCONV_DEFINE(OCB, V, 0)
+DCONV_STRIDES(4, 1) DCONV_STRIDES(4, 2)
+DCONV_STRIDES(8, 1) DCONV_STRIDES(8, 2)
+DCONV_STRIDES(16, 1)
+typedef void (*dconv_fn)(const dconv_job *, const float *, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t, Py_ssize_t,
+                          float *, const float *);
+
+/* Depthwise K x K (3, 5), stride S = 1 or 2 in both directions, no dilation: each input row a tile reads is loaded
+   once, V + 1 vectors (stride 2: 2 (V + 1), split into even and odd columns by two permutes), and every tap's
+   shifted vector made from those registers by valignd: a tap per load became a load per row, and the rows are
+   shared by the tile's R output rows. Unaligned loads at every tap had bound the simpler tiles (dwconv_*) to
+   ~1.6 cycles a vector FMA here; these approach the FMA's throughput. */
+__attribute__((target("avx512f"))) static inline __m512 dw_shift(__m512 lo, __m512 hi, int n) {
+    switch (n) {  /* lanes n .. 15 of lo, then 0 .. n - 1 of hi (n a constant where it is inlined) */
+    case 1: return _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(hi), _mm512_castps_si512(lo), 1));
+    case 2: return _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(hi), _mm512_castps_si512(lo), 2));
+    case 3: return _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(hi), _mm512_castps_si512(lo), 3));
+    case 4: return _mm512_castsi512_ps(_mm512_alignr_epi32(_mm512_castps_si512(hi), _mm512_castps_si512(lo), 4));
+    default: return lo;
+    }
+}
+
+#define DWK_DEFINE(R, V, S, K)                                                                                         \
+__attribute__((target("avx512f"))) static void dwk_##R##_##V##_##S##_##K(                                              \
+        const dconv_job *j, const float *xin, Py_ssize_t b, Py_ssize_t oc0, Py_ssize_t cnt, Py_ssize_t oy0,            \
+        Py_ssize_t oy1, float *yplane, const float *zrow) {                                                            \
+    (void)b; (void)cnt;                                                                                                \
+    enum { NL = S == 1 ? V + 1 : 2 * (V + 1), IR = (R - 1) * S + K };                                                  \
+    const float *wk = j->w + oc0 * K * K;                                                                              \
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);                  \
+    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);                   \
+    (void)even; (void)odd;                                                                                             \
+    const __m512 bias = _mm512_set1_ps(j->bias ? j->bias[oc0] : 0.0f);                                                 \
+    for (Py_ssize_t x0 = 0; x0 < j->ow; x0 += 16 * V) {                                                                \
+        const Py_ssize_t left = x0 * S - j->pl;                                                                        \
+        __mmask16 lm[NL], out[V];                                                                                      \
+        DCONV_UNROLL for (int u = 0; u < NL; u++) lm[u] = lanes_within(left + 16 * u, j->wd);                          \
+        DCONV_UNROLL for (int v = 0; v < V; v++) out[v] = lanes_within(x0 + 16 * v, j->ow);                            \
+        for (Py_ssize_t oy = oy0; oy < oy1; oy += R) {                                                                 \
+            __m512 acc[R][V];                                                                                          \
+            DCONV_UNROLL for (int r = 0; r < R; r++)                                                                   \
+                DCONV_UNROLL for (int v = 0; v < V; v++) acc[r][v] = _mm512_setzero_ps();                              \
+            DCONV_UNROLL for (int ir = 0; ir < IR; ir++) {                                                             \
+                const Py_ssize_t iy = oy * S - j->pt + ir;                                                             \
+                const float *row = (iy >= 0 && iy < j->h ? xin + iy * j->wd : zrow) + left;                            \
+                __m512 a[NL], ev[V + 1], od[V + 1];                                                                    \
+                DCONV_UNROLL for (int u = 0; u < NL; u++) a[u] = _mm512_maskz_loadu_ps(lm[u], row + 16 * u);           \
+                DCONV_UNROLL for (int u = 0; u <= V; u++) {                                                            \
+                    if (S == 1) {                                                                                      \
+                        ev[u] = a[u];                                                                                  \
+                        od[u] = a[u];                                                                                  \
+                    } else {                                                                                           \
+                        ev[u] = _mm512_permutex2var_ps(a[2 * u], even, a[2 * u + 1 < NL ? 2 * u + 1 : 0]);             \
+                        od[u] = _mm512_permutex2var_ps(a[2 * u], odd, a[2 * u + 1 < NL ? 2 * u + 1 : 0]);              \
+                    }                                                                                                  \
+                }                                                                                                      \
+                /* per vector and tap column, its shifted vector, used at once by every row it feeds */                \
+                DCONV_UNROLL for (int v = 0; v < V; v++)                                                               \
+                    DCONV_UNROLL for (int q = 0; q < K; q++) {                                                         \
+                        const __m512 s = S == 1 ? dw_shift(ev[v], ev[v + 1], q)                                        \
+                                                : q % 2 ? dw_shift(od[v], od[v + 1], q / 2)                            \
+                                                        : dw_shift(ev[v], ev[v + 1], q / 2);                           \
+                        DCONV_UNROLL for (int r = 0; r < R; r++) {                                                     \
+                            const int i = ir - r * S;                                                                  \
+                            if (i < 0 || i >= K) continue;                                                             \
+                            acc[r][v] = _mm512_fmadd_ps(_mm512_set1_ps(wk[i * K + q]), s, acc[r][v]);                  \
+                        }                                                                                              \
+                    }                                                                                                  \
+            }                                                                                                          \
+            DWCONV_STORE_ROWS(R, V)                                                                                    \
+        }                                                                                                              \
+    }                                                                                                                  \
+}
+#define DWK_SHAPES(S, K) DWK_DEFINE(8, 1, S, K) DWK_DEFINE(4, 2, S, K) DWK_DEFINE(2, 4, S, K)
+DWK_SHAPES(1, 3) DWK_SHAPES(1, 5) DWK_SHAPES(2, 3) DWK_SHAPES(2, 5)
+
+static dconv_fn dwk_pick(Py_ssize_t v, Py_ssize_t s, Py_ssize_t k) {
+#define DWK_CASE(S, K) \
+    if (s == S && k == K) return v == 1 ? dwk_8_1_##S##_##K : v == 2 ? dwk_4_2_##S##_##K : dwk_2_4_##S##_##K;
+    DWK_CASE(1, 3) DWK_CASE(1, 5) DWK_CASE(2, 3) DWK_CASE(2, 5)
+#undef DWK_CASE
+    return NULL;
+}
+
+
+static dconv_fn dconv_pick(Py_ssize_t ocb, Py_ssize_t v, Py_ssize_t sw) {
+#define DCONV_CASE(OCB, V) \
+    case OCB * 8 + V: return sw == 1 ? dconv_##OCB##_##V##_1 : sw == 2 ? dconv_##OCB##_##V##_2 : dconv_##OCB##_##V##_0;
+    switch (ocb * 8 + v) {
+    DCONV_CASE(4, 1) DCONV_CASE(4, 2) DCONV_CASE(8, 1) DCONV_CASE(8, 2) DCONV_CASE(16, 1)
+    default: return NULL;
+    }
+#undef DCONV_CASE
+}
+
+static dconv_fn dwconv_pick(Py_ssize_t v, Py_ssize_t sw, Py_ssize_t k) {
+#define DWCONV_K(R, V, SW) k == 3 ? dwconv_##R##_##V##_##SW##_3 : k == 5 ? dwconv_##R##_##V##_##SW##_5 : dwconv_##R##_##V##_##SW##_0
+#define DWCONV_CASE(R, V) \
+    case V: return sw == 1 ? DWCONV_K(R, V, 1) : sw == 2 ? DWCONV_K(R, V, 2) : DWCONV_K(R, V, 0);
+    switch (v) {
+    DWCONV_CASE(8, 1) DWCONV_CASE(4, 2) DWCONV_CASE(2, 4)
+    default: return NULL;
+    }
+#undef DWCONV_CASE
+#undef DWCONV_K
+}
+
+/* Items: (sample, group, chunk of DCONV_ROWS output rows); a dense conv's item computes every channel block of its
+   group on those rows, so the rows' input stays in L1 across the blocks. */
+#define DCONV_ROWS 8
+static void *dconv_worker(void *arg) {
+    const dconv_job *j = (const dconv_job *)arg;
+    const Py_ssize_t cpg = j->c / j->group, mpg = j->m / j->group, chunks = (j->oh + DCONV_ROWS - 1) / DCONV_ROWS;
+    /* a square kernel of 3 or 5 without dilation: its own tiles, the tap loops unrolled */
+    const Py_ssize_t k = j->kh == j->kw && j->dh == 1 && j->dw == 1 && (j->kh == 3 || j->kh == 5) ? j->kh : 0;
+    dconv_fn fn = j->ocb == 1 ? dwconv_pick(j->v, j->sw, k) : dconv_pick(j->ocb, j->v, j->sw);
+    if (j->ocb == 1 && k && j->sh == j->sw && (j->sw == 1 || j->sw == 2) && dconv_rows_loaded) fn = dwk_pick(j->v, j->sw, k);
+    float *zrow = calloc((size_t)j->wd, sizeof(float));  /* the rows above and below the input */
+    if (!fn || !zrow) {
+        free(zrow);
+        return (void *)1;
+    }
+    for (Py_ssize_t it = j->item_begin; it < j->item_end; it++) {
+        const Py_ssize_t chunk = it % chunks, g = (it / chunks) % j->group, s = it / (chunks * j->group);
+        const Py_ssize_t oy0 = chunk * DCONV_ROWS, oy1 = oy0 + DCONV_ROWS < j->oh ? oy0 + DCONV_ROWS : j->oh;
+        const float *xin = j->x + (s * j->c + g * cpg) * j->h * j->wd;
+        for (Py_ssize_t b = 0; b < j->blocks; b++) {
+            const Py_ssize_t oc0 = g * mpg + b * j->ocb;
+            const Py_ssize_t cnt = (g + 1) * mpg - oc0 < j->ocb ? (g + 1) * mpg - oc0 : j->ocb;
+            fn(j, xin, g * j->blocks + b, oc0, cnt, oy0, oy1, j->y + (s * j->m + oc0) * j->oh * j->ow, zrow);
+        }
+    }
+    free(zrow);
+    return NULL;
+}
+#endif
+
 PyDoc_STRVAR(direct_conv2d_doc,
 "direct_conv2d(x, w, bias, y, n, c, h, w_in, m, oh, ow, kh, kw, group, sh, sw, dh, dw, pad_top, pad_left, threads,\n"
-"              act=0, alpha=0, beta=0)\n\n"
+"              act=0, alpha=0, beta=0, impl=0)\n\n"
 "y[n, m, oh, ow] = act(bias[m] + sum over the group's input channels and the kernel taps of w * x) (NCHW,\n"
 "float32, C-contiguous buffers; bias may be None). act: 0 none, 1 Relu, 2 HardSwish (alpha, beta), 3\n"
 "HardSigmoid (alpha, beta), 4 Clip (min alpha, max beta), 5 LeakyRelu (alpha). Sizes are the caller's,\n"
-"checked against the buffers here.");
+"checked against the buffers here. impl: 0 the AVX-512 kernel where the CPU has it, 1 the 8-float kernel.");
 
 static PyObject *direct_conv2d(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *xo, *wo, *bo, *yo;
     conv_job j;
     Py_ssize_t threads;
+    int impl = 0;
     j.act = ACT_NONE;
     j.alpha = j.beta = 0.0;
-    if (!PyArg_ParseTuple(args, "OOOOnnnnnnnnnnnnnnnnn|idd", &xo, &wo, &bo, &yo, &j.n, &j.c, &j.h, &j.wd, &j.m,
+    if (!PyArg_ParseTuple(args, "OOOOnnnnnnnnnnnnnnnnn|iddi", &xo, &wo, &bo, &yo, &j.n, &j.c, &j.h, &j.wd, &j.m,
                           &j.oh, &j.ow, &j.kh, &j.kw, &j.group, &j.sh, &j.sw, &j.dh, &j.dw, &j.pt, &j.pl, &threads,
-                          &j.act, &j.alpha, &j.beta))
+                          &j.act, &j.alpha, &j.beta, &impl))
         return NULL;
     if (j.act < 0 || j.act >= ACT_COUNT) {
         PyErr_SetString(PyExc_ValueError, "direct_conv2d: unknown activation");
@@ -1772,6 +2126,70 @@ static PyObject *direct_conv2d(PyObject *Py_UNUSED(self), PyObject *args) {
         goto done;
     }
     j.x = xb.buf; j.w = wb.buf; j.bias = has_bias ? bb.buf : NULL; j.y = yb.buf;
+#ifdef KILN_X86_DISPATCH
+    if (has_avx512 && impl == 0) {
+        dconv_job d = {j.x, j.w, j.bias, j.y, j.n, j.c, j.h, j.wd, j.m, j.oh, j.ow, j.kh, j.kw, j.group, j.sh, j.sw,
+                       j.dh, j.dw, j.pt, j.pl, j.act, (float)j.alpha, (float)j.beta, 1, 1, 1, NULL, 0, 0};
+        const Py_ssize_t mpg = j.m / j.group, cpg = j.c / j.group, taps = cpg * j.kh * j.kw;
+        if (j.kh == 1 && j.kw == 1 && j.sh == 1 && j.sw == 1 && j.pt == 0 && j.pl == 0 && j.oh == j.h && j.ow == j.wd) {
+            /* a pointwise conv without padding reads each plane as one flat run: seen as rows of 64, 32 or 16 (the
+               first that divides it), its strips are full vectors with no masked loads (a 56 x 56 map's rows of 56
+               left a quarter of every second strip's lanes idle) */
+            const Py_ssize_t flat = j.h * j.wd;
+            for (Py_ssize_t width = 64; width >= 16; width /= 2)
+                if (flat % width == 0 && flat / width >= 2) {
+                    d.h = d.oh = flat / width;
+                    d.wd = d.ow = width;
+                    break;
+                }
+        }
+        if (mpg == 1 && cpg == 1) {  /* depthwise: one channel, R rows x V vectors (dwconv_pick) */
+            d.ocb = 1;
+            d.v = d.ow <= 16 ? 1 : d.ow <= 32 ? 2 : 4;
+        } else {  /* OCB channels x V vectors; the last block of a group is padded with zero weights */
+            d.v = d.ow <= 16 ? 1 : 2;
+            d.ocb = mpg <= 4 ? 4 : d.v == 1 && mpg % 16 == 0 ? 16 : 8;
+        }
+        d.blocks = (mpg + d.ocb - 1) / d.ocb;
+        float *wp = NULL;
+        if (d.ocb > 1) {
+            wp = calloc((size_t)(j.group * d.blocks * taps * d.ocb), sizeof(float));
+            if (!wp) {
+                PyErr_NoMemory();
+                goto done;
+            }
+            for (Py_ssize_t g = 0; g < j.group; g++)
+                for (Py_ssize_t o = 0; o < mpg; o++)
+                    for (Py_ssize_t t = 0; t < taps; t++)
+                        wp[((g * d.blocks + o / d.ocb) * taps + t) * d.ocb + o % d.ocb] = j.w[(g * mpg + o) * taps + t];
+            d.wp = wp;
+        }
+        const Py_ssize_t items = j.n * j.group * ((d.oh + DCONV_ROWS - 1) / DCONV_ROWS);
+        if (threads < 1) threads = 1;
+        if (threads > MAX_THREADS) threads = MAX_THREADS;
+        if (threads > items) threads = items > 0 ? items : 1;
+        dconv_job djobs[MAX_THREADS];
+        void *dtasks[MAX_THREADS];
+        int dfailed = 0;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t t = 0; t < threads; t++) {
+            djobs[t] = d;
+            djobs[t].item_begin = items * t / threads;
+            djobs[t].item_end = items * (t + 1) / threads;
+            dtasks[t] = &djobs[t];
+        }
+        if (items > 0 && d.ow > 0) dfailed = run_tasks(dconv_worker, dtasks, (int)threads);
+        Py_END_ALLOW_THREADS
+        free(wp);
+        if (dfailed) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        Py_INCREF(Py_None);
+        result = Py_None;
+        goto done;
+    }
+#endif
     /* phase image sizes: the output plus the largest tap shift, and one spare row for the last tap's run */
     j.hq = j.oh + ((j.kh - 1) * j.dh) / j.sh + 1;
     j.lq = j.ow + ((j.kw - 1) * j.dw) / j.sw;

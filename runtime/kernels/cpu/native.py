@@ -55,8 +55,10 @@ else:
 DIRECT_MAX_TAPS = 27
 DIRECT_MAX_POINTWISE = 24
 # A thread per this many multiply-adds at most. The threads are the sgemm's pool (kept, spinning briefly between
-# calls), so a second one costs microseconds, not the ~20-30 us a thread created per call did.
-MACS_PER_THREAD = 1 << 18
+# calls), so a second one costs microseconds, not the ~20-30 us a thread created per call did. 1 << 18 left
+# MobileNetV3-style's depthwise convs (0.2-0.5M multiply-adds) on one thread: b1 0.59 -> 0.51 ms with 1 << 16 (one
+# process, interleaved, in a slow phase of the 2-core Zen 5).
+MACS_PER_THREAD = 1 << 16
 # At most this many threads per call (KILN_NATIVE_THREADS; default: as many as a run may use, kernel_threads, where
 # the extension's sgemm runs the products, else 1).
 # It was 1 while numpy's OpenBLAS ran the GEMMs: its workers, spinning after each, took the second core from a
