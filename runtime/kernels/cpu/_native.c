@@ -809,7 +809,8 @@ static void *gemm_worker(void *arg) {
    The sgemm's threads: created on first use and kept; between calls each spins for at most POOL_SPIN_NS, then
    blocks on a condition variable (a call wakes them with one broadcast). Threads created and joined per call
    cost more than they saved on this VM: a 32x784x512 product took 190 us on two fresh threads, 163 on one, 90
-   on two pool threads. The workers' affinity leaves out the dispatching thread's CPU (see run_tasks). One call
+   on two pool threads. The workers' affinity leaves out the dispatching thread's CPU (see run_tasks). A call's
+   tasks are claimed one at a time by whichever thread asks first, the caller included (run_tasks). One call
    uses the pool at a time; a call that finds it taken (several Python threads running programs at once)
    creates threads of its own. After fork() the child has no pool threads: pthread_atfork resets the pool. */
 typedef void *(*task_fn)(void *);
@@ -819,8 +820,10 @@ static struct {
     pthread_t threads[MAX_THREADS];
     int size;          /* threads created */
     int busy;          /* a call has the pool */
-    int active;        /* workers with a task in this generation: 0 .. active - 1 */
-    int pending;       /* of those, not finished */
+    int tasks;         /* this generation's tasks: args[0 .. tasks - 1] */
+    int next;          /* the next task not yet claimed */
+    int running;       /* tasks claimed by workers and not finished */
+    int failed;        /* a task returned non-NULL */
     unsigned long generation;
     unsigned long born[MAX_THREADS];  /* the generation at each worker's creation: it waits for a later one */
     int caller_cpu;    /* the CPU the dispatching thread was on (-1: unknown) */
@@ -828,13 +831,11 @@ static struct {
     int kept_off[MAX_THREADS];     /* the CPU each worker's affinity now leaves out (-1: none) */
     task_fn fn;
     void *args[MAX_THREADS];
-    void *rcs[MAX_THREADS];
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER};
 
 /* How long a worker keeps looking for the next task before it blocks: a model's products follow each other within
    microseconds, and waking a blocked thread on an idle vCPU took ~40 us here (a 128x64x784 product: 75 us on two
-   threads that blocked, against 62 on one). Bounded, so an idle pool costs nothing; on a busy host kiln's runs are
-   single-threaded (threads.py) and do not use the pool at all. */
+   threads that blocked, against 62 on one). Bounded, so an idle pool costs nothing. */
 #define POOL_SPIN_NS 100000
 #if defined(__x86_64__) || defined(__i386__)
 #define cpu_relax() __builtin_ia32_pause()
@@ -861,6 +862,20 @@ static void spin_while_equal(const unsigned long *word, unsigned long value, int
     }
 }
 
+/* Claim and run this generation's tasks until none is left; called with the lock held, returns with it held. */
+static void run_claimed(void) {
+    while (pool.next < pool.tasks) {
+        void *task = pool.args[pool.next++];
+        task_fn fn = pool.fn;
+        pool.running++;
+        pthread_mutex_unlock(&pool.lock);
+        void *rc = fn(task);
+        pthread_mutex_lock(&pool.lock);
+        pool.running--;
+        pool.failed |= rc != NULL;
+    }
+}
+
 static void *pool_main(void *arg) {
     const int index = (int)(intptr_t)arg;
     pthread_mutex_lock(&pool.lock);
@@ -877,14 +892,8 @@ static void *pool_main(void *arg) {
         }
         while (pool.generation == seen) pthread_cond_wait(&pool.wake, &pool.lock);
         seen = pool.generation;
-        if (index >= pool.active) continue;
-        task_fn fn = pool.fn;
-        void *task = pool.args[index];
-        pthread_mutex_unlock(&pool.lock);
-        void *rc = fn(task);
-        pthread_mutex_lock(&pool.lock);
-        pool.rcs[index] = rc;
-        if (__atomic_sub_fetch(&pool.pending, 1, __ATOMIC_RELEASE) == 0) pthread_cond_signal(&pool.done);
+        run_claimed();  /* nothing left when this worker woke late: the caller ran them */
+        if (pool.running == 0) pthread_cond_signal(&pool.done);
     }
     return NULL;
 }
@@ -893,10 +902,14 @@ static void pool_after_fork(void) {
     pthread_mutex_init(&pool.lock, NULL);
     pthread_cond_init(&pool.wake, NULL);
     pthread_cond_init(&pool.done, NULL);
-    pool.size = pool.busy = pool.active = pool.pending = 0;
+    pool.size = pool.busy = pool.tasks = pool.next = pool.running = pool.failed = 0;
 }
 
-/* fn(args[t]) for t < n, the caller running args[0]; nonzero if any returned non-NULL. */
+/* fn(args[t]) for t < n; nonzero if any returned non-NULL. The tasks are handed out one at a time to whichever
+   thread asks first, this one included: a worker that has not woken by the time this thread has finished its own
+   task never holds the call up, this thread claims the rest (on a busy host a worker blocked in the scheduler's
+   queue made every parallel op wait for it: a ViT-style model ran at 152 ms against 0.8 quiet with two threads a
+   run, before tasks were claimed; see docs/NOTES.md). The call then waits only for tasks a worker has started. */
 static int run_tasks(task_fn fn, void **args, int n) {
     int workers = 0, failed = 0;
     if (n > 1) {
@@ -913,8 +926,11 @@ static int run_tasks(task_fn fn, void **args, int n) {
             if (workers > 0) {
                 pool.busy = 1;
                 pool.fn = fn;
-                for (int t = 0; t < workers; t++) pool.args[t] = args[t + 1];
-                pool.active = pool.pending = workers;
+                for (int t = 0; t < n; t++) pool.args[t] = args[t];
+                pool.tasks = n;
+                pool.next = 1;  /* task 0 is this thread's */
+                pool.running = 1;
+                pool.failed = 0;
 #ifdef __linux__
                 /* The workers' affinity leaves out this thread's CPU, set before they are woken: the scheduler
                    woke them on this CPU here, and kept this thread and a worker on one CPU call after call, the
@@ -938,31 +954,36 @@ static int run_tasks(task_fn fn, void **args, int n) {
         }
         pthread_mutex_unlock(&pool.lock);
     }
-    /* the tasks no pool worker took: on threads of their own, the first on this one */
+    if (workers > 0) {
+        void *rc = fn(args[0]);
+        pthread_mutex_lock(&pool.lock);
+        pool.running--;
+        pool.failed |= rc != NULL;
+        run_claimed();
+        while (pool.running > 0) {  /* only tasks a worker started */
+            pthread_mutex_unlock(&pool.lock);
+            const long long end = now_ns() + POOL_SPIN_NS;
+            /* yielding: a worker the scheduler put on this CPU gets it */
+            while (__atomic_load_n(&pool.running, __ATOMIC_ACQUIRE) > 0 && now_ns() < end) sched_yield();
+            pthread_mutex_lock(&pool.lock);
+            if (pool.running > 0) pthread_cond_wait(&pool.done, &pool.lock);
+        }
+        failed = pool.failed;
+        pool.tasks = pool.next = 0;
+        pool.busy = 0;
+        pthread_mutex_unlock(&pool.lock);
+        return failed;
+    }
+    /* no pool (it is taken by another call, or one task): the tasks on threads of their own, the first on this one */
     pthread_t own[MAX_THREADS];
     int started[MAX_THREADS] = {0};
-    for (int t = workers + 1; t < n; t++) started[t] = pthread_create(&own[t], NULL, fn, args[t]) == 0;
+    for (int t = 1; t < n; t++) started[t] = pthread_create(&own[t], NULL, fn, args[t]) == 0;
     failed |= fn(args[0]) != NULL;
-    for (int t = workers + 1; t < n; t++) {
+    for (int t = 1; t < n; t++) {
         void *rc;
         if (started[t]) pthread_join(own[t], &rc);
         else rc = fn(args[t]);
         failed |= rc != NULL;
-    }
-    if (workers > 0) {
-        pthread_mutex_lock(&pool.lock);
-        while (pool.pending > 0) {
-            pthread_mutex_unlock(&pool.lock);
-            const long long end = now_ns() + POOL_SPIN_NS;
-            /* yielding: a worker the scheduler put on this CPU gets it */
-            while (__atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) > 0 && now_ns() < end) sched_yield();
-            pthread_mutex_lock(&pool.lock);
-            if (pool.pending > 0) pthread_cond_wait(&pool.done, &pool.lock);
-        }
-        for (int t = 0; t < workers; t++) failed |= pool.rcs[t] != NULL;
-        pool.active = 0;
-        pool.busy = 0;
-        pthread_mutex_unlock(&pool.lock);
     }
     return failed;
 }
@@ -2148,6 +2169,9 @@ static PyObject *direct_conv2d(PyObject *Py_UNUSED(self), PyObject *args) {
             d.v = d.ow <= 16 ? 1 : d.ow <= 32 ? 2 : 4;
         } else {  /* OCB channels x V vectors; the last block of a group is padded with zero weights */
             d.v = d.ow <= 16 ? 1 : 2;
+            /* at stride 2 each vector costs two loads and a permute: 16 channels x 1 vector feeds each 16 FMAs
+               (the 3-channel stem, 224x224 -> 112x112, one thread: 79 us, against 90 as 8 x 2) */
+            if (j.sw == 2 && mpg % 16 == 0) d.v = 1;
             d.ocb = mpg <= 4 ? 4 : d.v == 1 && mpg % 16 == 0 ? 16 : 8;
         }
         d.blocks = (mpg + d.ocb - 1) / d.ocb;
