@@ -171,6 +171,35 @@ def test_shape_ops_are_views(op, inputs, attrs):
     np.testing.assert_array_equal(out, want)
 
 
+@pytest.mark.parametrize("target,allowzero", [
+    ([6, -1], 0), ([0, -1], 0), ([0, 3, 4], 0), ([-1], 0), ([2, 0, 12], 1), ([24], 1),
+])
+def test_reshape_to_a_shape_computed_at_run_time(target, allowzero):
+    """Reshape whose target is an input (a dynamic batch's Shape -> Concat): a view with the reference's answer,
+    0 copying the input's dim unless allowzero; a target that does not fit raises."""
+    x = rand(2, 3, 4) if 0 not in target or not allowzero else np.zeros((2, 0, 12), np.float32)
+    t = np.array(target, np.int64)
+    prog, feeds = _one_node_program("Reshape", [x, t], {"allowzero": allowzero})
+    kern = prog.plan.instructions[0].kernel
+    assert kern.__qualname__.startswith("reshape"), kern.__qualname__
+    out = kern(feeds[0], feeds[1])
+    want = evaluate(prog.graph, feeds)[0]
+    assert np.shares_memory(out, feeds[0]) or out.size == 0
+    assert out.shape == want.shape
+    np.testing.assert_array_equal(out, want)
+    with pytest.raises(Exception):
+        prog.run([x, np.array([5, -1], np.int64)])
+
+
+@pytest.mark.parametrize("x_shape,axes", [((2, 4), [0, -1]), ((3,), [1, 0]), ((2, 3, 4), [-1]), ((2, 3), [3, 1])])
+def test_unsqueeze_puts_the_ones_where_the_reference_does(x_shape, axes):
+    prog, feeds = _one_node_program("Unsqueeze", [rand(*x_shape), np.array(axes, np.int64)], {}, const_inputs=(1,))
+    out = prog.plan.instructions[0].kernel(feeds[0], None)
+    want = evaluate(prog.graph, feeds)[0]
+    assert out.shape == want.shape and np.shares_memory(out, feeds[0])
+    np.testing.assert_array_equal(out, want)
+
+
 def test_gather_scalar_index_of_a_vector_is_a_0d_array():
     prog, feeds = _one_node_program("Gather", [np.arange(4, dtype=np.int64), np.array(3, np.int64)], {},
                                     const_inputs=(1,))
