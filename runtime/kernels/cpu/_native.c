@@ -675,6 +675,37 @@ __attribute__((target("avx512f"))) static inline void gemm_tile(Py_ssize_t kc, c
         for (Py_ssize_t q = 0; q < cols; q++) c[r * ldc + q] = accumulate ? c[r * ldc + q] + tile[r][q] : tile[r][q];
 }
 
+/* Tiles of fewer rows (a panel's last rows: a batch-1 Linear's 1 row, a ViT-style model's 17 tokens = 12 + 5):
+   the 12-row micro-kernel computed every row of the zero-padded panel, 12x the work for one row; these compute the
+   R rows there are, still reading the 12-row packed A panel. */
+#define GEMM_TILE_ROWS(R)                                                                                              \
+__attribute__((target("avx512f"))) static void gemm_tile_##R(Py_ssize_t kc, const float *restrict a,                   \
+                                                             const float *restrict b, float *c, Py_ssize_t ldc,        \
+                                                             int accumulate, Py_ssize_t rows, Py_ssize_t cols) {       \
+    __m512 acc[R][2];                                                                                                  \
+    _Pragma("GCC unroll 12") for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                  \
+    for (Py_ssize_t q = 0; q < kc; q++) {                                                                              \
+        const __m512 b0 = _mm512_loadu_ps(b + q * GEMM_NR), b1 = _mm512_loadu_ps(b + q * GEMM_NR + 16);                \
+        const float *aq = a + q * GEMM_MR;                                                                             \
+        _Pragma("GCC unroll 12") for (int r = 0; r < R; r++) {                                                         \
+            const __m512 ar = _mm512_set1_ps(aq[r]);                                                                   \
+            acc[r][0] = _mm512_fmadd_ps(ar, b0, acc[r][0]);                                                            \
+            acc[r][1] = _mm512_fmadd_ps(ar, b1, acc[r][1]);                                                            \
+        }                                                                                                              \
+    }                                                                                                                  \
+    float tile[R][GEMM_NR];                                                                                            \
+    memcpy(tile, acc, sizeof tile);                                                                                    \
+    for (Py_ssize_t r = 0; r < rows; r++)                                                                              \
+        for (Py_ssize_t q = 0; q < cols; q++) c[r * ldc + q] = accumulate ? c[r * ldc + q] + tile[r][q] : tile[r][q];  \
+}
+GEMM_TILE_ROWS(1) GEMM_TILE_ROWS(2) GEMM_TILE_ROWS(3) GEMM_TILE_ROWS(4) GEMM_TILE_ROWS(5) GEMM_TILE_ROWS(6)
+GEMM_TILE_ROWS(7) GEMM_TILE_ROWS(8) GEMM_TILE_ROWS(9) GEMM_TILE_ROWS(10) GEMM_TILE_ROWS(11)
+typedef void (*gemm_tile_fn)(Py_ssize_t, const float *, const float *, float *, Py_ssize_t, int, Py_ssize_t,
+                             Py_ssize_t);
+static const gemm_tile_fn gemm_tiles_short[GEMM_MR] = {NULL, gemm_tile_1, gemm_tile_2, gemm_tile_3, gemm_tile_4,
+                                                       gemm_tile_5, gemm_tile_6, gemm_tile_7, gemm_tile_8,
+                                                       gemm_tile_9, gemm_tile_10, gemm_tile_11};
+
 /* B[pc:pc+kc, j0:j0+w] (w <= NR) as one panel [kc][NR], zero columns past w */
 static void pack_b_panel(const gemm_job *j, Py_ssize_t pc, Py_ssize_t kc, Py_ssize_t j0, Py_ssize_t w, float *dst) {
     if (j->b_mode == OPERAND_TRANSPOSED) {  /* Bt [n, k]: column jj of the panel is row j0 + jj of Bt */
@@ -732,7 +763,8 @@ __attribute__((target("avx512f"))) static void gemm_product(const gemm_job *j) {
                         const float *apanel = ap ? ap + ((i0 - ic) / GEMM_MR) * kc * GEMM_MR
                                                  : j->a + ((i0 / GEMM_MR) * j->k + pc) * GEMM_MR;
                         float *c = j->c + i0 * j->n + j0;
-                        gemm_tile(kc, apanel, bpanel, c, j->n, pc > 0, rows, w);
+                        if (rows == GEMM_MR) gemm_tile(kc, apanel, bpanel, c, j->n, pc > 0, rows, w);
+                        else gemm_tiles_short[rows](kc, apanel, bpanel, c, j->n, pc > 0, rows, w);
                         if (!last || (j->bias_mode == BIAS_NONE && j->act == ACT_NONE)) continue;
                         for (Py_ssize_t r = 0; r < rows; r++) {
                             float *cr = c + r * j->n;

@@ -54,7 +54,7 @@ def matmul(node, attrs) -> Callable[..., Any]:
         fast = native.linear(np.asarray(weight, np.float32), None) if weight.dtype == np.float32 else None
         if fast is not None:  # x @ W with W packed once for the extension's AVX-512 sgemm
             def run_native(a, b_unused):
-                # a few rows (a batch-1 MLP's one): BLAS's GEMV, not 12-row panels mostly of zeros
+                # below native.SGEMM_MIN_ROWS rows (1: none but an empty input) numpy's product
                 if a.dtype == np.float32 and a.ndim >= 1 and a.size >= native.SGEMM_MIN_ROWS * a.shape[-1]:
                     return fast(a)
                 return _matmul_folded(a, b_unused)

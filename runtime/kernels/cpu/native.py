@@ -103,8 +103,9 @@ _BIAS_NONE, _BIAS_ROWS, _BIAS_COLS = 0, 1, 2
 # thread, 33 on two). Measured on the 2-core Zen 5 against 1M: ViT-Tiny-style b1 0.88 -> 0.73 ms, MobileNetV3-style
 # b1 0.52 -> 0.48 ms, the BERT-style and MLP rows unchanged.
 SGEMM_MACS_PER_THREAD = 1 << 18
-# Products of fewer rows stay numpy's (BLAS's GEMV: a batch-1 Linear's one row would fill 1 of 12 panel rows).
-SGEMM_MIN_ROWS = 8
+# Products of fewer rows stay numpy's. 1: every product is the sgemm's, whose tiles of fewer than 12 rows compute
+# only the rows there are (a batch-1 MLP 784-512-512-10: 39.5 -> 36.4 us against BLAS's GEMV at one thread).
+SGEMM_MIN_ROWS = 1
 
 
 if SGEMM:
@@ -337,8 +338,9 @@ def matmul(a: np.ndarray, b: np.ndarray) -> Optional[np.ndarray]:
 
 def gemm_threads(m: int, n: int, k: int) -> int:
     """Threads for one sgemm: what a run may use (kernel_threads: the BLAS's count, 1 on a busy host), one per
-    MACS_PER_THREAD multiply-adds at most."""
-    return max(1, min(kernel_threads(), m * n * k // SGEMM_MACS_PER_THREAD))
+    SGEMM_MACS_PER_THREAD multiply-adds at most, a product of fewer than SGEMM_MR rows counted as SGEMM_MR (its
+    cost is reading B, as a panel's)."""
+    return max(1, min(kernel_threads(), max(m, SGEMM_MR) * n * k // SGEMM_MACS_PER_THREAD))
 
 
 def _geometry_of(window: Any, cache: dict, sizes: tuple) -> tuple:
