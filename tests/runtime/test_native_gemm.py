@@ -537,3 +537,51 @@ def test_native_matmul_copies_views_whose_rows_overlap():
                                atol=1e-5)
     np.testing.assert_allclose(native.matmul(c.T.copy(), overlapping.T), c.T.astype(np.float64) @ overlapping.T,
                                rtol=1e-5, atol=1e-5)
+
+
+def _product_epilogue_graph(kind: str):
+    """One product and its consumer: the pairs kiln.load fuses into one sgemm, and pairs it must leave alone (the
+    same weights on every call)."""
+    rng = np.random.default_rng(7)
+    g = Graph(kind)
+    x = g.add_input("x", "float32", ["batch", 24] if kind.startswith("gemm") else ["batch", 5, 24])
+    w = g.add_initializer("w", rng.standard_normal((24, 40)).astype(np.float32))
+    wt = g.add_initializer("wt", rng.standard_normal((40, 24)).astype(np.float32))
+    row = g.add_initializer("row", rng.standard_normal(40).astype(np.float32))
+    if kind == "matmul+bias":
+        y = g.op("Add", g.op("MatMul", x, w), row)
+    elif kind == "bias+matmul(transposed weight)":
+        y = g.op("Add", g.add_initializer("row3", rng.standard_normal((1, 1, 40)).astype(np.float32)),
+                 g.op("MatMul", x, g.op("Transpose", wt, perm=[1, 0])))
+    elif kind == "matmul+relu":
+        y = g.op("Relu", g.op("MatMul", x, w))
+    elif kind == "gemm+clip":
+        y = g.op("Clip", g.op("Gemm", x, wt, row, transB=1), g.add_initializer("lo", np.array(-0.5, np.float32)),
+                 g.add_initializer("hi", np.array(0.5, np.float32)))
+    elif kind == "matmul+full-bias (not a row bias)":
+        y = g.op("Add", g.op("MatMul", x, w), g.add_initializer("full", rng.standard_normal((5, 40)).astype(np.float32)))
+    elif kind == "gemm beta 2 + relu (not fused)":
+        y = g.op("Relu", g.op("Gemm", x, wt, row, transB=1, beta=2.0))
+    g.outputs = [y]
+    return g
+
+
+@needs_sgemm
+@pytest.mark.parametrize("kind,fused", [("matmul+bias", True), ("bias+matmul(transposed weight)", True),
+                                        ("matmul+relu", True), ("gemm+clip", True),
+                                        ("matmul+full-bias (not a row bias)", False),
+                                        ("gemm beta 2 + relu (not fused)", False)])
+def test_a_product_and_its_bias_or_activation_run_as_one_sgemm(kind, fused):
+    """kiln.load fuses a float32 product against a constant weight with a constant row bias (MatMul then Add) or an
+    activation into one sgemm whose output pass applies them: the same bits as the ops one by one (Program without
+    the load's passes), and the reference's answer; other consumers stay separate ops."""
+    from kiln.runtime import Program
+    g = _product_epilogue_graph(kind)
+    p = kiln.load(g)
+    kernels = [getattr(i.kernel, "__qualname__", "") for i in p.plan.instructions]
+    assert any("run_product" in k for k in kernels) == fused, kernels
+    for batch in (1, 3):
+        x = RNG.standard_normal((batch, 24) if kind.startswith("gemm") else (batch, 5, 24)).astype(np.float32)
+        got = p.run({"x": x}, as_list=True)[0]
+        np.testing.assert_array_equal(got, Program(_product_epilogue_graph(kind)).run({"x": x}, as_list=True)[0])
+        np.testing.assert_allclose(got, evaluate(g, {"x": x})[0], rtol=1e-5, atol=1e-5)

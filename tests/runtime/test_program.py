@@ -80,16 +80,17 @@ def test_constant_outputs_are_writable_copies():
 
 def test_kernel_failure_names_the_node_and_shapes():
     g = Graph()
-    x = g.add_input("x", "float32", (None, 4))
-    w = g.add_initializer("w", np.ones((4, 2), np.float32))
+    # float64: its MatMul reads the weight from the plan's slot at run time (a float32 one may be packed at load)
+    x = g.add_input("x", "float64", (None, 4))
+    w = g.add_initializer("w", np.ones((4, 2), np.float64))
     g.outputs = [g.op("MatMul", x, w, name="proj")]
     g.nodes[0].meta["scope"] = "head.proj"
     p = Program(g)
     # Corrupt the planned weight so the kernel itself fails (a verified graph cannot get here).
-    p._template[p.plan.instructions[0].inputs[1]] = np.ones((3, 2), np.float32)
+    p._template[p.plan.instructions[0].inputs[1]] = np.ones((3, 2), np.float64)
     with pytest.raises(ExecutionError, match=r"node 'proj' \(MatMul\) at head.proj on inputs "
-                                             r"\(float32\[2, 4\], float32\[3, 2\]\): ValueError"):
-        p.run([np.ones((2, 4), np.float32)])
+                                             r"\(float64\[2, 4\], float64\[3, 2\]\): ValueError"):
+        p.run([np.ones((2, 4), np.float64)])
 
 
 def test_concurrent_runs_match_serial_runs():

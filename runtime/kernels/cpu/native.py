@@ -227,10 +227,10 @@ def pack_cols(b: np.ndarray) -> np.ndarray:
     return _panels(b, SGEMM_NR, False)
 
 
-def linear(weight: np.ndarray, bias: Optional[np.ndarray]) -> Optional[Callable]:
-    """``x @ weight + bias`` for float32 ``x`` [..., K] against a constant ``weight`` [K, N] (bias [N] or None)
-    through ``_native.sgemm`` with the weight packed once, or None where it does not run (no AVX-512, not float32).
-    ``run(x)`` -> a fresh [..., N] float32 array."""
+def linear(weight: np.ndarray, bias: Optional[np.ndarray], activation: tuple = (0, 0.0, 0.0)) -> Optional[Callable]:
+    """``act(x @ weight + bias)`` for float32 ``x`` [..., K] against a constant ``weight`` [K, N] (bias [N] or None;
+    ``activation`` (code, alpha, beta), see ``activation_of``) through ``_native.sgemm`` with the weight packed once,
+    or None where it does not run (no AVX-512, not float32). ``run(x)`` -> a fresh [..., N] float32 array."""
     if not has_sgemm() or weight.ndim != 2 or weight.dtype != np.float32 \
             or (bias is not None and (bias.dtype != np.float32 or bias.size != weight.shape[1])):
         return None
@@ -255,7 +255,7 @@ def linear(weight: np.ndarray, bias: Optional[np.ndarray]) -> Optional[Callable]
         a = np.ascontiguousarray(x, np.float32)
         y = np.empty(lead + (n,), np.float32)
         if m:
-            sgemm(a, packed, y, b, m, n, k, _ROWS, _PACKED, bias_mode, 0, 0.0, 0.0, gemm_threads(m, n, k))
+            sgemm(a, packed, y, b, m, n, k, _ROWS, _PACKED, bias_mode, *activation, gemm_threads(m, n, k))
         return y
     return run
 
@@ -576,9 +576,71 @@ def conv_kernel(w: np.ndarray, window: Any, group: int, bias: Optional[np.ndarra
 
 def fusable(anchor: Any, consumer: Any) -> bool:
     """``fuse_epilogues``'s ``accept`` for the CPU runtime: a Conv this extension covers (directly or as its GEMM
-    convolution) and one activation."""
+    convolution) and one activation; or a float32 product against a constant weight the sgemm runs (a MatMul, a
+    Gemm) and one activation, or a MatMul and the Add of a constant row bias."""
     const_of = _const_of_value
-    return _conv_parts(anchor, const_of) is not None and activation_of(consumer, const_of) is not None
+    if anchor.op == "Conv":
+        return _conv_parts(anchor, const_of) is not None and activation_of(consumer, const_of) is not None
+    return _linear_epilogue(anchor, consumer, const_of) is not None
+
+
+def _weight_of(v: Any, const_of: Callable[[Any], Optional[np.ndarray]]) -> Optional[np.ndarray]:
+    """A product's constant weight: ``v``'s constant, or the constant a 2-D Transpose of ``v`` reads, transposed
+    (linalg.weight_input's rule)."""
+    w = const_of(v)
+    if w is not None or v is None or v.producer is None:
+        return w
+    t = v.producer
+    if t.domain != "" or t.op != "Transpose" or not t.inputs or t.inputs[0] is None or t.inputs[0].const is None:
+        return None
+    source = np.asarray(t.inputs[0].const)
+    perm = t.attrs.get("perm")
+    return source.T if source.ndim == 2 and (perm is None or list(perm) == [1, 0]) else None
+
+
+def _linear_epilogue(anchor: Any, consumer: Any, const_of: Callable[[Any], Optional[np.ndarray]]) -> Optional[tuple]:
+    """(weight [K, N], bias [N] or None, activation) of a product and its consumer that ``linear`` runs as one
+    sgemm with its output pass, or None. The bias is added after the whole sum and the activation after it, as the
+    unfused ops do: the answers are theirs bit for bit."""
+    if anchor.domain != "" or anchor.op not in ("MatMul", "Gemm") or not has_sgemm() or len(anchor.inputs) < 2:
+        return None
+    x_type, out_type = anchor.inputs[0].type, anchor.outputs[0].type
+    if x_type is None or x_type.dtype is None or np.dtype(x_type.dtype.numpy) != np.float32 \
+            or out_type is None or out_type.shape is None:
+        return None
+    bias = None
+    if anchor.op == "MatMul":
+        w = _weight_of(anchor.inputs[1], const_of)
+        if x_type.shape is None or len(x_type.shape) < 2:
+            return None
+    else:
+        attrs = anchor.schema.fill_attrs(anchor.attrs)
+        if attrs["alpha"] != 1.0 or attrs["transA"]:
+            return None
+        w = const_of(anchor.inputs[1])
+        if w is not None and attrs["transB"]:
+            w = w.T
+        if len(anchor.inputs) > 2 and anchor.inputs[2] is not None:
+            bias = const_of(anchor.inputs[2])
+            if bias is None or attrs["beta"] != 1.0 or w is None or bias.shape not in ((w.shape[1],), (1, w.shape[1])):
+                return None
+    if w is None or w.ndim != 2 or w.dtype != np.float32 or (bias is not None and bias.dtype != np.float32):
+        return None
+    n = w.shape[1]
+    activation = activation_of(consumer, const_of)
+    if activation is not None:
+        return w, bias, activation
+    # Add(product, b) / Add(b, product) of a constant row bias, the product's own shape kept
+    if consumer.domain != "" or consumer.op != "Add" or anchor.op != "MatMul" or len(consumer.inputs) != 2:
+        return None
+    other = [v for v in consumer.inputs if v is not anchor.outputs[0]]
+    if len(other) != 1:
+        return None
+    b = const_of(other[0])
+    rank = len(out_type.shape)
+    if b is None or b.dtype != np.float32 or b.size != n or b.ndim > rank or (b.ndim and b.shape[-1] != n):
+        return None
+    return w, b.reshape(n), (0, 0.0, 0.0)
 
 
 def _const_of_value(v: Any) -> Optional[np.ndarray]:
@@ -601,6 +663,21 @@ def epilogue_kernel(node: Any, attrs: dict) -> Optional[Callable]:
             return np.asarray(v.const)
         return _const_of_value(outer.get(v))
 
+    if conv.op in ("MatMul", "Gemm"):  # a product and its bias or activation: one sgemm
+        if conv.outputs[0] not in act.inputs or list(body.outputs) != [act.outputs[0]]:
+            return None
+        parts = _linear_epilogue(conv, act, lambda v: _weight_of(outer.get(v, v), const_of)
+                                 if outer.get(v) is not None and outer[v].const is None else const_of(v))
+        product = None if parts is None else linear(*parts)
+        if product is None:
+            return None
+        x_index = body.inputs.index(conv.inputs[0]) if conv.inputs[0] in body.inputs else None
+        if x_index is None:
+            return None
+
+        def run_product(*args: Any) -> np.ndarray:
+            return product(args[x_index])
+        return run_product
     if list(act.inputs[:1]) != [conv.outputs[0]] or list(body.outputs) != [act.outputs[0]]:
         return None
     parts = _conv_parts(conv, const_of)
