@@ -518,3 +518,46 @@ def test_global_average_pool_rows_against_float64(n, c, hw):
     x = (RNG.standard_normal((n, c, hw)) * 4 + 1).astype(np.float32)
     np.testing.assert_allclose(native.mean_rows(x.reshape(n * c, hw)), x.astype(np.float64).mean(2).reshape(-1),
                                rtol=1e-6, atol=1e-6)
+
+
+@needs_native
+def test_mul_by_a_factor_per_row_is_numpys_product():
+    """Mul of [N, C, H, W] by [N, C, 1, 1] (either order; in place into the large operand) runs the native row
+    scaling over threads: numpy's products bit for bit; other broadcasts, small tensors and other dtypes stay
+    numpy's multiply."""
+    from kiln.runtime.kernels.cpu import elementwise
+    x = RNG.standard_normal((2, 24, 20, 36)).astype(np.float32)
+    s = RNG.standard_normal((2, 24, 1, 1)).astype(np.float32)
+    calls = []
+    real = native._native
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def scale(self, *args):
+            calls.append(args[3])
+            return real.scale(*args)
+    native._native, saved = Spy(), native._native
+    try:
+        want = x * s
+        np.testing.assert_array_equal(elementwise._mul_scaling_rows(x, s), want)
+        np.testing.assert_array_equal(elementwise._mul_scaling_rows(s, x), want)
+        y = x.copy()
+        assert elementwise._mul_scaling_rows(y, s, out=y) is y
+        np.testing.assert_array_equal(y, want)
+        assert calls == [720, 720, 720]  # a factor per row of 20 x 36
+        s3 = RNG.standard_normal((2, 24, 20, 1)).astype(np.float32)  # a factor per row of 36
+        np.testing.assert_array_equal(elementwise._mul_scaling_rows(x, s3), x * s3)
+        assert calls[-1] == 36
+        for other in (RNG.standard_normal((1, 24, 1, 1)).astype(np.float32),   # broadcast over the batch
+                      RNG.standard_normal((24, 1, 1)).astype(np.float32),      # another rank
+                      RNG.standard_normal((2, 24, 20, 36)).astype(np.float32)):  # no broadcast
+            np.testing.assert_array_equal(elementwise._mul_scaling_rows(x, other), x * other)
+        small = x[:1, :2, :4, :4].copy()
+        np.testing.assert_array_equal(elementwise._mul_scaling_rows(small, s[:1, :2]), small * s[:1, :2])
+        assert len(calls) == 4
+    finally:
+        native._native = saved
+    g, feeds = build_single("Mul", [x, s], {}, symbolic_batch=True)
+    np.testing.assert_array_equal(Program(g).run(feeds, as_list=True)[0], want)

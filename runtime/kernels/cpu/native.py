@@ -751,6 +751,11 @@ def _row_vector(v: np.ndarray, n: int) -> np.ndarray:
     return np.ascontiguousarray(np.broadcast_to(v, (n,)), np.float32)
 
 
+def scale_rows(x: np.ndarray, s: np.ndarray, y: np.ndarray, n: int) -> None:
+    """y = x * s, float32 (rows_ok), ``s`` one factor per row of ``n`` floats of ``x``; ``y`` may be ``x``."""
+    _native.scale(x, s, y, n, row_threads(x.size))
+
+
 def softmax(x: np.ndarray) -> np.ndarray:
     """Softmax over the last axis of ``x`` (rows_ok)."""
     y = np.empty_like(x)
