@@ -425,6 +425,7 @@ def test_row_kernels_on_several_threads_answer_bit_for_bit_as_on_one(monkeypatch
     one = all_kernels()
     monkeypatch.setattr(native, "kernel_threads", lambda: threads)
     monkeypatch.setattr(native, "ROW_FLOATS_PER_THREAD", 1)
+    monkeypatch.setattr(native, "GELU_FLOATS_PER_THREAD", 1)
     for a, b in zip(one, all_kernels()):
         np.testing.assert_array_equal(a, b)
 
