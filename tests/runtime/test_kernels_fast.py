@@ -246,3 +246,23 @@ def test_pow_with_a_computed_or_broadcasting_exponent_keeps_the_reference():
     assert Program(g).plan.instructions[0].kernel.__qualname__.split(".")[0] != "pow_"  # not a scalar
     g, _ = build_single("Pow", [x, np.array(2.0, np.float32)], {})  # the exponent is an input
     assert Program(g).plan.instructions[0].kernel.__qualname__.split(".")[0] != "pow_"
+
+
+@pytest.mark.parametrize("x_shape,w_shape,attrs", [c[:3] for c in CONVS if c[3] == "_patchify"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_patch_embedding_on_the_sgemm(x_shape, w_shape, attrs, bias):
+    """A patch embedding runs as its patches' rows times the packed weights where the extension's sgemm runs the
+    products: the GEMM convolution's answers bit for bit (the same sums in the same order) and the reference's."""
+    from kiln.runtime.kernels.cpu import native
+    if not native.available() or not native.has_sgemm():
+        pytest.skip("the extension's sgemm does not run here")
+    from kiln.ir.ops.nn import make_window
+    inputs = [rand(*x_shape), rand(*w_shape)] + ([rand(w_shape[0])] if bias else [])
+    g, feeds = build_single("Conv", inputs, attrs, const_inputs=(1, 2), symbolic_batch=True)
+    run = Program(g).plan.instructions[0].kernel
+    body = dict(zip(run.__code__.co_freevars, (c.cell_contents for c in run.__closure__)))["body"]
+    assert body.__qualname__.split(".")[0] == "_patches_on_sgemm"
+    check_backends(g, feeds, evaluate(g, feeds))
+    window = make_window(w_shape[2:], strides=attrs["strides"], auto_pad=attrs.get("auto_pad", "NOTSET"))
+    gemm = native.gemm_conv2d(inputs[1], window, inputs[2] if bias else None)
+    np.testing.assert_array_equal(body(feeds[0]), gemm(feeds[0]))
