@@ -266,3 +266,20 @@ def test_patch_embedding_on_the_sgemm(x_shape, w_shape, attrs, bias):
     window = make_window(w_shape[2:], strides=attrs["strides"], auto_pad=attrs.get("auto_pad", "NOTSET"))
     gemm = native.gemm_conv2d(inputs[1], window, inputs[2] if bias else None)
     np.testing.assert_array_equal(body(feeds[0]), gemm(feeds[0]))
+
+
+@pytest.mark.parametrize("x_shape,target", [((1, 1, 8), [3, 1, 8]), ((1, 4), [2, 3, 1]), ((3, 1), [3, 5]),
+                                            ((2, 3), [3]), ((), [2, 2])])
+def test_expand_is_the_reference_broadcast_as_a_fresh_array(x_shape, target):
+    x = rand(*x_shape) if x_shape else np.array(1.5, np.float32)
+    t = np.array(target, np.int64)
+    prog, feeds = _one_node_program("Expand", [x, t], {})
+    kern = prog.plan.instructions[0].kernel
+    assert kern.__qualname__.startswith("expand"), kern.__qualname__
+    out = kern(feeds[0], feeds[1])
+    want = evaluate(prog.graph, feeds)[0]
+    assert out.shape == want.shape and out.flags.writeable and not np.shares_memory(out, feeds[0])
+    np.testing.assert_array_equal(out, want)
+    if x.ndim:  # a scalar broadcasts to any shape
+        with pytest.raises(Exception):
+            prog.run([x, np.array([5, 7], np.int64)])
