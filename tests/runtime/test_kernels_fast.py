@@ -283,3 +283,12 @@ def test_expand_is_the_reference_broadcast_as_a_fresh_array(x_shape, target):
     if x.ndim:  # a scalar broadcasts to any shape
         with pytest.raises(Exception):
             prog.run([x, np.array([5, 7], np.int64)])
+
+
+def test_pointwise_convs_are_not_taken_for_patch_embeddings():
+    """A 1x1 stride-1 conv also tiles its input, but as patch rows it would be the whole map transposed each way:
+    it stays the direct or GEMM convolution's."""
+    from kiln.runtime.kernels.cpu import nn as cpu_nn
+    from kiln.ir.ops.nn import make_window
+    w = rand(16, 16, 1, 1)
+    assert cpu_nn._patches_on_sgemm(w, make_window((1, 1)), 1, None) is None

@@ -86,9 +86,11 @@ def _patches_on_sgemm(w: np.ndarray, window, group: int, bias) -> Optional[Calla
     output pass, and the result's [N, OH, OW, M] copied to [N, M, OH, OW]. The GEMM convolution's im2col gathered
     each 16x16x3 patch tap by tap (ViT-style 3x64x64: 51 -> ~28 us). Each output is the same sum, in the same order,
     as the GEMM convolution's."""
-    if w.dtype != np.float32 or not _is_patchify(w, window, group) or not native.has_sgemm():
-        return None
     m, c, kh, kw = w.shape
+    # 1x1 stride-1 convs tile their input too: they stay the direct or GEMM convolution's (as rows they would be
+    # a transpose of the whole map each way: MobileNetV3-style b8's 16->16 at 56x56 took 0.84 ms so)
+    if w.dtype != np.float32 or kh * kw == 1 or not _is_patchify(w, window, group) or not native.has_sgemm():
+        return None
     product = native.linear(np.ascontiguousarray(w.reshape(m, c * kh * kw).T),
                             None if bias is None else np.asarray(bias, np.float32).reshape(m))
     if product is None:
