@@ -1527,7 +1527,6 @@ PyDoc_STRVAR(sgemm_doc,
 "AVX-512F (the module's has_sgemm); `threads` split the batch, or one product's rows or columns.");
 
 static int has_avx512;
-static int dconv_rows_loaded = 1;  /* testing switch: 0 keeps depthwise convs on dwconv_* */
 
 static PyObject *sgemm(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *ao, *bo, *co, *biaso;
@@ -2167,7 +2166,7 @@ static void *dconv_worker(void *arg) {
     /* a square kernel of 3 or 5 without dilation: its own tiles, the tap loops unrolled */
     const Py_ssize_t k = j->kh == j->kw && j->dh == 1 && j->dw == 1 && (j->kh == 3 || j->kh == 5) ? j->kh : 0;
     dconv_fn fn = j->ocb == 1 ? dwconv_pick(j->v, j->sw, k) : dconv_pick(j->ocb, j->v, j->sw);
-    if (j->ocb == 1 && k && j->sh == j->sw && (j->sw == 1 || j->sw == 2) && dconv_rows_loaded) fn = dwk_pick(j->v, j->sw, k);
+    if (j->ocb == 1 && k && j->sh == j->sw && (j->sw == 1 || j->sw == 2)) fn = dwk_pick(j->v, j->sw, k);
     float *zrow = calloc((size_t)j->wd, sizeof(float));  /* the rows above and below the input */
     if (!fn || !zrow) {
         free(zrow);
