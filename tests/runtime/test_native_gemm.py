@@ -42,18 +42,28 @@ def random_window(kh, kw):
                        dilations=tuple(int(v) for v in RNG.integers(1, 3, 2)), pads=pads, auto_pad=auto)
 
 
+def random_geometry(channels: int, size: int):
+    """(kh, kw, window, n, c, h, wd, oh, ow) of a random conv (kernel 1-5, under ``channels`` channels and ``size``
+    pixels a side), or None where its window does not fit the padded input."""
+    kh, kw = (int(v) for v in RNG.integers(1, 6, 2))
+    window = random_window(kh, kw)
+    n, c = int(RNG.integers(1, 4)), int(RNG.integers(1, channels))
+    h, wd = int(RNG.integers(1, size)), int(RNG.integers(1, size))
+    try:
+        oh, ow = window_out_shape(window, (h, wd))
+    except ValueError:
+        return None
+    return kh, kw, window, n, c, h, wd, oh, ow
+
+
 @needs_native
 def test_im2col_against_numpy_columns():
     ran = 0
     for _ in range(150):
-        kh, kw = (int(v) for v in RNG.integers(1, 6, 2))
-        window = random_window(kh, kw)
-        n, c = int(RNG.integers(1, 4)), int(RNG.integers(1, 5))
-        h, wd = int(RNG.integers(1, 16)), int(RNG.integers(1, 16))
-        try:
-            oh, ow = window_out_shape(window, (h, wd))
-        except ValueError:
+        geometry = random_geometry(5, 16)
+        if geometry is None:
             continue
+        kh, kw, window, n, c, h, wd, oh, ow = geometry
         x = RNG.standard_normal((n, c, h, wd)).astype(np.float32)
         begin, end, _ = static_pads(window, (h, wd))
         (sh, sw), (dh, dw) = window.strides, window.dilations
@@ -163,14 +173,10 @@ def test_gemm_conv_random_geometries_against_float64(monkeypatch, own_sgemm):
     monkeypatch.setattr(native, "SGEMM_MACS_PER_THREAD", 1)  # both threads, however small
     ran = 0
     for trial in range(120):
-        kh, kw = (int(v) for v in RNG.integers(1, 6, 2))
-        window = random_window(kh, kw)
-        n, c = int(RNG.integers(1, 4)), int(RNG.integers(1, 12))
-        h, wd = int(RNG.integers(1, 18)), int(RNG.integers(1, 18))
-        try:
-            window_out_shape(window, (h, wd))
-        except ValueError:
+        geometry = random_geometry(12, 18)
+        if geometry is None:
             continue
+        kh, kw, window, n, c, h, wd, _, _ = geometry
         m = int(RNG.integers(1, 30))
         x = RNG.standard_normal((n, c, h, wd)).astype(np.float32)
         w = RNG.standard_normal((m, c, kh, kw)).astype(np.float32)

@@ -1884,10 +1884,8 @@ __attribute__((target("avx512f"))) static inline void dconv_store(float *p, __mm
      : _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mlo[v][q],                                                        \
                                 _mm512_add_epi32(vstride, _mm512_set1_epi32((int)(16 * (v) * sw))), (at), 4))
 
-#define DCONV_PROLOGUE(V, SW, K)                                                                                          \
-    const Py_ssize_t kh = K ? K : j->kh, kw = K ? K : j->kw, sw = SW ? SW : j->sw, step = K ? 1 : j->dw;               \
-    const Py_ssize_t dh = K ? 1 : j->dh;                                                                               \
-    (void)dh;                                       \
+#define DCONV_PROLOGUE(V, SW)                                                                                          \
+    const Py_ssize_t kh = j->kh, kw = j->kw, sw = SW ? SW : j->sw, step = j->dw;                                       \
     const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);                  \
     const __m512i vstride = _mm512_mullo_epi32(                                                                        \
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32((int)sw));           \
@@ -1936,7 +1934,7 @@ __attribute__((target("avx512f"))) static void dconv_##OCB##_##V##_##SW(        
         const dconv_job *j, const float *xin, Py_ssize_t b, Py_ssize_t oc0, Py_ssize_t cnt, Py_ssize_t oy0,            \
         Py_ssize_t oy1, float *yplane, const float *zrow) {                                                            \
     (void)zrow;                                                                                                        \
-    DCONV_PROLOGUE(V, SW, 0)                                                                                            \
+    DCONV_PROLOGUE(V, SW)                                                                                               \
     const Py_ssize_t cpg = j->c / j->group, plane = j->oh * j->ow;                                                     \
     const float *wb = j->wp + b * cpg * kh * kw * OCB;                                                                 \
     __m512 bias[OCB];                                                                                                  \
@@ -1993,7 +1991,7 @@ __attribute__((target("avx512f"))) static void dconv_##OCB##_##V##_##SW(        
     for (Py_ssize_t i = 0; i < kh; i++) {                                                                              \
         const float *rp[R];                                                                                            \
         DCONV_UNROLL for (int r = 0; r < R; r++) {                                                                     \
-            const Py_ssize_t iy = (oy + r) * j->sh - j->pt + i * dh;                                                \
+            const Py_ssize_t iy = (oy + r) * j->sh - j->pt + i * j->dh;                                             \
             rp[r] = (iy >= 0 && iy < j->h ? xin + iy * j->wd : zrow) + left;                                           \
         }                                                                                                              \
         const float *wi = wk + i * kw;                                                                                 \
@@ -2007,12 +2005,12 @@ __attribute__((target("avx512f"))) static void dconv_##OCB##_##V##_##SW(        
         }                                                                                                              \
     }
 
-#define DWCONV_DEFINE(R, V, SW, K)                                                                                        \
-__attribute__((target("avx512f"))) static void dwconv_##R##_##V##_##SW##_##K(                                                \
+#define DWCONV_DEFINE(R, V, SW)                                                                                           \
+__attribute__((target("avx512f"))) static void dwconv_##R##_##V##_##SW(                                                      \
         const dconv_job *j, const float *xin, Py_ssize_t b, Py_ssize_t oc0, Py_ssize_t cnt, Py_ssize_t oy0,            \
         Py_ssize_t oy1, float *yplane, const float *zrow) {                                                            \
     (void)b; (void)cnt;                                                                                                \
-    DCONV_PROLOGUE(V, SW, K)                                                                                              \
+    DCONV_PROLOGUE(V, SW)                                                                                                 \
     const float *wk = j->w + oc0 * kh * kw;                                                                            \
     const __m512 bias = _mm512_set1_ps(j->bias ? j->bias[oc0] : 0.0f);                                                 \
     for (Py_ssize_t x0 = 0; x0 < j->ow; x0 += 16 * V) {                                                                \
@@ -2031,9 +2029,7 @@ __attribute__((target("avx512f"))) static void dwconv_##R##_##V##_##SW##_##K(   
     }                                                                                                                  \
 }
 
-/* K: a K x K kernel without dilation (3 and 5: the loops over the taps unrolled), 0 any */
-#define DWCONV_SIZES(R, V, SW) DWCONV_DEFINE(R, V, SW, 3) DWCONV_DEFINE(R, V, SW, 5) DWCONV_DEFINE(R, V, SW, 0)
-#define DWCONV_STRIDES(R, V) DWCONV_SIZES(R, V, 1) DWCONV_SIZES(R, V, 2) DWCONV_SIZES(R, V, 0)
+#define DWCONV_STRIDES(R, V) DWCONV_DEFINE(R, V, 1) DWCONV_DEFINE(R, V, 2) DWCONV_DEFINE(R, V, 0)
 DWCONV_STRIDES(8, 1) DWCONV_STRIDES(4, 2) DWCONV_STRIDES(2, 4)
 #define DCONV_STRIDES(OCB, V) DCONV_DEFINE(OCB, V, 1) DCONV_DEFINE(OCB, V, 2) DCONV_DEFINE(OCB, V, 0)
 DCONV_STRIDES(4, 1) DCONV_STRIDES(4, 2)
@@ -2145,16 +2141,15 @@ static dconv_fn dconv_pick(Py_ssize_t ocb, Py_ssize_t v, Py_ssize_t sw) {
 #undef DCONV_CASE
 }
 
-static dconv_fn dwconv_pick(Py_ssize_t v, Py_ssize_t sw, Py_ssize_t k) {
-#define DWCONV_K(R, V, SW) k == 3 ? dwconv_##R##_##V##_##SW##_3 : k == 5 ? dwconv_##R##_##V##_##SW##_5 : dwconv_##R##_##V##_##SW##_0
+/* depthwise tiles of any kernel, stride and dilation (dwk_pick's cover the common shapes) */
+static dconv_fn dwconv_pick(Py_ssize_t v, Py_ssize_t sw) {
 #define DWCONV_CASE(R, V) \
-    case V: return sw == 1 ? DWCONV_K(R, V, 1) : sw == 2 ? DWCONV_K(R, V, 2) : DWCONV_K(R, V, 0);
+    case V: return sw == 1 ? dwconv_##R##_##V##_1 : sw == 2 ? dwconv_##R##_##V##_2 : dwconv_##R##_##V##_0;
     switch (v) {
     DWCONV_CASE(8, 1) DWCONV_CASE(4, 2) DWCONV_CASE(2, 4)
     default: return NULL;
     }
 #undef DWCONV_CASE
-#undef DWCONV_K
 }
 
 /* Items: (sample, group, chunk of DCONV_ROWS output rows); a dense conv's item computes every channel block of its
@@ -2163,10 +2158,11 @@ static dconv_fn dwconv_pick(Py_ssize_t v, Py_ssize_t sw, Py_ssize_t k) {
 static void *dconv_worker(void *arg) {
     const dconv_job *j = (const dconv_job *)arg;
     const Py_ssize_t cpg = j->c / j->group, mpg = j->m / j->group, chunks = (j->oh + DCONV_ROWS - 1) / DCONV_ROWS;
-    /* a square kernel of 3 or 5 without dilation: its own tiles, the tap loops unrolled */
+    /* depthwise 3x3 or 5x5 without dilation at stride 1 or 2 both ways: the tiles that load each input row once */
     const Py_ssize_t k = j->kh == j->kw && j->dh == 1 && j->dw == 1 && (j->kh == 3 || j->kh == 5) ? j->kh : 0;
-    dconv_fn fn = j->ocb == 1 ? dwconv_pick(j->v, j->sw, k) : dconv_pick(j->ocb, j->v, j->sw);
-    if (j->ocb == 1 && k && j->sh == j->sw && (j->sw == 1 || j->sw == 2)) fn = dwk_pick(j->v, j->sw, k);
+    const dconv_fn fn = j->ocb > 1 ? dconv_pick(j->ocb, j->v, j->sw)
+                        : k && j->sh == j->sw && (j->sw == 1 || j->sw == 2) ? dwk_pick(j->v, j->sw, k)
+                        : dwconv_pick(j->v, j->sw);
     float *zrow = calloc((size_t)j->wd, sizeof(float));  /* the rows above and below the input */
     if (!fn || !zrow) {
         free(zrow);

@@ -37,9 +37,17 @@ def _with_inplace(run: Callable[..., Any], nin: int, dtype: np.dtype) -> Callabl
 
 @kernel("Add", "Sub", "Mul")
 def binary(node, attrs):
-    if node.op == "Mul" and _dtype(node) == np.float32 and native.available():
+    if node.op == "Mul" and _dtype(node) == np.float32 and native.available() and _may_scale_rows(node):
         return _with_inplace(_mul_scaling_rows, 2, np.dtype(np.float32))
     return _BINARY_FLOAT_SAFE[node.op]
+
+
+def _may_scale_rows(node) -> bool:
+    """Whether the input types allow one operand to scale the other's rows (the same rank, one with a trailing
+    dim of 1): only such Muls take _mul_scaling_rows's checks, the rest stay the bare ufunc."""
+    shapes = [None if v is None or v.type is None else v.type.shape for v in node.inputs]
+    return (len(shapes) == 2 and None not in shapes and len(shapes[0]) == len(shapes[1]) >= 2
+            and any(shape[-1] == 1 for shape in shapes))
 
 
 # Tensors of at least this many floats scaled row by row natively (_mul_scaling_rows); smaller ones stay numpy's.

@@ -648,8 +648,8 @@ def _const_of_value(v: Any) -> Optional[np.ndarray]:
 
 
 def epilogue_kernel(node: Any, attrs: dict) -> Optional[Callable]:
-    """The kernel of a ``kiln.FusedEpilogue`` whose body is a covered Conv and one activation (what ``fusable``
-    let ``fuse_epilogues`` make), or None: its weights are the node's outer constants."""
+    """The kernel of a ``kiln.FusedEpilogue`` whose body ``fusable`` let ``fuse_epilogues`` make (a covered Conv and
+    one activation; a product and its row bias or activation), or None: its weights are the node's outer constants."""
     if _native is None:
         return None
     body = attrs["body"]
@@ -666,8 +666,8 @@ def epilogue_kernel(node: Any, attrs: dict) -> Optional[Callable]:
     if conv.op in ("MatMul", "Gemm"):  # a product and its bias or activation: one sgemm
         if conv.outputs[0] not in act.inputs or list(body.outputs) != [act.outputs[0]]:
             return None
-        parts = _linear_epilogue(conv, act, lambda v: _weight_of(outer.get(v, v), const_of)
-                                 if outer.get(v) is not None and outer[v].const is None else const_of(v))
+        # constants as const_of reads them, and a weight behind a Transpose outside the body as _weight_of does
+        parts = _linear_epilogue(conv, act, lambda v: _weight_of(outer.get(v, v), _const_of_value))
         product = None if parts is None else linear(*parts)
         if product is None:
             return None
