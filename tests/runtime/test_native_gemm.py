@@ -494,23 +494,41 @@ def test_when_the_extensions_sgemm_runs_the_products():
 
 @needs_sgemm
 def test_native_matmul_reads_strided_views_in_place(monkeypatch):
-    """Attention's heads split from [batch, seq, heads, dim] memory, and K^T, are read through row strides and
-    per-product offsets (no copy made), answering as float64 does; views it cannot read in place are copied."""
+    """Attention's heads split from [batch, seq, heads, dim] memory, and K^T, are read in place through the arrays'
+    own strides (no copy made), answering as float64 does, as are reversed rows and rows broadcast from one (stride
+    0); views with neither last axis at unit stride are copied, still right."""
     copies = []
     real = np.ascontiguousarray
-    monkeypatch.setattr(native.np, "ascontiguousarray",  # copies of the operands (not of the offsets)
-                        lambda x, *a, **k: (x.dtype == np.float32 and copies.append(x.shape)) or real(x, *a, **k))
+    monkeypatch.setattr(native.np, "ascontiguousarray",
+                        lambda x, *a, **k: copies.append(x.shape) or real(x, *a, **k))
     mem = RNG.standard_normal((3, 10, 2, 8)).astype(np.float32)      # [batch, seq, heads, dim]
     q = mem.transpose(0, 2, 1, 3)                                      # [batch, heads, seq, dim], rows 16 apart
     kt = q.transpose(0, 1, 3, 2)                                       # K^T: unit stride down its rows
     v = mem[:, :, :, :5].transpose(0, 2, 1, 3)                         # a column slice too
-    for a, b in ((q, kt), (q @ kt, v), (q[0, 0], kt), (q, kt[0, 0])):
-        np.testing.assert_allclose(native.matmul(a, b), a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
+    one_row = np.broadcast_to(mem[:1, :1, :1, :], (3, 2, 4, 8))        # every row the same memory (stride 0)
+    cases = ((q, kt), (q @ kt, v), (q[0, 0], kt), (q, kt[0, 0]), (q[:, :, ::-1], kt), (q, kt[..., ::-1]),
+             (one_row, kt), (q[:, 1:, 2:7], kt[:, 1:]))
+    for a, b in cases:
+        got = native.matmul(a, b)
+        assert got.shape == np.matmul(a, b).shape
+        np.testing.assert_allclose(got, a.astype(np.float64) @ b, rtol=1e-5, atol=1e-5)
     assert copies == []
-    reversed_rows = q[:, :, ::-1]                                      # a negative stride: copied, still right
-    np.testing.assert_allclose(native.matmul(reversed_rows, kt), reversed_rows.astype(np.float64) @ kt,
-                               rtol=1e-5, atol=1e-5)
+    every_other = q[:, :, :, ::2]                                      # no unit-stride axis among the last two
+    np.testing.assert_allclose(native.matmul(every_other, kt[:, :, ::2]),
+                               every_other.astype(np.float64) @ kt[:, :, ::2], rtol=1e-5, atol=1e-5)
     assert copies
+
+
+@needs_sgemm
+def test_native_matmul_refuses_what_numpy_would_broadcast_otherwise():
+    """Leading dims that differ (numpy would broadcast them) and k = 0 are left to numpy (None)."""
+    a = RNG.standard_normal((2, 3, 4, 5)).astype(np.float32)
+    assert native.matmul(a, RNG.standard_normal((1, 3, 5, 2)).astype(np.float32)) is None
+    assert native.matmul(np.zeros((2, 0), np.float32), np.zeros((0, 3), np.float32)) is None
+    assert native.matmul(a, RNG.standard_normal((2, 3, 5, 2))) is None  # float64 b
+    with pytest.raises(ValueError, match="shapes do not match"):
+        native._native.matmul(a, RNG.standard_normal((2, 3, 4, 2)).astype(np.float32),
+                              np.empty((2, 3, 4, 2), np.float32), 1)
 
 
 @needs_sgemm

@@ -1513,6 +1513,39 @@ static PyObject *pack(PyObject *Py_UNUSED(self), PyObject *args) {
     return result;
 }
 
+#ifdef KILN_X86_DISPATCH
+/* Runs the products `proto` describes (its thread ranges ignored) over `threads` threads of the pool: threads split
+   the columns, each reading all of A and its share of B, or, where A is the larger operand (m > n: a late conv
+   layer's weights against a 7x7 map), the rows, each reading its share of A; a batch of at least as many products
+   as threads, whole products per thread. Nonzero when a packing buffer could not be had. Called without the GIL. */
+static int gemm_dispatch(const gemm_job *proto, Py_ssize_t batch, Py_ssize_t threads) {
+    const Py_ssize_t m = proto->m, n = proto->n;
+    const int by_items = batch >= threads && batch > 1, by_rows = !by_items && m > n;
+    const Py_ssize_t panels = by_items ? batch : by_rows ? (m + GEMM_MR - 1) / GEMM_MR : (n + GEMM_NR - 1) / GEMM_NR;
+    const Py_ssize_t unit = by_items ? 1 : by_rows ? GEMM_MR : GEMM_NR, extent = by_items ? batch : by_rows ? m : n;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > panels) threads = panels;
+    gemm_job jobs[MAX_THREADS];
+    void *tasks[MAX_THREADS];
+    for (Py_ssize_t t = 0; t < threads; t++) {
+        gemm_job *g = &jobs[t];
+        *g = *proto;
+        tasks[t] = g;
+        const Py_ssize_t begin = (panels * t / threads) * unit;
+        const Py_ssize_t end = t + 1 == threads ? extent : (panels * (t + 1) / threads) * unit;
+        const int by_cols = !by_items && !by_rows;
+        g->col_begin = by_cols ? begin : 0;
+        g->col_end = by_cols ? end : n;
+        g->row_begin = by_rows ? begin : 0;
+        g->row_end = by_rows ? end : m;
+        g->item_begin = by_items ? begin : 0;
+        g->item_end = by_items ? end : batch;
+    }
+    return run_tasks(gemm_worker, tasks, (int)threads);
+}
+#endif
+
 PyDoc_STRVAR(sgemm_doc,
 "sgemm(a, b, c, bias, m, n, k, a_mode, b_mode, bias_mode, act, alpha, beta, threads, batch=1, stride_a=0,\n"
 "      stride_b=0, stride_c=0, lda=0, ldb=0, a_offsets=None, b_offsets=None)\n\n"
@@ -1621,41 +1654,18 @@ static PyObject *sgemm(PyObject *Py_UNUSED(self), PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "sgemm: a buffer's size does not match m, n, k and the modes");
     } else if (m > 0 && n > 0) {
 #ifdef KILN_X86_DISPATCH
-        /* Threads split the columns, each reading all of A and its share of B, or, where A is the larger operand
-           (m > n: a late conv layer's weights against a 7x7 map), the rows, each reading its share of A. */
-        /* A batch of at least as many products as threads: whole products per thread. */
-        const int by_items = batch >= threads && batch > 1, by_rows = !by_items && m > n;
-        const Py_ssize_t panels = by_items ? batch : by_rows ? (m + GEMM_MR - 1) / GEMM_MR : (n + GEMM_NR - 1) / GEMM_NR;
-        const Py_ssize_t unit = by_items ? 1 : by_rows ? GEMM_MR : GEMM_NR, extent = by_items ? batch : by_rows ? m : n;
-        if (threads < 1) threads = 1;
-        if (threads > MAX_THREADS) threads = MAX_THREADS;
-        if (threads > panels) threads = panels;
-        gemm_job jobs[MAX_THREADS];
-        void *tasks[MAX_THREADS];
-        int failed = 0;
-        for (Py_ssize_t t = 0; t < threads; t++) {
-            gemm_job *g = &jobs[t];
-            tasks[t] = g;
-            g->a = ab.buf; g->b = bb.buf; g->c = cb.buf; g->bias = has_bias ? biasb.buf : NULL;
-            g->m = m; g->n = n; g->k = k;
-            g->a_mode = a_mode; g->b_mode = b_mode; g->bias_mode = bias_mode;
-            const Py_ssize_t begin = (panels * t / threads) * unit;
-            const Py_ssize_t end = t + 1 == threads ? extent : (panels * (t + 1) / threads) * unit;
-            const int by_cols = !by_items && !by_rows;
-            g->col_begin = by_cols ? begin : 0;
-            g->col_end = by_cols ? end : n;
-            g->row_begin = by_rows ? begin : 0;
-            g->row_end = by_rows ? end : m;
-            g->item_begin = by_items ? begin : 0;
-            g->item_end = by_items ? end : batch;
-            g->stride_a = stride_a; g->stride_b = stride_b; g->stride_c = stride_c;
-            g->lda = lda; g->ldb = ldb;
-            g->a_offsets = has_aoff ? aob.buf : NULL;
-            g->b_offsets = has_boff ? bob.buf : NULL;
-            g->act = act; g->alpha = alpha; g->beta = beta;
-        }
+        gemm_job proto = {0};
+        proto.a = ab.buf; proto.b = bb.buf; proto.c = cb.buf; proto.bias = has_bias ? biasb.buf : NULL;
+        proto.m = m; proto.n = n; proto.k = k;
+        proto.a_mode = a_mode; proto.b_mode = b_mode; proto.bias_mode = bias_mode;
+        proto.stride_a = stride_a; proto.stride_b = stride_b; proto.stride_c = stride_c;
+        proto.lda = lda; proto.ldb = ldb;
+        proto.a_offsets = has_aoff ? aob.buf : NULL;
+        proto.b_offsets = has_boff ? bob.buf : NULL;
+        proto.act = act; proto.alpha = alpha; proto.beta = beta;
+        int failed;
         Py_BEGIN_ALLOW_THREADS
-        failed = run_tasks(gemm_worker, tasks, (int)threads);
+        failed = gemm_dispatch(&proto, batch, threads);
         Py_END_ALLOW_THREADS
         if (failed) PyErr_NoMemory();
         else { Py_INCREF(Py_None); result = Py_None; }
@@ -1673,6 +1683,104 @@ offsets_done:
     if (has_aoff) PyBuffer_Release(&aob);
     if (has_boff) PyBuffer_Release(&bob);
     return NULL;
+}
+
+static int float32_format(const Py_buffer *view) {
+    const char *f = view->format;
+    if (f != NULL && (f[0] == '@' || f[0] == '=' || f[0] == '<')) f++;
+    return view->itemsize == 4 && f != NULL && strcmp(f, "f") == 0;
+}
+
+PyDoc_STRVAR(matmul_doc,
+"matmul(a, b, c, threads) -> bool\n\n"
+"c = a @ b through the sgemm for float32 arrays a [*lead, m, k] and b [*lead, k, n] of any strides, read in\n"
+"place (attention's heads split from [batch, seq, heads, dim] memory, K^T as a transposed view): each product's\n"
+"operands are found from the arrays' own strides, A read by rows, B by rows or as a transpose. The leading dims\n"
+"are equal, or absent on one side (that operand shared). c: a C-contiguous float32 [*lead, m, n], k >= 1.\n"
+"False, with nothing written, where an operand has neither of its last two axes at unit stride (or a stride that\n"
+"is not a whole number of floats): the caller then copies it. AVX-512F only (has_sgemm).");
+
+static PyObject *matmul_strided(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *ao, *bo, *co;
+    Py_ssize_t threads;
+    if (!PyArg_ParseTuple(args, "OOOn", &ao, &bo, &co, &threads)) return NULL;
+    if (!has_avx512) {
+        PyErr_SetString(PyExc_RuntimeError, "matmul: this CPU has no AVX-512F");
+        return NULL;
+    }
+    Py_buffer ab, bb, cb;
+    if (PyObject_GetBuffer(ao, &ab, PyBUF_STRIDES | PyBUF_FORMAT) < 0) return NULL;
+    if (PyObject_GetBuffer(bo, &bb, PyBUF_STRIDES | PyBUF_FORMAT) < 0) { PyBuffer_Release(&ab); return NULL; }
+    if (as_float32(co, &cb, "c", 1) < 0) { PyBuffer_Release(&ab); PyBuffer_Release(&bb); return NULL; }
+    PyObject *result = NULL;
+    long long *offsets = NULL;
+    if (!float32_format(&ab) || !float32_format(&bb) || ab.ndim < 2 || bb.ndim < 2) {
+        PyErr_SetString(PyExc_TypeError, "matmul: a and b must be float32 arrays of at least 2 dims");
+        goto done;
+    }
+    const int na = ab.ndim, nb = bb.ndim, la = na - 2, lb = nb - 2;
+    const Py_ssize_t m = ab.shape[na - 2], k = ab.shape[na - 1], n = bb.shape[nb - 1];
+    int same = !la || !lb || la == lb;
+    for (int d = 0; same && la && lb && d < la; d++) same = ab.shape[d] == bb.shape[d];
+    const int lead = la ? la : lb;
+    const Py_ssize_t *lead_shape = la ? ab.shape : bb.shape;
+    Py_ssize_t batch = 1;
+    for (int d = 0; d < lead; d++) batch *= lead_shape[d];
+    if (!same || bb.shape[nb - 2] != k || k < 1 || cb.len / 4 != batch * m * n) {
+        PyErr_SetString(PyExc_ValueError, "matmul: the operands' shapes do not match (or c's size, or k = 0)");
+        goto done;
+    }
+    for (int d = 0; d < na; d++)
+        if (ab.strides[d] % 4) { Py_INCREF(Py_False); result = Py_False; goto done; }
+    for (int d = 0; d < nb; d++)
+        if (bb.strides[d] % 4) { Py_INCREF(Py_False); result = Py_False; goto done; }
+    /* an axis of one element has no stride that matters */
+    const int a_unit = k == 1 || ab.strides[na - 1] == 4;
+    const int b_rows = n == 1 || bb.strides[nb - 1] == 4, b_cols = k == 1 || bb.strides[nb - 2] == 4;
+    if (!a_unit || (!b_rows && !b_cols)) { Py_INCREF(Py_False); result = Py_False; goto done; }
+    if (m == 0 || n == 0 || batch == 0) { Py_INCREF(Py_True); result = Py_True; goto done; }
+    gemm_job proto = {0};
+    proto.a = ab.buf; proto.b = bb.buf; proto.c = cb.buf;
+    proto.m = m; proto.n = n; proto.k = k;
+    proto.a_mode = OPERAND_ROWS;
+    proto.b_mode = b_rows ? OPERAND_ROWS : OPERAND_TRANSPOSED;
+    proto.bias_mode = BIAS_NONE;
+    proto.act = ACT_NONE;
+    proto.lda = m == 1 ? k : ab.strides[na - 2] / 4;
+    proto.ldb = b_rows ? (k == 1 ? n : bb.strides[nb - 2] / 4) : (n == 1 ? k : bb.strides[nb - 1] / 4);
+    proto.stride_c = m * n;
+    if (batch > 1) {  /* each product's operand offsets (floats from buf), from the leading strides; 0: shared */
+        offsets = malloc(sizeof(long long) * 2 * (size_t)batch);
+        if (!offsets) { PyErr_NoMemory(); goto done; }
+        for (Py_ssize_t i = 0; i < batch; i++) {
+            Py_ssize_t rest = i;
+            long long oa = 0, ob = 0;
+            for (int d = lead - 1; d >= 0; d--) {
+                const Py_ssize_t idx = rest % lead_shape[d];
+                rest /= lead_shape[d];
+                if (la) oa += (long long)idx * (ab.strides[d] / 4);
+                if (lb) ob += (long long)idx * (bb.strides[d] / 4);
+            }
+            offsets[i] = oa;
+            offsets[batch + i] = ob;
+        }
+        proto.a_offsets = offsets;
+        proto.b_offsets = offsets + batch;
+    }
+    int failed;
+#ifdef KILN_X86_DISPATCH
+    Py_BEGIN_ALLOW_THREADS
+    failed = gemm_dispatch(&proto, batch, threads);
+    Py_END_ALLOW_THREADS
+#else
+    failed = 1;
+#endif
+    if (failed) PyErr_NoMemory();
+    else { Py_INCREF(Py_True); result = Py_True; }
+done:
+    free(offsets);
+    PyBuffer_Release(&ab); PyBuffer_Release(&bb); PyBuffer_Release(&cb);
+    return result;
 }
 
 #define gelu_rows_body gelu_body
@@ -2744,6 +2852,7 @@ static PyObject *gemm_out(PyObject *Py_UNUSED(self), PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"sgemm", sgemm, METH_VARARGS, sgemm_doc},
+    {"matmul", matmul_strided, METH_VARARGS, matmul_doc},
     {"pack", pack, METH_VARARGS, pack_doc},
     {"max_pool", max_pool, METH_VARARGS, max_pool_doc},
     {"winograd_input", winograd_input, METH_VARARGS, winograd_input_doc},

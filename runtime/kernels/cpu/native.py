@@ -260,79 +260,28 @@ def linear(weight: np.ndarray, bias: Optional[np.ndarray], activation: tuple = (
     return run
 
 
-_OFFSETS: dict = {}  # (shape, strides, lead) -> each product's offset from the view's first float (int64)
-
-
-def _strided(x: np.ndarray, lead: tuple, unit_axis: int) -> Optional[tuple]:
-    """(memory, row stride, offsets) to read the float32 view ``x`` ([*lead?, r, c], ``unit_axis`` -1 or -2 the
-    one of unit stride) in place: ``memory`` a flat view of the C-contiguous array it lies in, from ``x``'s first
-    float on; the row stride in floats; each product's offset into ``memory`` (int64, broadcast over ``lead``
-    where ``x`` has no leading dims). None where ``x`` is not such a view (then it is copied)."""
-    row = x.strides[-2 if unit_axis == -1 else -1] // 4
-    if x.strides[unit_axis] != 4 or any(st % 4 or st < 0 for st in x.strides) or row < x.shape[unit_axis]:
-        return None  # a row stride under the row's length (0: rows broadcast; overlapping rows): copied
-    root = x
-    while isinstance(root.base, np.ndarray):
-        root = root.base
-    if not root.flags.c_contiguous or root.dtype != np.float32:
-        return None
-    start = x.__array_interface__["data"][0] - root.__array_interface__["data"][0]
-    if start < 0 or start % 4:
-        return None
-    key = (x.shape, x.strides, lead)
-    offsets = _OFFSETS.get(key)
-    if offsets is None:
-        offsets = np.zeros(lead, np.int64)
-        for axis, st in enumerate(x.strides[:-2]):
-            shape = [1] * len(lead)
-            shape[axis] = x.shape[axis]
-            offsets = offsets + (np.arange(x.shape[axis], dtype=np.int64) * (st // 4)).reshape(shape)
-        offsets = np.ascontiguousarray(np.broadcast_to(offsets, lead).reshape(-1))
-        if len(_OFFSETS) > 256:  # many shapes (dynamic dims): keep the cache bounded
-            _OFFSETS.clear()
-        _OFFSETS[key] = offsets
-    return root.reshape(-1)[start // 4:], row, offsets
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> Optional[np.ndarray]:
-    """``a @ b`` (numpy's matmul semantics) for float32 operands of at least 2 dims through ``_native.sgemm``, or
-    None where it does not take them (no AVX-512, another dtype, broadcast leading dims other than one side's
-    absence): then the caller runs numpy's. Strided views (attention's heads split from [batch, seq, heads, dim]
-    memory, ``K^T``) are read in place through row strides and per-product offsets, not copied."""
+    """``a @ b`` (numpy's matmul semantics) for float32 operands of at least 2 dims through ``_native.matmul`` (the
+    sgemm), or None where it does not take them (no AVX-512, another dtype, k = 0, broadcast leading dims other than
+    one side's absence): then the caller runs numpy's. Strided views (attention's heads split from [batch, seq,
+    heads, dim] memory, ``K^T``) are read in place: the extension finds each product's operands from the arrays'
+    own strides. An operand it cannot read in place (neither of its last two axes at unit stride) is copied."""
     if not has_sgemm() or a.dtype != np.float32 or b.dtype != np.float32 or a.ndim < 2 or b.ndim < 2:
         return None
-    m, k = a.shape[-2:]
-    k2, n = b.shape[-2:]
     lead_a, lead_b = a.shape[:-2], b.shape[:-2]
-    if k != k2 or k == 0 or (lead_a and lead_b and lead_a != lead_b):
+    if a.shape[-1] != b.shape[-2] or a.shape[-1] == 0 or (lead_a and lead_b and lead_a != lead_b):
         return None
+    m, k = a.shape[-2:]
+    n = b.shape[-1]
     lead = lead_a or lead_b
-    batch = 1
-    for d in lead:
-        batch *= d
     y = np.empty(lead + (m, n), np.float32)
     if y.size == 0:
         return y
-    a_view = _strided(a, lead, -1) if not a.flags.c_contiguous else None
-    b_view = None
-    if not b.flags.c_contiguous:
-        b_view = _strided(b, lead, -1)
-        b_mode = _ROWS
-        if b_view is None:
-            b_view, b_mode = _strided(b, lead, -2), _TRANSPOSED
-    if a_view is None:
-        a_args = (a if a.flags.c_contiguous else np.ascontiguousarray(a), 0, None, m * k if lead_a else 0)
-    else:
-        a_args = (a_view[0], a_view[1], a_view[2], 0)
-    if b.flags.c_contiguous:
-        b_args, b_mode = (b, 0, None, n * k if lead_b else 0), _ROWS
-    elif b_view is None:
-        b_args, b_mode = (np.ascontiguousarray(b), 0, None, n * k if lead_b else 0), _ROWS
-    else:
-        b_args = (b_view[0], b_view[1], b_view[2], 0)
-    _native.sgemm(a_args[0], b_args[0], y, None, m, n, k, _ROWS, b_mode, _BIAS_NONE, 0, 0.0, 0.0,
-                  gemm_threads(batch * m, n, k), batch, a_args[3], b_args[3], 0, a_args[1], b_args[1],
-                  a_args[2], b_args[2])
+    threads = gemm_threads(y.size // n, n, k)
+    if not _native.matmul(a, b, y, threads):
+        _native.matmul(np.ascontiguousarray(a), np.ascontiguousarray(b), y, threads)
     return y
 
 
