@@ -19,6 +19,7 @@ from kiln.runtime.allocator import tune_allocator
 from kiln.runtime.control import if_kernel, loop_kernel
 from kiln.runtime.kernels import cpu
 from kiln.runtime.plan import MemoryEstimate, Plan, PlanBuilder, execute
+from kiln.runtime.specialize import ShapeChanged, Specializer
 from kiln.runtime.threads import ThreadPolicy
 
 _CONTROL = {"If": if_kernel, "Loop": loop_kernel}
@@ -125,22 +126,35 @@ class Program:
         self._copy_out = frozenset(s for s in self.plan.output_slots
                                    if self._template[s] is not None or s in self.plan.input_slots)
         self.metadata = program_metadata(graph)
+        # Plans specialized per input signature: shape computations run once per signature (runtime/specialize.py).
+        specializer = Specializer(self.plan, self._template)
+        self._specializer = specializer if specializer.useful else None
 
     def run(self, inputs: Union[Mapping[str, Any], Sequence[Any]], *, as_list: bool = False):
         """Run on numpy arrays given by name (a dict) or in order; returns a dict by output name
         (or a list with ``as_list``). Inputs are checked before any kernel runs."""
-        arrays = self._check_inputs(inputs)
+        arrays, key = self._signature(inputs)
         if self.memory_budget is not None and self.memory.static is None:
             self._check_memory(arrays)
-        plan = self.plan
-        slots = self._template.copy()
+        plan, template = self.plan, self._template
+        specializer = self._specializer
+        special = specializer.lookup(key) if specializer is not None else None
+        if special is not None and special is not True:
+            plan, template = special.plan, special.template
+        slots = template.copy()
         for s, a in zip(plan.input_slots, arrays):
             slots[s] = a
         self.threads.apply()
         try:
-            execute(plan, slots)
+            if special is True:
+                specializer.build(key, specializer.record(slots))
+            else:
+                execute(plan, slots)
         except KilnError:
             raise
+        except ShapeChanged as e:  # a specialized plan's guard: this call starts over on the generic plan
+            specializer.give_up(key, e)
+            return self.run(inputs, as_list=as_list)
         except Exception as e:  # noqa: BLE001 - re-raised naming the node
             raise _execution_error(plan, slots, e) from e
         outs = []
@@ -155,6 +169,15 @@ class Program:
         return outs if as_list else dict(zip(self._output_names, outs))
 
     __call__ = run
+
+    def _plan_for(self, arrays: list) -> tuple:
+        """(plan, slot template) a run on these checked arrays takes once its signature is specialized (the
+        profiler times what runs)."""
+        if self._specializer is not None:
+            special = self._specializer.specialized(tuple(x for a in arrays for x in (a.shape, a.dtype)))
+            if special is not None:
+                return special.plan, special.template
+        return self.plan, self._template
 
     def estimate_memory(self, inputs: Union[Mapping[str, Any], Sequence[Any], None] = None) -> int:
         """The plan's peak buffer bytes for these inputs (their shapes bind the symbolic dims; none
@@ -195,7 +218,10 @@ class Program:
     ACCEPTED_MAX = 256
 
     def _check_inputs(self, inputs: Union[Mapping[str, Any], Sequence[Any]]) -> list:
-        """check_inputs, with its verdict remembered per input signature (issue 5: at batch 1 the
+        return self._signature(inputs)[0]
+
+    def _signature(self, inputs: Union[Mapping[str, Any], Sequence[Any]]) -> tuple:
+        """(arrays, signature): check_inputs, with its verdict remembered per input signature (issue 5: at batch 1 the
         symbolic shape matching was a visible part of a small model's run).
 
         The signature of exact ndarrays given as a dict holding just the model's input names, or as
@@ -204,7 +230,7 @@ class Program:
         passed once passes again, and the check is skipped. Anything else, and every signature
         not seen yet, takes the full check, which also raises exactly as before. The cache holds
         only immutable keys and is read and written with single dict operations, so concurrent
-        runs share it safely."""
+        runs share it safely. The signature is None for inputs given any other way."""
         names = self._input_names
         given = None
         if type(inputs) is dict:
@@ -217,21 +243,21 @@ class Program:
             if len(inputs) == len(names):
                 given = inputs
         if given is None:
-            return check_inputs(self.inputs, inputs)
+            return check_inputs(self.inputs, inputs), None
         key = []
         for a in given:
             if type(a) is not np.ndarray:
-                return check_inputs(self.inputs, inputs)
+                return check_inputs(self.inputs, inputs), None
             key.append(a.shape)
             key.append(a.dtype)
         key = tuple(key)
         if key in self._accepted:
-            return list(given)
+            return list(given), key
         arrays = check_inputs(self.inputs, inputs)
         if len(self._accepted) >= self.ACCEPTED_MAX:
             self._accepted.clear()
         self._accepted[key] = True
-        return arrays
+        return arrays, key
 
 
 def check_inputs(specs: Sequence[TensorSpec], inputs: Union[Mapping[str, Any], Sequence[Any]]) -> list:

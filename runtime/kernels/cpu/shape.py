@@ -20,7 +20,7 @@ def transpose(node, attrs) -> Callable[..., Any]:
     if fixed is not None:
         view = np.transpose(fixed, perm)
         return lambda x: view
-    return lambda x: np.transpose(x, perm)
+    return lambda x: x.transpose(perm)
 
 
 @kernel("Reshape")
@@ -29,16 +29,33 @@ def reshape(node, attrs) -> Callable[..., Any]:
     allowzero = attrs["allowzero"]
     if target is None:
         # A target computed at run time (Shape -> Gather -> Concat under a dynamic batch): the reference's rule in
-        # one list pass; through the reference's wrapper each of a ViT-style model's 33 Reshapes took 2 us.
+        # one list pass; through the reference's wrapper each of a ViT-style model's 33 Reshapes took 2 us. A
+        # target that is the same read-only array as the last call's (a signature's specialized plan holds its
+        # folded targets that way: runtime/specialize.py) reuses that call's decoded list.
+        last = [(None, None)]
+
         def computed(x, shape):
-            t = shape.tolist()
+            seen, t = last[0]
+            if shape is not seen:
+                t = shape.tolist()
+                if type(shape) is np.ndarray and not shape.flags.writeable:
+                    last[0] = (shape, t)
             if not allowzero and 0 in t:
                 t = [x.shape[i] if s == 0 else s for i, s in enumerate(t)]
             return x.reshape(t)
         return computed
-    if 0 in target and not allowzero:
-        return reference_kernel(node, attrs)
     shape = tuple(int(s) for s in target)
+    if 0 in shape and not allowzero:
+        # 0 copies the input's dim at that index (a -1 elsewhere is then inferred by numpy, as the reference does)
+        zeros = tuple(i for i, s in enumerate(shape) if s == 0)
+
+        def copying_dims(x, unused):
+            t = list(shape)
+            dims = x.shape
+            for i in zeros:
+                t[i] = dims[i]
+            return x.reshape(t)
+        return copying_dims
     return lambda x, unused: x.reshape(shape)
 
 
