@@ -372,6 +372,64 @@ def test_winograd_against_float64(monkeypatch, chunk_bytes):
 
 
 @needs_sgemm
+def test_weights_are_packed_on_the_second_call_and_every_call_answers_the_same_bits(monkeypatch):
+    """Until PACK_AT_CALL a kernel reads its weights as they lie (a fresh process's first run makes no packed
+    copies); from it on, packed ones. The sums are the same in the same order: every call's bits agree."""
+    packs, transforms = [], []
+    real_panels, real_transform = native._panels, native._native.winograd_weights
+    monkeypatch.setattr(native, "_panels", lambda *a: packs.append(a[0].shape) or real_panels(*a))
+    monkeypatch.setattr(native._native, "winograd_weights", lambda *a: transforms.append(1) or real_transform(*a))
+    x = RNG.standard_normal((2, 24, 17, 17)).astype(np.float32)
+    w = RNG.standard_normal((40, 24, 3, 3)).astype(np.float32)
+    b = RNG.standard_normal(40).astype(np.float32)
+    weight = RNG.standard_normal((64, 300)).astype(np.float32)  # nn.Linear's [N, K]
+    rows = RNG.standard_normal((37, 300)).astype(np.float32)
+    kernels = {
+        "gemm conv": (native.gemm_conv2d(w, make_window((3, 3), strides=(2, 2), pads=(1, 1, 1, 1)), b, (1, 0, 0)), x),
+        "1x1 conv": (native.gemm_conv2d(w[:, :, :1, :1].copy(), make_window((1, 1)), None), x),
+        "linear, transposed weight": (native.linear(weight.T, b[:1].repeat(64)), rows),
+        "linear, weight by rows": (native.linear(np.ascontiguousarray(weight.T), None, (2, 0, 0)), rows[:3]),
+    }
+    for name, (kernel, arg) in kernels.items():
+        packs.clear()
+        first = kernel(arg)
+        assert packs == [], name
+        results = [kernel(arg) for _ in range(3)]
+        assert len(packs) == 1, name
+        for r in results:
+            np.testing.assert_array_equal(r, first, err_msg=name)
+    monkeypatch.setattr(native, "WINOGRAD_MIN_TILES", 1)
+    wide = RNG.standard_normal((70, 64, 3, 3)).astype(np.float32)
+    xw = RNG.standard_normal((1, 64, 9, 9)).astype(np.float32)
+    kernel = native.winograd_conv2d(wide, make_window((3, 3), pads=(1, 1, 1, 1)), None)
+    first = kernel(xw)
+    results = [kernel(xw) for _ in range(3)]
+    assert len(transforms) == 2  # a temporary on the first call, the kept one on the second
+    for r in results:
+        np.testing.assert_array_equal(r, first)
+
+
+def _g_rows(g: np.ndarray, axis: int) -> np.ndarray:
+    """G (4x3) along ``axis``: the formula the transformed weights were made with in numpy before the native pass."""
+    g0, g1, g2 = (np.take(g, i, axis=axis) for i in range(3))
+    return np.stack([g0, (g0 + g1 + g2) * 0.5, (g0 - g1 + g2) * 0.5, g2], axis=axis)
+
+
+@needs_native
+@pytest.mark.parametrize("m,c", [(64, 64), (70, 3), (1, 1), (12, 5)])
+def test_winograd_weights_are_numpys_float64_transform_bit_for_bit(m, c):
+    w = RNG.standard_normal((m, c, 3, 3)).astype(np.float32) * 3
+    u = _g_rows(_g_rows(w.astype(np.float64), 2), 3)  # [M, C, 4, 4]: G g, then (G g) G^T
+    u = np.ascontiguousarray(u.transpose(2, 3, 0, 1), np.float32).reshape(16, m, c)
+    want = np.stack([native.pack_rows(u[k]) for k in range(16)])
+    got = np.full(want.shape, np.nan, np.float32)
+    native._native.winograd_weights(w, got, m, c)
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="size does not match"):
+        native._native.winograd_weights(w, got[:15], m, c)
+
+
+@needs_sgemm
 def test_winograd_takes_wide_3x3_convs_and_leaves_small_maps_to_the_gemm(monkeypatch):
     k3 = make_window((3, 3), pads=(1, 1, 1, 1))
     wide = np.zeros((128, 128, 3, 3), np.float32)

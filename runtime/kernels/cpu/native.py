@@ -227,6 +227,33 @@ def pack_cols(b: np.ndarray) -> np.ndarray:
     return _panels(b, SGEMM_NR, False)
 
 
+# Constant operands (a conv's or a Linear layer's weights, Winograd's transformed weights) are packed for the sgemm on
+# a kernel's PACK_AT_CALL-th call, not at load: calls before it read the weights as they lie (mmap'd from the file:
+# the sgemm packs them block by block into its small buffers; Winograd's transform goes into a temporary). Packing
+# every weight at load or on the first run wrote ResNet-18's 46 MB of packed and transformed weights into fresh
+# memory, page-faulted in: 25-90 ms of a fresh process's first run (measured on the 2-core Zen 5, against a
+# 13 ms run). Both ways compute the same sums in the same order, so every call answers the same bits.
+PACK_AT_CALL = 2
+
+
+class _Lazy:
+    """A value made by ``make()`` on the PACK_AT_CALL-th ``get()``; None before it. Two threads may both make it
+    (each gets a right value; one is kept)."""
+
+    __slots__ = ("make", "value", "calls")
+
+    def __init__(self, make: Callable[[], np.ndarray]):
+        self.make, self.value, self.calls = make, None, 0
+
+    def get(self) -> Optional[np.ndarray]:
+        value = self.value
+        if value is None:
+            self.calls += 1
+            if self.calls >= PACK_AT_CALL:
+                value = self.value = self.make()
+        return value
+
+
 def linear(weight: np.ndarray, bias: Optional[np.ndarray], activation: tuple = (0, 0.0, 0.0)) -> Optional[Callable]:
     """``act(x @ weight + bias)`` for float32 ``x`` [..., K] against a constant ``weight`` [K, N] (bias [N] or None;
     ``activation`` (code, alpha, beta), see ``activation_of``) through ``_native.sgemm`` with the weight packed once,
@@ -235,7 +262,12 @@ def linear(weight: np.ndarray, bias: Optional[np.ndarray], activation: tuple = (
             or (bias is not None and (bias.dtype != np.float32 or bias.size != weight.shape[1])):
         return None
     k, n = weight.shape
-    packed = pack_cols(weight)
+    packed = _Lazy(lambda: pack_cols(weight))
+    # until packed (PACK_AT_CALL): the weight as it lies, by rows, or as the transpose of nn.Linear's [N, K]
+    if not weight.flags.c_contiguous and weight.T.flags.c_contiguous:
+        plain, plain_mode = weight.T, _TRANSPOSED
+    else:
+        plain, plain_mode = np.ascontiguousarray(weight), _ROWS
     b = None if bias is None else np.ascontiguousarray(bias, np.float32).reshape(n)
     bias_mode = _BIAS_NONE if b is None else _BIAS_COLS
     sgemm = _native.sgemm
@@ -255,7 +287,11 @@ def linear(weight: np.ndarray, bias: Optional[np.ndarray], activation: tuple = (
         a = np.ascontiguousarray(x, np.float32)
         y = np.empty(lead + (n,), np.float32)
         if m:
-            sgemm(a, packed, y, b, m, n, k, _ROWS, _PACKED, bias_mode, *activation, gemm_threads(m, n, k))
+            w = packed.get()
+            if w is None:
+                sgemm(a, plain, y, b, m, n, k, _ROWS, plain_mode, bias_mode, *activation, gemm_threads(m, n, k))
+            else:
+                sgemm(a, w, y, b, m, n, k, _ROWS, _PACKED, bias_mode, *activation, gemm_threads(m, n, k))
         return y
     return run
 
@@ -319,18 +355,20 @@ def gemm_conv2d(w: np.ndarray, window: Any, bias: Optional[np.ndarray],
     finish = code != 0 or b is not None
     im2col, gemm_out = _native.im2col, _native.gemm_out
     geometry: dict = {}
-    if has_sgemm():
-        packed = pack_rows(w2)
+    lazy = _Lazy(lambda: pack_rows(w2)) if has_sgemm() else None
+    if lazy is not None:
         sgemm = _native.sgemm
 
-        def product(cols: np.ndarray, out: np.ndarray, fused: bool) -> None:
-            """out = cols' product with the weights (+ the bias and activation where ``fused``)."""
+        def product(cols: np.ndarray, out: np.ndarray, fused: bool, packed: Optional[np.ndarray]) -> None:
+            """out = cols' product with the weights (+ the bias and activation where ``fused``): ``packed``, or
+            before they are (PACK_AT_CALL) the weights as they lie."""
             n_cols = cols.shape[1]
             bias_mode = _BIAS_ROWS if fused and b is not None else _BIAS_NONE
-            sgemm(packed, cols, out, b if bias_mode else None, m, n_cols, k, _PACKED, _ROWS, bias_mode,
-                  code if fused else 0, alpha, beta, gemm_threads(m, n_cols, k))
+            sgemm(w2 if packed is None else packed, cols, out, b if bias_mode else None, m, n_cols, k,
+                  _ROWS if packed is None else _PACKED, _ROWS, bias_mode, code if fused else 0, alpha, beta,
+                  gemm_threads(m, n_cols, k))
     else:
-        def product(cols: np.ndarray, out: np.ndarray, fused: bool) -> None:
+        def product(cols: np.ndarray, out: np.ndarray, fused: bool, packed: None) -> None:
             np.matmul(w2, cols, out=out)
             if fused and finish:
                 gemm_out(out, out, b, m, 1, cols.shape[1], code, alpha, beta)
@@ -344,10 +382,11 @@ def gemm_conv2d(w: np.ndarray, window: Any, bias: Optional[np.ndarray],
         if y.size == 0:
             return y
         y3 = y.reshape(n, m, span)
+        packed = None if lazy is None else lazy.get()
         if (kh, kw, sh, sw, pt, pl, oh, ow) == (1, 1, 1, 1, 0, 0, h, wd):  # the columns are the input
             x3 = x.reshape(n, c, span)
             for s in range(n):
-                product(x3[s], y3[s], True)
+                product(x3[s], y3[s], True, packed)
             return y
         chunk = max(1, min(n, -(-MIN_GEMM_COLS // span), GEMM_COLS_BYTES // max(1, k * span * 4)))
         cols = scratch("cols", (k * chunk * span,))
@@ -356,10 +395,10 @@ def gemm_conv2d(w: np.ndarray, window: Any, bias: Optional[np.ndarray],
             part = cols[:k * size * span].reshape(k, size * span)  # the last, smaller chunk: a prefix
             im2col(x[start:start + size], part, size, c, h, wd, kh, kw, sh, sw, dh, dw, pt, pl, oh, ow)
             if size == 1:  # the GEMM writes the output, the bias and activation applied in place
-                product(part, y3[start], True)
+                product(part, y3[start], True, packed)
             else:
                 acc = scratch("acc", (m, size * span))
-                product(part, acc, False)
+                product(part, acc, False, packed)
                 gemm_out(acc, y[start:start + size], b, m, size, span, code, alpha, beta)
         return y
     return run
@@ -380,14 +419,7 @@ WINOGRAD_MIN_CHANNELS = 64
 WINOGRAD_MIN_TILES = 32
 WINOGRAD_BYTES = 8 << 20  # transformed inputs per chunk of samples
 WINOGRAD = os.environ.get("KILN_WINOGRAD", "1").strip().lower() not in ("0", "false", "no", "off")
-# B^T d B and A^T m A are in _native.c; G g G^T is made here, in float64, once per conv
-
-
-def _g_rows(g: np.ndarray, axis: int) -> np.ndarray:
-    """G (4x3: rows g0, (g0 + g1 + g2) / 2, (g0 - g1 + g2) / 2, g2) applied along ``axis`` of size 3, as adds
-    (an einsum over ResNet-18's 512-channel weights took 50 ms at load)."""
-    g0, g1, g2 = (np.take(g, i, axis=axis) for i in range(3))
-    return np.stack([g0, (g0 + g1 + g2) * 0.5, (g0 - g1 + g2) * 0.5, g2], axis=axis)
+# B^T d B, A^T m A and G g G^T (in double, once per conv, on its first Winograd call) are in _native.c
 
 
 def _unaliased(floats: int) -> int:
@@ -415,14 +447,14 @@ def winograd_conv2d(w: np.ndarray, window: Any, bias: Optional[np.ndarray],
     differs from the direct sum's by a few float32 ulps of the inputs' scale (tested against float64)."""
     m, c = w.shape[:2]
     b = None if bias is None else np.ascontiguousarray(bias, dtype=np.float32).reshape(-1)
-    transformed: list = []  # the packed G g G^T, made on first use (a map too small for Winograd never needs it)
+    w32 = np.ascontiguousarray(w, np.float32)
 
-    def weights() -> np.ndarray:
-        if not transformed:
-            u = _g_rows(_g_rows(w.astype(np.float64), 2), 3)  # [M, C, 4, 4]: G g, then (G g) G^T
-            u = np.ascontiguousarray(u.transpose(2, 3, 0, 1), np.float32).reshape(16, m, c)
-            transformed.append(np.stack([pack_rows(u[k]) for k in range(16)]))
-        return transformed[0]
+    def transform() -> np.ndarray:  # G g G^T of each kernel, packed for the 16 products, in one native pass
+        u = np.empty((16, -(-m // SGEMM_MR), c, SGEMM_MR), np.float32)
+        _native.winograd_weights(w32, u, m, c)
+        return u
+    # kept from the PACK_AT_CALL-th call on; a temporary before (a map too small for Winograd never makes it)
+    transformed = _Lazy(transform)
     code, alpha, beta = activation
     sgemm, transform_in, transform_out = _native.sgemm, _native.winograd_input, _native.winograd_output
     geometry: dict = {}
@@ -441,6 +473,9 @@ def winograd_conv2d(w: np.ndarray, window: Any, bias: Optional[np.ndarray],
         y = np.empty((n, m, oh, ow), np.float32)
         if y.size == 0:
             return y
+        packed = transformed.get()
+        if packed is None:
+            packed = transform()
         for start in range(0, n, chunk):
             size = min(chunk, n - start)
             tiles = size * th * tw
@@ -448,7 +483,6 @@ def winograd_conv2d(w: np.ndarray, window: Any, bias: Optional[np.ndarray],
             v = scratch("tiles", (16, kv))
             transform_in(x[start:start + size], v, size, c, h, wd, pt, pl, th, tw, kv)
             prod = scratch("products", (16, km))
-            packed = weights()
             sgemm(packed, v, prod, None, m, tiles, c, _PACKED, _ROWS, _BIAS_NONE, 0, 0.0, 0.0,
                   gemm_threads(16 * m, tiles, c), 16, packed[0].size, kv, km)
             transform_out(prod, y[start:start + size], b, size, m, oh, ow, th, tw, code, alpha, beta, km)
