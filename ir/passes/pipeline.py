@@ -128,8 +128,11 @@ OPTIMIZED_PROP = "kiln.optimized"
 def fingerprint(graph: Graph) -> str:
     """A hash of what the passes act on: every node's op, attributes and input/output names, in order, and
     the graph inputs, outputs and initializers (name, dtype, shape)."""
-    import hashlib
-    h = hashlib.blake2b(digest_size=16)
+    try:  # the built-in module hashlib's blake2b is: importing hashlib loads OpenSSL (3 ms of a cold start)
+        from _blake2 import blake2b
+    except ImportError:  # pragma: no cover - a Python built without it
+        from hashlib import blake2b
+    h = blake2b(digest_size=16)
     for g in graph.all_graphs():
         h.update(repr([(v.name, str(v.type)) for v in g.inputs]).encode())
         h.update(repr([(v.name, str(v.type)) for v in g.initializers.values()]).encode())
