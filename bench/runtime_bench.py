@@ -256,15 +256,19 @@ def cold_start(folder: Path, runs: int = 5) -> dict:
     # sandbox sets PYTHONDONTWRITEBYTECODE, which made every kiln cold start compile kiln's sources: ~115 ms),
     # and one untimed process per runtime writes it first.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    for name, code in scripts.items():
+    samples: dict = {name: [] for name in scripts}
+    for code in scripts.values():
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-        samples = []
-        for _ in range(runs):
+    # The runtimes' processes alternate (kiln, ORT, kiln, ...): this VM's slow phases last tens of seconds, and a
+    # block of one runtime's processes then another's had the ratio move 0.57 -> 0.73 between two runs.
+    for _ in range(runs):
+        for name, code in scripts.items():
             time.sleep(PAUSE)
             t = time.perf_counter()
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-            samples.append((time.perf_counter() - t, *map(float, out.stdout.split()[-3:])))
-        result[name] = tuple(statistics.median(col) for col in zip(*samples))
+            samples[name].append((time.perf_counter() - t, *map(float, out.stdout.split()[-3:])))
+    for name in scripts:
+        result[name] = tuple(statistics.median(col) for col in zip(*samples[name]))
         print(f"cold start {name}: process {result[name][0] * 1e3:.0f} ms (import, load, run: "
               + ", ".join(f"{v * 1e3:.0f}" for v in result[name][1:]) + " ms)", flush=True)
     return result

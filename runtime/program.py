@@ -445,7 +445,7 @@ def _load(model, device: str, *, optimize: bool, backend: str, threads: Optional
             raise KilnError(f"weights= takes 'int8' (weight-only int8 for MatMul/Gemm), not {weights!r}")
         from kiln.ir.passes.precision import quantize_gemm_weights
         quantize_gemm_weights(graph)
-    if not cuda:
+    if not cuda and graph.metadata.props.get("kiln.precision") in ("fp16", "bf16"):  # precision.PRECISION_PROP
         from kiln.ir.passes.precision import upcast_to_float32
         upcast_to_float32(graph)  # a half model computes in float32 on the CPU (see load's docstring)
     if optimize:

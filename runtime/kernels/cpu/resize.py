@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from kiln.ir.ops.resize import DEFAULTS, AxisTaps, ResizePlan, fill_outside, resize_plan, saturate
-from kiln.runtime.kernels.cpu import kernel, reference_kernel
+from kiln.runtime.kernels.cpu import reference_kernel
 from kiln.runtime.kernels.cpu.linalg import const_input, input_dtype
 
 MAX_PERIOD = 8
@@ -236,7 +236,6 @@ def run_program(prog: _Program, x: np.ndarray, extrapolation_value: float) -> np
     return y if y.dtype == x.dtype else saturate(y, x.dtype)
 
 
-@kernel("Resize")
 def resize(node, attrs) -> Callable[..., Any]:
     dt = input_dtype(node)
     attrs = {**DEFAULTS, **attrs}
