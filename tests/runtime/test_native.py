@@ -70,9 +70,9 @@ def test_direct_conv_equals_the_reference(monkeypatch, x_shape, w_shape, attrs, 
     real = native._native
 
     class Spy:  # the C entry point, counted: the Program must take the native kernel for every case
-        def direct_conv2d(self, *args):
-            calls.append(args[20])  # threads (then the activation code and its parameters)
-            return real.direct_conv2d(*args)
+        def direct_conv2d_fast(self, *args):
+            calls.append(args[5])  # threads (after the geometry tuple; then the activation code and its parameters)
+            return real.direct_conv2d_fast(*args)
     monkeypatch.setattr(native, "_native", Spy())
     got = Program(g).run(feeds, as_list=True)[0]
     want = evaluate(g, feeds)[0]
@@ -222,6 +222,16 @@ def test_entry_point_refuses_what_does_not_match():
         _native.direct_conv2d(x, w, None, np.zeros((1, 2, 3, 3), np.float32), *args)
     with pytest.raises(ValueError, match="out of range"):
         _native.direct_conv2d(x, w, None, y, *args[:9], 3, *args[10:])  # 2 channels in 3 groups
+    # the vectorcall entry: the same checks, its sizes as one tuple
+    _native.direct_conv2d_fast(x, w, None, y, args[:16], 1, 0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="does not match"):
+        _native.direct_conv2d_fast(x, w, None, np.zeros((1, 2, 3, 3), np.float32), args[:16], 1, 0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="out of range"):
+        _native.direct_conv2d_fast(x, w, None, y, (*args[:9], 3, *args[10:16]), 1, 0, 0.0, 0.0)
+    with pytest.raises(ValueError, match="unknown activation"):
+        _native.direct_conv2d_fast(x, w, None, y, args[:16], 1, 99, 0.0, 0.0)
+    with pytest.raises(TypeError, match="16 ints"):
+        _native.direct_conv2d_fast(x, w, None, y, args[:15], 1, 0, 0.0, 0.0)
 
 
 def test_kiln_native_0_turns_it_off_and_kiln_info_says_so():

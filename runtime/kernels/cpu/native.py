@@ -141,25 +141,30 @@ def direct_conv2d(w: np.ndarray, window: Any, group: int, bias: Optional[np.ndar
     m, cpg, kh, kw = w.shape
     taps = cpg * kh * kw
     (sh, sw), (dh, dw) = window.strides, window.dilations
-    conv = _native.direct_conv2d
-
-    geometry: dict = {}  # (h, w) -> (pad top, pad left, oh, ow): the IR's rules, once per input size
+    conv = _native.direct_conv2d_fast
+    code, alpha, beta = activation
+    alpha, beta = float(alpha), float(beta)
+    # input shape -> (output shape, the extension's 16 sizes, multiply-adds): the IR's geometry rules once per input
+    # size, and one tuple per call instead of 25 arguments to parse
+    geometry: dict = {}
 
     def run(x: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x, dtype=np.float32)  # native byte order, C order
-        n, c, h, wd = x.shape
-        g = geometry.get((h, wd))
+        if type(x) is not np.ndarray or x.dtype != np.float32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=np.float32)  # native byte order, C order
+        g = geometry.get(x.shape)
         if g is None:
+            n, c, h, wd = x.shape
             begin, _, _ = static_pads(window, (h, wd))
-            g = (begin[0], begin[1], *window_out_shape(window, (h, wd)))
+            oh, ow = window_out_shape(window, (h, wd))
+            g = ((n, m, oh, ow), (n, c, h, wd, m, oh, ow, kh, kw, group, sh, sw, dh, dw, begin[0], begin[1]),
+                 n * m * oh * ow * taps)
             if len(geometry) > 64:  # many sizes (dynamic spatial dims): keep the cache bounded
                 geometry.clear()
-            geometry[(h, wd)] = g
-        pt, pl, oh, ow = g
-        y = np.empty((n, m, oh, ow), np.float32)
-        if y.size:
-            threads = min(MAX_THREADS, kernel_threads(), max(1, y.size * taps // MACS_PER_THREAD))
-            conv(x, w, b, y, n, c, h, wd, m, oh, ow, kh, kw, group, sh, sw, dh, dw, pt, pl, threads, *activation)
+            geometry[x.shape] = g
+        y = np.empty(g[0], np.float32)
+        if g[2]:
+            conv(x, w, b, y, g[1], min(MAX_THREADS, kernel_threads(), max(1, g[2] // MACS_PER_THREAD)), code, alpha,
+                 beta)
         return y
     return run
 
