@@ -329,9 +329,9 @@ def overhead_text(o: dict) -> str:
 def cold_text(c: dict) -> str:
     def parts(v: tuple) -> str:
         return f"{v[0] * 1e3:.0f} ms (import {v[1] * 1e3:.0f}, load {v[2] * 1e3:.0f}, first run {v[3] * 1e3:.0f})"
-    return (f"Cold start, ResNet-18 1x3x224x224, median of {c['runs']} fresh processes (`python -c`: import, "
-            f"load the file, run once; whole process, then its parts; bytecode cached, as a pip install leaves it, "
-            f"by an untimed first process): kiln {parts(c['kiln'])}; onnxruntime "
+    return (f"Cold start, ResNet-18 1x3x224x224, median of {c['runs']} fresh processes per runtime, kiln's and "
+            f"onnxruntime's alternating (`python -c`: import, load the file, run once; whole process, then its parts; "
+            f"bytecode cached, as a pip install leaves it, by an untimed first process): kiln {parts(c['kiln'])}; onnxruntime "
             f"{parts(c['ort'])}; kiln/ORT {c['kiln'][0] / c['ort'][0]:.2f}.")
 
 
