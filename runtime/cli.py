@@ -504,6 +504,10 @@ def _bench(args: argparse.Namespace, ort: bool, status: "StatusLine") -> int:
     print(format_latency(times, len(warm)))
     if gpu:
         print(f"runs     {_cuda_runs(program)}")
+    elif not ort:
+        plan = _specialized_plan(program, inputs)
+        if plan:
+            print(plan)
     if args.profile or args.trace:
         from kiln.runtime.profile import format_profile, profile_program, write_trace
 
@@ -524,6 +528,19 @@ def _bench(args: argparse.Namespace, ort: bool, status: "StatusLine") -> int:
             print(f"\ntrace    {args.trace}: {trace_runs} runs, {n} events; open it at https://ui.perfetto.dev "
                   "or chrome://tracing" + ("; the GPU's CUDA-event times are on the 'GPU stream' track" if gpu else ""))
     return 0
+
+
+def _specialized_plan(program, inputs: dict) -> str:
+    """A 'plan' line when the timed runs took a plan specialized to these input shapes (runtime/specialize.py)."""
+    specializer = getattr(program, "_specializer", None)
+    if specializer is None:
+        return ""
+    arrays = program._check_inputs(inputs)
+    special = specializer.specialized(tuple(x for a in arrays for x in (a.shape, a.dtype)))
+    if special is None:
+        return ""
+    return (f"plan     specialized to these input shapes from the second run: {len(special.plan.instructions)} "
+            f"instructions, {special.folded} folded (shape computations and constants)")
 
 
 def _cuda_runs(program) -> str:

@@ -39,6 +39,7 @@ def plain(program: Program) -> Program:
     other.__dict__.update(program.__dict__)
     other.plan = builder.build(program.graph, inplace=False)
     other._template = builder.template
+    other._specializer = None  # the generic plan on every run (the program's own specializes from its second)
     return other
 
 

@@ -62,6 +62,7 @@ def without_release(program: Program) -> Program:
     keeper.__dict__.update(program.__dict__)
     keeper.plan = dataclasses.replace(program.plan, instructions=[
         dataclasses.replace(i, release=()) for i in program.plan.instructions])
+    keeper._specializer = None  # its runs take this plan, never one specialized from the original's
     return keeper
 
 

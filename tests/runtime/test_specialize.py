@@ -199,3 +199,13 @@ def test_a_traced_dynamic_batch_model_is_specialized(tmp_path):
         slots = list(special.template)
         slots[special.plan.input_slots[0]] = np.zeros((batch, 5, 16), np.float32)
         execute(special.plan, slots)  # the plan runs on its own (no generic step needed)
+
+
+def test_kiln_bench_says_when_its_runs_took_a_specialized_plan(tmp_path, capsys):
+    from kiln.cli import main
+    path = kiln.save(attention_reshapes(), tmp_path / "reshapes.kiln")
+    assert main(["bench", str(path), "--batch", "2", "--dim", "seq=3", "--warmup", "1", "--repeat", "3"]) == 0
+    plan = [line for line in capsys.readouterr().out.splitlines() if line.startswith("plan ")]
+    assert len(plan) == 1 and "specialized to these input shapes" in plan[0]
+    special = [int(w) for w in plan[0].replace(",", " ").split() if w.isdigit()]
+    assert special[0] < len(Program(attention_reshapes()).plan.instructions) and special[1] >= 8
