@@ -34,7 +34,7 @@ from typing import Any, Optional
 import numpy as np
 
 from kiln.ir.passes.fold_constants import SHAPE_ONLY_INPUTS
-from kiln.runtime.plan import _BINARY, _TERNARY, _UNARY, Instruction, Plan
+from kiln.runtime.plan import Instruction, Plan, execute
 
 # A recorded value over this many bytes is not folded (nor anything computed from it): a mask built from a
 # shape may be large, and each specialized plan keeps its own.
@@ -44,6 +44,15 @@ FOLD_MAX_BYTES = 1 << 20
 SIGNATURES_MAX = 64
 # Which sighting of a signature records its values (and builds its plan): the second.
 RECORD_AT = 2
+
+
+class _OneStep:
+    """A plan of one step for ``execute`` (its loop, run one instruction at a time by ``Specializer.record``)."""
+
+    __slots__ = ("steps",)
+
+    def __init__(self):
+        self.steps = [None]
 
 
 class ShapeChanged(Exception):
@@ -104,27 +113,14 @@ class Specializer:
         does, keeping each candidate's input shapes and outputs (made read-only): what ``build`` folds."""
         captured = {}
         candidates = self.candidates
+        one = _OneStep()
         for i, (ins, (kernel, inputs, outputs, release, kind)) in enumerate(zip(self.plan.instructions,
                                                                                   self.plan.steps)):
             shapes = None
             if i in candidates:
                 shapes = tuple(getattr(slots[s], "shape", None) if s >= 0 else None for s in ins.inputs)
-            if kind == _BINARY:
-                a, b = inputs
-                slots[outputs] = kernel(slots[a], slots[b])
-            elif kind == _UNARY:
-                slots[outputs] = kernel(slots[inputs])
-            elif kind == _TERNARY:
-                a, b, c = inputs
-                slots[outputs] = kernel(slots[a], slots[b], slots[c])
-            else:
-                args = [slots[s] for s in inputs]
-                result = kernel(slots, *args) if kind >= 2 else kernel(*args)
-                if kind & 1:
-                    for s, r in zip(outputs, result):
-                        slots[s] = r
-                else:
-                    slots[outputs] = result
+            one.steps[0] = (kernel, inputs, outputs, (), kind)  # execute's own dispatch, releases after the capture
+            execute(one, slots)
             if shapes is not None:
                 outs = tuple(slots[s] for s in ins.outputs)
                 for v in outs:
