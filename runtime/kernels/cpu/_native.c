@@ -656,11 +656,17 @@ typedef struct {
 
 __attribute__((target("avx512f"))) static inline void gemm_tile(Py_ssize_t kc, const float *restrict a,
                                                               const float *restrict b, float *c, Py_ssize_t ldc,
-                                                              int accumulate, Py_ssize_t rows, Py_ssize_t cols) {
+                                                              int accumulate, Py_ssize_t rows, Py_ssize_t cols,
+                                                              const float *pf) {
     __m512 acc[GEMM_MR][2];
 #pragma GCC unroll 12
     for (int r = 0; r < GEMM_MR; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (Py_ssize_t q = 0; q < kc; q++) {
+        if (pf && (q & 3) == 0) {  /* the next A panel from memory, 3 lines every 4 steps (its 48 floats) */
+            _mm_prefetch((const char *)(pf + q * GEMM_MR), _MM_HINT_T0);
+            _mm_prefetch((const char *)(pf + q * GEMM_MR + 16), _MM_HINT_T0);
+            _mm_prefetch((const char *)(pf + q * GEMM_MR + 32), _MM_HINT_T0);
+        }
         const __m512 b0 = _mm512_loadu_ps(b + q * GEMM_NR), b1 = _mm512_loadu_ps(b + q * GEMM_NR + 16);
         const float *aq = a + q * GEMM_MR;
 #pragma GCC unroll 12
@@ -777,7 +783,9 @@ __attribute__((target("avx512f"))) static void gemm_product(const gemm_job *j) {
                         const float *apanel = ap ? ap + ((i0 - ic) / GEMM_MR) * kc * GEMM_MR
                                                  : j->a + ((i0 / GEMM_MR) * j->k + pc) * GEMM_MR;
                         float *c = j->c + i0 * j->n + j0;
-                        if (rows == GEMM_MR) gemm_tile(kc, apanel, bpanel, c, j->n, pc > 0, rows, w);
+                        /* packed A streams from memory on the first column panel: its next panel is prefetched */
+                        const float *pf = !ap && p == 0 && i0 + 2 * GEMM_MR <= ic + mc ? apanel + j->k * GEMM_MR : NULL;
+                        if (rows == GEMM_MR) gemm_tile(kc, apanel, bpanel, c, j->n, pc > 0, rows, w, pf);
                         else gemm_tiles_short[rows](kc, apanel, bpanel, c, j->n, pc > 0, rows, w);
                         if (!last || (j->bias_mode == BIAS_NONE && j->act == ACT_NONE)) continue;
                         for (Py_ssize_t r = 0; r < rows; r++) {
