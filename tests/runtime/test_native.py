@@ -199,7 +199,12 @@ def test_which_convs_go_direct():
     k1 = make_window((1, 1))
     assert native.covers_conv(np.float32, w((32, 1, 3, 3), np.float32), k3, 32)  # depthwise
     assert native.covers_conv(np.float32, w((16, 3, 3, 3), np.float32), k3, 1)  # the stem, 27 taps
-    assert not native.covers_conv(np.float32, w((16, 4, 3, 3), np.float32), k3, 1)  # 36 taps: the GEMM's
+    assert native.DIRECT_MAX_TAPS == (200 if native._native.has_sgemm else 27)  # AVX-512 tiles take more
+    few = native.DIRECT_MAX_TAPS // 9
+    assert native.covers_conv(np.float32, w((16, few, 3, 3), np.float32), k3, 1)
+    assert not native.covers_conv(np.float32, w((16, few + 1, 3, 3), np.float32), k3, 1)  # the GEMM's
+    k7 = make_window((7, 7), strides=(2, 2), pads=(3, 3, 3, 3))  # ResNet's stem: 147 taps
+    assert native.covers_conv(np.float32, w((64, 3, 7, 7), np.float32), k7, 1) == bool(native._native.has_sgemm)
     assert native.covers_conv(np.float32, w((64, 24, 1, 1), np.float32), k1, 1)
     assert not native.covers_conv(np.float32, w((64, 48, 1, 1), np.float32), k1, 1)
     assert not native.covers_conv(np.float64, w((32, 1, 3, 3), np.float64), k3, 32)  # float32 only
@@ -314,7 +319,7 @@ def test_what_is_not_fused():
     h.outputs = [h.op("Clip", y, lo)]
     assert [n.op for n in kiln.load(h).graph.nodes] == ["Conv", "Clip"]
     # a grouped conv past the direct kernel's taps stays numpy's GEMM's, unfused
-    assert [n.op for n in kiln.load(conv_act_graph("Relu", x_shape=(2, 8, 11, 11), w_shape=(8, 4, 3, 3),
+    assert [n.op for n in kiln.load(conv_act_graph("Relu", x_shape=(2, 64, 11, 11), w_shape=(8, 32, 3, 3),
                                                    group=2)).graph.nodes] == \
         ["Conv", "Relu"]
 

@@ -202,7 +202,7 @@ def test_gemm_conv_chunks_samples_of_small_maps(monkeypatch):
                                    rtol=1e-4, atol=1e-4)
 
 
-def conv_relu_graph(c=16, m=24):
+def conv_relu_graph(c=32, m=24):  # 288 taps: past the direct kernels, a GEMM convolution
     g = Graph("conv_relu")
     x = g.add_input("x", "float32", ["batch", c, 12, 12])
     w = g.add_initializer("w", RNG.standard_normal((m, c, 3, 3)).astype(np.float32))
@@ -223,7 +223,7 @@ def test_a_gemm_conv_and_its_activation_run_as_one_native_kernel(monkeypatch):
     g = conv_relu_graph()
     p = kiln.load(g)
     assert [n.op for n in p.graph.nodes] == ["FusedEpilogue"] and calls == [(1, 0.0, 0.0)]
-    x = RNG.standard_normal((3, 16, 12, 12)).astype(np.float32)
+    x = RNG.standard_normal((3, 32, 12, 12)).astype(np.float32)
     np.testing.assert_allclose(p.run({"x": x}, as_list=True)[0], evaluate(g, {"x": x})[0], rtol=1e-4, atol=1e-4)
 
 

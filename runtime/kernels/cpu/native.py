@@ -50,9 +50,14 @@ else:
         UNAVAILABLE = f"not built at install, reinstall with a C compiler present ({e})"
 
 # Dense convs with at most this many multiply-adds per output go direct, 1x1 convs with at most this many input
-# channels per group; the GEMM is faster past them (measured on a 2-core EPYC, AVX2: the 3-channel 3x3 stem (27)
-# 1.7x faster direct; 1x1 over 16-24 channels 1.2-1.5x, over 48 and more 0.5-1.0x; bench/RESULTS.md, issue 24).
-DIRECT_MAX_TAPS = 27
+# channels per group; the GEMM is faster past them. Measured on a 2-core EPYC, AVX2: the 3-channel 3x3 stem (27)
+# 1.7x faster direct; 1x1 over 16-24 channels 1.2-1.5x, over 48 and more 0.5-1.0x (bench/RESULTS.md, issue 24).
+# With the AVX-512 tiles (2-core Zen 5, ms GEMM / direct, batch 1): ResNet's 7x7 stem over 3 channels (147 taps)
+# 0.88 / 0.69 (b8 7.9 / 5.6), 5x5 over 3 (75) 0.34 / 0.19, 3x3 over 8 (72) 0.27 / 0.17, over 12 (108) 0.10 / 0.06,
+# over 16 (144) 0.20 / 0.19 and 0.16 / 0.13 (stride 2), 5x5 over 8 (200) 0.26 / 0.25; past it the GEMM wins or ties
+# (3x3 over 24 (216): 0.27 / 0.28, stride 2 0.11 / 0.15; over 32 (288) 0.36 / 0.36, 0.17 / 0.19). Without AVX-512
+# (the 8-float tiles) only the first measurement stands: 27.
+DIRECT_MAX_TAPS = 200 if _native is not None and _native.has_sgemm else 27
 DIRECT_MAX_POINTWISE = 24
 # A thread per this many multiply-adds at most. The threads are the sgemm's pool (kept, spinning briefly between
 # calls), so a second one costs microseconds, not the ~20-30 us a thread created per call did. 1 << 18 left
