@@ -532,11 +532,7 @@ def _bench(args: argparse.Namespace, ort: bool, status: "StatusLine") -> int:
 
 def _specialized_plan(program, inputs: dict) -> str:
     """A 'plan' line when the timed runs took a plan specialized to these input shapes (runtime/specialize.py)."""
-    specializer = getattr(program, "_specializer", None)
-    if specializer is None:
-        return ""
-    arrays = program._check_inputs(inputs)
-    special = specializer.specialized(tuple(x for a in arrays for x in (a.shape, a.dtype)))
+    special = program._specialized(program._check_inputs(inputs)) if hasattr(program, "_specialized") else None
     if special is None:
         return ""
     return (f"plan     specialized to these input shapes from the second run: {len(special.plan.instructions)} "

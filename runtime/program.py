@@ -19,7 +19,7 @@ from kiln.runtime.allocator import tune_allocator
 from kiln.runtime.control import if_kernel, loop_kernel
 from kiln.runtime.kernels import cpu
 from kiln.runtime.plan import MemoryEstimate, Plan, PlanBuilder, execute
-from kiln.runtime.specialize import ShapeChanged, Specializer
+from kiln.runtime.specialize import ShapeChanged, Specialized, Specializer, signature
 from kiln.runtime.threads import ThreadPolicy
 
 _CONTROL = {"If": if_kernel, "Loop": loop_kernel}
@@ -170,14 +170,14 @@ class Program:
 
     __call__ = run
 
+    def _specialized(self, arrays: list) -> Optional[Specialized]:
+        """The plan specialized to these checked arrays' signature, if one was made (runtime/specialize.py)."""
+        return None if self._specializer is None else self._specializer.specialized(signature(arrays))
+
     def _plan_for(self, arrays: list) -> tuple:
-        """(plan, slot template) a run on these checked arrays takes once its signature is specialized (the
-        profiler times what runs)."""
-        if self._specializer is not None:
-            special = self._specializer.specialized(tuple(x for a in arrays for x in (a.shape, a.dtype)))
-            if special is not None:
-                return special.plan, special.template
-        return self.plan, self._template
+        """(plan, slot template) a run on these checked arrays takes (the profiler times what runs)."""
+        special = self._specialized(arrays)
+        return (self.plan, self._template) if special is None else (special.plan, special.template)
 
     def estimate_memory(self, inputs: Union[Mapping[str, Any], Sequence[Any], None] = None) -> int:
         """The plan's peak buffer bytes for these inputs (their shapes bind the symbolic dims; none
@@ -244,13 +244,10 @@ class Program:
                 given = inputs
         if given is None:
             return check_inputs(self.inputs, inputs), None
-        key = []
         for a in given:
             if type(a) is not np.ndarray:
                 return check_inputs(self.inputs, inputs), None
-            key.append(a.shape)
-            key.append(a.dtype)
-        key = tuple(key)
+        key = signature(given)
         if key in self._accepted:
             return list(given), key
         arrays = check_inputs(self.inputs, inputs)

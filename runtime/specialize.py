@@ -162,12 +162,27 @@ def _candidates(plan: Plan, template: list) -> frozenset:
         schema = getattr(node, "schema", None)
         if ins.with_slots or schema is None or not schema.foldable or schema.has_subgraphs or not ins.inputs:
             continue
-        shape_only = SHAPE_ONLY_INPUTS.get(node.op, ()) if node.domain == "" else ()
+        shape_only = _shape_only(node)
         if all(s < 0 or template[s] is not None or s in folded or j in shape_only
                for j, s in enumerate(ins.inputs)):
             found.append(i)
             folded.update(ins.outputs)
     return frozenset(found)
+
+
+def signature(arrays: list) -> tuple:
+    """The key of a run on these checked arrays: their shapes and dtypes in input order (``Program._signature``'s;
+    on every run's path: a loop of appends, 0.1 us, where a generator took 0.26)."""
+    key = []
+    for a in arrays:
+        key.append(a.shape)
+        key.append(a.dtype)
+    return tuple(key)
+
+
+def _shape_only(node: Any) -> tuple:
+    """The inputs of ``node`` whose shape alone it reads (``Shape``, ``Size``)."""
+    return SHAPE_ONLY_INPUTS.get(node.op, ()) if node.domain == "" else ()
 
 
 def _foldable_value(v: Any) -> bool:
@@ -197,8 +212,7 @@ def _specialize(plan: Plan, template: list, candidates: frozenset, captured: dic
         fold = False
         if got is not None:
             shapes, outs = got
-            node = ins.node
-            shape_only = SHAPE_ONLY_INPUTS.get(node.op, ()) if node.domain == "" else ()
+            shape_only = _shape_only(ins.node)
             fold = all(_foldable_value(v) for v in outs) and all(
                 s < 0 or template[s] is not None or s in folded or (j in shape_only and shapes[j] is not None)
                 for j, s in enumerate(ins.inputs))

@@ -298,14 +298,10 @@ def linear(weight: np.ndarray, bias: Optional[np.ndarray], activation: tuple = (
         y = np.empty(lead + (n,), np.float32)
         if m:
             w = packed.get()
-            if w is None:
-                sgemm(a, plain, y, b, m, n, k, _ROWS, plain_mode, bias_mode, *activation, gemm_threads(m, n, k))
-            else:
-                sgemm(a, w, y, b, m, n, k, _ROWS, _PACKED, bias_mode, *activation, gemm_threads(m, n, k))
+            sgemm(a, plain if w is None else w, y, b, m, n, k, _ROWS, plain_mode if w is None else _PACKED, bias_mode,
+                  *activation, gemm_threads(m, n, k))
         return y
     return run
-
-
 
 
 def matmul(a: np.ndarray, b: np.ndarray) -> Optional[np.ndarray]:
