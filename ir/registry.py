@@ -158,6 +158,17 @@ class OpSchema:
 
 
 _REGISTRY: dict[tuple[str, str], list[OpSchema]] = {}
+_ALL_LOADED: list = []  # [True] once every built-in op module is imported (load_all_ops)
+
+
+def load_all_ops() -> None:
+    """Import every built-in op module. The common families come with ``kiln.ir``; the rest
+    (``kiln.ir.ops.EXTRA``) on the first lookup the registry cannot answer, or here, before
+    anything lists the registered ops."""
+    if not _ALL_LOADED:
+        from kiln.ir.ops import load_extra
+        load_extra()
+        _ALL_LOADED.append(True)
 
 
 def _as_param(p: "In | str") -> In:
@@ -210,7 +221,9 @@ class OpsWith(AbstractSet):
 
     def _get(self) -> frozenset:
         if self._names is None:
-            import kiln.ir.ops  # noqa: F401 - every built-in op registered
+            # The common op families only: no op of kiln.ir.ops.EXTRA declares a trait (tested), so
+            # these sets are whole without importing them.
+            import kiln.ir.ops  # noqa: F401
             self._names = frozenset(name for (domain, name), versions in _REGISTRY.items()
                                     if domain == ONNX_DOMAIN and any(self.trait in s.traits for s in versions))
         return self._names
@@ -251,6 +264,9 @@ def register(schema: OpSchema) -> OpSchema:
 def get_schema(name: str, domain: str = ONNX_DOMAIN, version: Optional[int] = None) -> OpSchema:
     """The schema of ``name`` in effect at opset ``version`` (newest registered <= version)."""
     versions = _REGISTRY.get((domain, name))
+    if not versions and not _ALL_LOADED:
+        load_all_ops()
+        versions = _REGISTRY.get((domain, name))
     if not versions:
         qual = f"{domain}.{name}" if domain else name
         import difflib  # the error path only
@@ -270,11 +286,15 @@ def get_schema(name: str, domain: str = ONNX_DOMAIN, version: Optional[int] = No
 
 
 def has_op(name: str, domain: str = ONNX_DOMAIN) -> bool:
+    if (domain, name) in _REGISTRY:
+        return True
+    load_all_ops()
     return (domain, name) in _REGISTRY
 
 
 def all_schemas() -> list[OpSchema]:
     """The newest schema of every registered op, sorted by qualified name."""
+    load_all_ops()
     return sorted((v[-1] for v in _REGISTRY.values()), key=lambda s: s.qualified_name)
 
 
@@ -345,4 +365,4 @@ def normalize_inferred(ctx: InferContext, result: Any) -> list[Optional[TensorTy
 
 Dims = tuple  # tuple[Dim, ...]: used in inference helper signatures
 __all__ = ["AttrKind", "Attr", "In", "Out", "REQUIRED", "OpSchema", "op", "register", "get_schema",
-           "has_op", "all_schemas", "all_op_names", "InferContext", "ONNX_DOMAIN", "KILN_DOMAIN", "Dim"]
+           "has_op", "all_schemas", "all_op_names", "load_all_ops", "InferContext", "ONNX_DOMAIN", "KILN_DOMAIN", "Dim"]

@@ -1,22 +1,39 @@
-"""The registered op set. Importing this package registers every op, one module per family."""
+"""The registered op set, one module per family.
+
+Importing this package registers the common families. The rest (``EXTRA``: op sets few models use) are
+imported on the registry's first lookup of an op it does not have yet, or before it lists every op
+(``kiln.ir.registry.load_all_ops``): a process that loads and runs a ResNet or a BERT does not pay for
+parsing and registering DFT, NonMaxSuppression or LSTM (about a quarter of the op set's import time).
+"""
+import importlib
+
 from kiln.ir.ops import (  # noqa: F401
     activation, control, elementwise, indexing, layout, linalg, logic, nn, normalization, pool, reduce, shape,
     tensor)
 from kiln.ir.ops import fused  # noqa: F401,E402  (kiln.FusedElementwise: the fusion pass's op)
-from kiln.ir.ops import quant  # noqa: F401,E402  (DequantizeLinear: int8 weights of packed mobile files)
 from kiln.ir.ops import assertion  # noqa: F401,E402  (kiln.Assert: run-time checks from scripted `assert`)
 from kiln.ir.ops import guard  # noqa: F401,E402  (kiln.Guard: what a trace leaves where the model read tensor data)
-from kiln.ir.ops import resize  # noqa: F401,E402  (Resize: ONNX Resize-19, issue 15)
-from kiln.ir.ops import attention  # noqa: F401,E402  (Attention: ai.onnx's Attention-23..25)
-from kiln.ir.ops import loss  # noqa: F401,E402  (SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss)
-from kiln.ir.ops import rotary  # noqa: F401,E402  (RotaryEmbedding-23)
-from kiln.ir.ops import grid_sample  # noqa: F401,E402  (GridSample-20/22)
-from kiln.ir.ops import rnn  # noqa: F401,E402  (LSTM, GRU, RNN)
-from kiln.ir.ops import linear_attention  # noqa: F401,E402  (LinearAttention-27, TensorScatter-24)
-from kiln.ir.ops import causal_conv  # noqa: F401,E402  (CausalConvWithState-27)
-from kiln.ir.ops import detection  # noqa: F401,E402  (NonMaxSuppression, RoiAlign, DeformConv)
-from kiln.ir.ops import image  # noqa: F401,E402  (AffineGrid, Col2Im, CenterCropPad, MaxUnpool)
-from kiln.ir.ops import signal  # noqa: F401,E402  (DFT, STFT, window functions, MelWeightMatrix)
-from kiln.ir.ops import text  # noqa: F401,E402  (TfIdfVectorizer)
-from kiln.ir.ops import unique  # noqa: F401,E402  (Unique)
-from kiln.ir.ops import bitcast  # noqa: F401,E402  (BitCast-26)
+
+EXTRA = (
+    "quant",             # DequantizeLinear and friends (int8 weights of packed mobile files)
+    "resize",            # Resize (ONNX Resize-19)
+    "attention",         # Attention (ai.onnx's Attention-23..25)
+    "loss",              # SoftmaxCrossEntropyLoss, NegativeLogLikelihoodLoss
+    "rotary",            # RotaryEmbedding-23
+    "grid_sample",       # GridSample-20/22
+    "rnn",               # LSTM, GRU, RNN
+    "linear_attention",  # LinearAttention-27, TensorScatter-24
+    "causal_conv",       # CausalConvWithState-27
+    "detection",         # NonMaxSuppression, RoiAlign, DeformConv
+    "image",             # AffineGrid, Col2Im, CenterCropPad, MaxUnpool
+    "signal",            # DFT, STFT, window functions, MelWeightMatrix
+    "text",              # TfIdfVectorizer
+    "unique",            # Unique
+    "bitcast",           # BitCast-26
+)
+
+
+def load_extra() -> None:
+    """Import (register) the EXTRA op families."""
+    for name in EXTRA:
+        importlib.import_module(f"kiln.ir.ops.{name}")

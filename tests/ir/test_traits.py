@@ -67,3 +67,37 @@ def test_commutative_ops_do_not_depend_on_input_order(name):
     rng = np.random.default_rng(1)
     a, b = _inputs(name, rng)[:2]
     np.testing.assert_array_equal(_run(name, [a, b]), _run(name, [b, a]))
+
+
+def test_the_extra_op_families_declare_no_trait():
+    """The trait sets are read without importing kiln.ir.ops.EXTRA (a process that never meets one of those
+    ops does not import them): they stay whole only while no extra op declares a trait."""
+    from kiln.ir.ops import EXTRA
+    from kiln.ir.registry import all_schemas
+
+    extra = [s for s in all_schemas() if s.reference.__module__.rsplit(".", 1)[-1] in EXTRA]
+    assert len({s.reference.__module__ for s in extra}) == len(EXTRA)
+    assert [s.qualified_name for s in extra if s.traits] == []
+
+
+def test_extra_op_families_are_imported_on_first_lookup():
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys
+        import kiln
+        from kiln.ir import Graph
+        g = Graph("g")
+        x = g.add_input("x", "float32", (2, 3))
+        g.outputs = [g.op("Relu", x)]
+        kiln.load(g).run([__import__("numpy").ones((2, 3), "float32")])
+        from kiln.ir.ops import EXTRA
+        print(sum(f"kiln.ir.ops.{m}" in sys.modules for m in EXTRA))
+        from kiln.ir.registry import get_schema, has_op
+        print(get_schema("Resize").name, has_op("LSTM"), has_op("NoSuchOp"))
+        print(sum(f"kiln.ir.ops.{m}" in sys.modules for m in EXTRA) == len(EXTRA))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["0", "Resize", "True", "False", "True"]
