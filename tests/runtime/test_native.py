@@ -331,7 +331,7 @@ def _tolerance_ratio(got: np.ndarray, want: np.ndarray) -> float:
 
 
 @needs_native
-@pytest.mark.parametrize("n", [1, 7, 8, 15, 16, 17, 40, 65536 + 3])
+@pytest.mark.parametrize("n", [1, 7, 8, 15, 16, 17, 40, 63, 64, 65, 130, 65536 + 3])
 def test_gelu_against_float64_and_the_numpy_kernel(n):
     from kiln.ir.ops.activation import _gelu64
     from kiln.runtime.kernels.cpu import activation
