@@ -536,7 +536,8 @@ def _specialized_plan(program, inputs: dict) -> str:
     if special is None:
         return ""
     return (f"plan     specialized to these input shapes from the second run: {len(special.plan.instructions)} "
-            f"instructions, {special.folded} folded (shape computations and constants)")
+            f"instructions, {special.folded} folded (shape computations and constants), {special.views} views "
+            f"made from their source directly")
 
 
 def _cuda_runs(program) -> str:

@@ -21,6 +21,18 @@ holds), the specialized plan keeps a guard in its place that compares that value
 on the generic plan, and that signature is never specialized again. A specialized run's results are the generic
 plan's bit for bit: the folded values are the recorded outputs of the same kernels.
 
+Views. A chain of view ops (``VIEW_OPS``: Reshape, Transpose, Squeeze, Gather of a constant index, ...) whose
+every input but the data is a constant or folded value computes, from its source's layout, a fixed geometry: the
+recorded run gives each view's shape, strides and byte offset in its source's buffer. The specialized plan keeps
+one instruction per view something else reads, making it from the source directly (``np.ndarray`` over the
+source's buffer, 0.25 us) where the chain took an instruction a link (0.3-0.6 us each, with the run loop's step):
+an attention layer's ``Reshape -> Unsqueeze -> Transpose -> Squeeze -> Gather -> Reshape -> Transpose`` of its
+packed QKV output becomes three instructions. A recorded link that copied (a Reshape of a transposed array, a
+Gather of an index array) is not a view and stays as it was, a new source for what follows. Each view instruction
+checks that its source has the recorded shape, strides and dtype (a kernel might hand back another layout); if
+not, the call starts over on the generic plan, as a guard's does. Sources are never graph inputs (their layout is
+the caller's), and plans with control flow (whose bodies read outer slots) get no collapsed views.
+
 Folded values are marked read-only. In-place kernel variants (runtime/plan.py) check at run time that the array
 they would write into is writeable, and make a fresh result otherwise, so no run can write into a value every run
 shares; ``Program.run`` copies out any read-only output.
@@ -34,7 +46,7 @@ from typing import Any, Optional
 import numpy as np
 
 from kiln.ir.passes.fold_constants import SHAPE_ONLY_INPUTS
-from kiln.runtime.plan import Instruction, Plan, execute
+from kiln.runtime.plan import Instruction, Plan, execute, outer_values
 
 # A recorded value over this many bytes is not folded (nor anything computed from it): a mask built from a
 # shape may be large, and each specialized plan keeps its own.
@@ -44,6 +56,9 @@ FOLD_MAX_BYTES = 1 << 20
 SIGNATURES_MAX = 64
 # Which sighting of a signature records its values (and builds its plan): the second.
 RECORD_AT = 2
+# Ops whose CPU kernels may return a view of their first input (each recorded run says whether it did): what
+# a specialized plan can make straight from the chain's source (module docstring, "Views").
+VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Transpose", "Slice", "Gather"})
 
 
 class _OneStep:
@@ -63,10 +78,10 @@ class Specialized:
     """One signature's plan (``plan``, its instructions those of the generic plan less the folded ones, guards in
     place of the folded Shape/Size of computed values) and the slot ``template`` holding the folded values."""
 
-    __slots__ = ("plan", "template", "folded")
+    __slots__ = ("plan", "template", "folded", "views")
 
-    def __init__(self, plan: Plan, template: list, folded: int):
-        self.plan, self.template, self.folded = plan, template, folded
+    def __init__(self, plan: Plan, template: list, folded: int, views: int = 0):
+        self.plan, self.template, self.folded, self.views = plan, template, folded, views
 
 
 class Specializer:
@@ -76,6 +91,7 @@ class Specializer:
         self.plan = plan
         self.template = template
         self.candidates = _candidates(plan, template)
+        self.views = _view_candidates(plan)
         self._constants = {id(t) for t in template if t is not None}
         self._table: dict = {}  # signature -> sightings (int), a Specialized, or None (stays generic)
         self._lock = threading.Lock()
@@ -83,8 +99,9 @@ class Specializer:
 
     @property
     def useful(self) -> bool:
-        """Whether any instruction could be folded at all (else the Program skips all of this)."""
-        return bool(self.candidates)
+        """Whether any instruction could be folded or made a direct view at all (else the Program skips all of
+        this)."""
+        return bool(self.candidates or self.views)
 
     def lookup(self, key: Any) -> Any:
         """The ``Specialized`` for ``key``; ``True`` when this run should record (then call ``build``); None
@@ -108,11 +125,13 @@ class Specializer:
         entry = self._table.get(key)
         return entry if isinstance(entry, Specialized) else None
 
-    def record(self, slots: list) -> dict:
+    def record(self, slots: list) -> tuple:
         """Run the generic plan over ``slots`` (a run's copy of the template, inputs in place) as ``execute``
-        does, keeping each candidate's input shapes and outputs (made read-only): what ``build`` folds."""
-        captured = {}
-        candidates = self.candidates
+        does, keeping each candidate's input shapes and outputs (made read-only), and each view candidate's
+        layouts (``_view_record``): what ``build`` folds and makes direct."""
+        captured, viewed = {}, {}
+        candidates, views = self.candidates, self.views
+        input_owners = {id(_owner(slots[s])) for s in self.plan.input_slots if isinstance(slots[s], np.ndarray)}
         one = _OneStep()
         for i, (ins, (kernel, inputs, outputs, release, kind)) in enumerate(zip(self.plan.instructions,
                                                                                   self.plan.steps)):
@@ -130,13 +149,15 @@ class Specializer:
                     if isinstance(v, np.ndarray) and _foldable_value(v) and id(v) not in self._constants:
                         v.flags.writeable = False
                 captured[i] = (shapes, outs)
+            elif i in views:
+                viewed[i] = _view_record(slots[ins.inputs[0]], slots[ins.outputs[0]], input_owners)
             for s in release:
                 slots[s] = None
-        return captured
+        return captured, viewed
 
-    def build(self, key: Any, captured: dict) -> None:
-        """Make and keep ``key``'s plan from a recording run's ``captured`` values (None: nothing to fold)."""
-        entry = _specialize(self.plan, self.template, self.candidates, captured)
+    def build(self, key: Any, recorded: tuple) -> None:
+        """Make and keep ``key``'s plan from what a recording run saw (``record``; None: nothing to change)."""
+        entry = _specialize(self.plan, self.template, self.candidates, *recorded)
         with self._lock:
             if len(self._table) >= SIGNATURES_MAX:
                 self._table.clear()
@@ -170,6 +191,98 @@ def _candidates(plan: Plan, template: list) -> frozenset:
     return frozenset(found)
 
 
+def _view_candidates(plan: Plan) -> frozenset:
+    """Instructions that may be made direct views (module docstring, "Views"); none in a plan where a subgraph
+    reads outer values (their reads are not the instructions' inputs)."""
+    if any(ins.with_slots or (ins.node.attrs and outer_values(ins.node)) for ins in plan.instructions):
+        return frozenset()
+    inputs = set(plan.input_slots)
+    return frozenset(i for i, ins in enumerate(plan.instructions)
+                     if ins.node.domain == "" and ins.node.op in VIEW_OPS and len(ins.outputs) == 1
+                     and ins.inputs and ins.inputs[0] >= 0 and ins.inputs[0] not in inputs)
+
+
+def _owner(a: np.ndarray) -> Any:
+    return a if a.base is None else a.base
+
+
+def _view_record(x: Any, y: Any, input_owners: set) -> Optional[tuple]:
+    """What a view instruction's recorded run shows: (source address, source layout, view address, view layout)
+    where ``y`` is a view into ``x``'s buffer (both plain ndarrays of one owner, not a graph input's), else None."""
+    if x.__class__ is not np.ndarray or y.__class__ is not np.ndarray or _owner(x) is not _owner(y) \
+            or id(_owner(x)) in input_owners or x.dtype != y.dtype or x.flags.writeable != y.flags.writeable:
+        return None
+    return (x.__array_interface__["data"][0], (x.shape, x.strides, x.dtype, x.flags.c_contiguous),
+            y.__array_interface__["data"][0], (y.shape, y.strides))
+
+
+def _direct_view(node_text: str, source: tuple, shape: tuple, strides: tuple, offset: int):
+    """A kernel making the recorded view from its chain's source: ``shape``/``strides`` at byte ``offset`` of a
+    source of layout ``source`` (shape, strides, dtype); another layout raises ShapeChanged."""
+    s_shape, s_strides, s_dtype = source
+
+    def view(x):
+        if x.__class__ is not np.ndarray or x.shape != s_shape or x.strides != s_strides or x.dtype != s_dtype:
+            raise ShapeChanged(f"{node_text} got a source of layout {getattr(x, 'shape', None)} strides "
+                               f"{getattr(x, 'strides', None)} where this input signature's recorded run had "
+                               f"{s_shape} strides {s_strides}")
+        return np.ndarray(shape, s_dtype, x, offset, strides)
+    return view
+
+
+def _collapse_views(kept: list, origin: list, template: list, viewed: dict, output_slots: tuple) -> tuple:
+    """``kept`` (a specialized plan's instructions; ``origin``: each one's index in the generic plan) with its view
+    chains made direct (module docstring, "Views"): (instructions, how many views were made direct)."""
+    root: dict = {}    # slot of a view made direct -> (source slot, the source's recorded address, its layout)
+    made: dict = {}    # position in kept -> the direct view's instruction
+    for q, ins in enumerate(kept):
+        record = viewed.get(origin[q])
+        if record is None or not all(t < 0 or template[t] is not None for t in ins.inputs[1:]):
+            continue
+        x_address, (x_shape, x_strides, x_dtype, x_contiguous), y_address, (y_shape, y_strides) = record
+        src = ins.inputs[0]
+        if src in root:
+            src, address, layout = root[src]
+        elif x_contiguous and template[src] is None:
+            address, layout = x_address, (x_shape, x_strides, x_dtype)
+        else:
+            continue
+        root[ins.outputs[0]] = (src, address, layout)
+        made[q] = Instruction(_direct_view(ins.node.describe(), layout, y_shape, y_strides, y_address - address),
+                              (src,), ins.outputs, ins.release, ins.node, True, False)
+    if not made:
+        return kept, 0
+    # A view made direct stays only where something other than another such view reads it (or it is an output).
+    needed = set(output_slots)
+    for q, ins in enumerate(kept):
+        if q not in made:
+            needed.update(ins.inputs)
+    out: list = []
+    carried: list = []
+    last_source_read: dict = {}
+    for q, ins in enumerate(kept):
+        new = made.get(q)
+        if new is not None and ins.outputs[0] not in needed:
+            carried.extend(ins.release)  # released later than before: always safe
+            continue
+        ins = new or ins
+        if carried:
+            ins = _with_release(ins, tuple(sorted(set(ins.release) | set(carried))))
+            carried = []
+        if new is not None:
+            last_source_read[ins.inputs[0]] = len(out)
+        out.append(ins)
+    if carried and out:
+        out[-1] = _with_release(out[-1], tuple(sorted(set(out[-1].release) | set(carried))))
+    # A source lives until its last direct view is made: a release before that moves there.
+    for src, at in last_source_read.items():
+        for q in range(at):
+            if src in out[q].release:
+                out[q] = _with_release(out[q], tuple(t for t in out[q].release if t != src))
+                out[at] = _with_release(out[at], tuple(sorted(set(out[at].release) | {src})))
+    return out, len(made)
+
+
 def signature(arrays: list) -> tuple:
     """The key of a run on these checked arrays: their shapes and dtypes in input order (``Program._signature``'s;
     on every run's path: a loop of appends, 0.1 us, where a generator took 0.26)."""
@@ -200,11 +313,13 @@ def _guard(node_text: str, expected: tuple, value: Any):
     return guard
 
 
-def _specialize(plan: Plan, template: list, candidates: frozenset, captured: dict) -> Optional[Specialized]:
+def _specialize(plan: Plan, template: list, candidates: frozenset, captured: dict,
+                viewed: Optional[dict] = None) -> Optional[Specialized]:
     input_slots = set(plan.input_slots)
     folded: set = set()
     values: dict = {}
     kept: list = []
+    origin: list = []  # each kept instruction's index in the generic plan
     carried: list = []  # releases of dropped instructions, passed on to the next kept one
     count = 0
     for i, ins in enumerate(plan.instructions):
@@ -222,6 +337,7 @@ def _specialize(plan: Plan, template: list, candidates: frozenset, captured: dic
                 release = tuple(sorted(set(release) | set(carried)))
                 carried = []
             kept.append(ins if release is ins.release else _with_release(ins, release))
+            origin.append(i)
             continue
         count += 1
         for s, v in zip(ins.outputs, outs):
@@ -237,18 +353,21 @@ def _specialize(plan: Plan, template: list, candidates: frozenset, captured: dic
             guard = _guard(ins.node.describe(), shapes[j], values[ins.outputs[0]])
             kept.append(Instruction(guard, (ins.inputs[j],), ins.outputs[:1],
                                     tuple(sorted(set(ins.release) | set(carried))), ins.node, True, False))
+            origin.append(-1)
             carried = []
         else:
             carried.extend(s for s in ins.release if s not in folded and template[s] is None)
-    if not count:
-        return None
     if carried and kept:
         last = kept[-1]
         kept[-1] = _with_release(last, tuple(sorted(set(last.release) | set(carried))))
     spec_template = list(template)
     for s, v in values.items():
         spec_template[s] = v
-    return Specialized(Plan(kept, plan.input_slots, plan.output_slots, plan.none_slot), spec_template, count)
+    kept, direct = _collapse_views(kept, origin, spec_template, viewed or {}, plan.output_slots)
+    if not count and not direct:
+        return None
+    return Specialized(Plan(kept, plan.input_slots, plan.output_slots, plan.none_slot), spec_template, count,
+                       direct)
 
 
 def _with_release(ins: Instruction, release: tuple) -> Instruction:

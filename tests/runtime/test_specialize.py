@@ -209,3 +209,80 @@ def test_kiln_bench_says_when_its_runs_took_a_specialized_plan(tmp_path, capsys)
     assert len(plan) == 1 and "specialized to these input shapes" in plan[0]
     special = [int(w) for w in plan[0].replace(",", " ").split() if w.isdigit()]
     assert special[0] < len(Program(attention_reshapes()).plan.instructions) and special[1] >= 8
+
+
+def qkv_split(batch="batch") -> Graph:
+    """A packed QKV projection split into heads as torch's MultiheadAttention exports it: Reshape -> Unsqueeze ->
+    Transpose -> Squeeze -> Gather (q, k, v) -> Reshape -> Transpose, then the products; every link a view."""
+    g = Graph("qkv")
+    x = g.add_input("x", "float32", [5, batch, 8])
+    qkv = g.op("MatMul", x, g.add_initializer("w", rand(8, 24)))
+    c = g.add_initializer
+    parts = g.op("Squeeze", g.op("Transpose", g.op("Unsqueeze", g.op("Reshape", qkv, c("s3", np.array([5, -1, 3, 8]))),
+                                                   c("a0", np.array([0]))), perm=[3, 1, 2, 0, 4]),
+                 c("a3", np.array([3])))
+    q, k, v = (g.op("Gather", parts, c(f"i{n}", np.array(n)), axis=0) for n in range(3))
+    heads = [g.op("Transpose", g.op("Reshape", t, c(f"h{n}", np.array([5, -1, 4]))), perm=[1, 0, 2])
+             for n, t in enumerate((q, k, v))]
+    scores = g.op("MatMul", heads[0], g.op("Transpose", heads[1], perm=[0, 2, 1]))
+    g.outputs = [g.op("MatMul", g.op("Softmax", scores, axis=-1), heads[2]), g.op("Relu", heads[2])]
+    return g
+
+
+def test_view_chains_are_made_direct_with_the_same_answers():
+    g = qkv_split()
+    program, generic = Program(g), Program(g)
+    generic._specializer = None
+    for batch in (1, 2, 1, 1, 2, 2, 2):
+        x = rand(5, batch, 8)
+        for got, want in zip(program.run([x], as_list=True), generic.run([x], as_list=True)):
+            np.testing.assert_array_equal(got, want)
+    special = program._specialized([rand(5, 1, 8)])  # every link a view: the heads made from the MatMul's output
+    assert special is not None and special.views == 14
+    kept = [ins.node.op for ins in special.plan.instructions]
+    assert kept == ["MatMul", "Transpose", "Transpose", "Transpose", "MatMul", "Softmax", "MatMul", "Relu"]
+    assert all(ins.inputs == special.plan.instructions[0].outputs for ins in special.plan.instructions[1:4])
+    # At batch 2 a head's Reshape copies (its Gather's view is not contiguous): the chains break there.
+    special = program._specialized([rand(5, 2, 8)])
+    assert special is not None and 4 <= special.views < 14
+    out = program.run([rand(5, 2, 8)], as_list=True)[1]
+    assert out.flags.writeable  # a view of a fresh result, as the chain gave
+
+
+def test_a_source_of_another_layout_starts_the_call_over_on_the_generic_plan():
+    """A direct view checks its source's layout: a kernel handing back another one (here the products made to
+    return Fortran-ordered results) sends the call to the generic plan, with one warning."""
+    g = qkv_split()
+    program, generic = Program(g), Program(g)
+    generic._specializer = None
+    x = rand(5, 2, 8)
+    for _ in range(3):
+        program.run([x])
+    special = program._specialized([x])
+    at = next(k for k, ins in enumerate(special.plan.instructions) if ins.node.op == "MatMul")
+    kernel, *rest = special.plan.steps[at]
+    special.plan.steps[at] = (lambda a, b: np.asfortranarray(kernel(a, b)), *rest)
+    with pytest.warns(RuntimeWarning, match="strides"):
+        got = program.run([x], as_list=True)
+    for o, w in zip(got, generic.run([x], as_list=True)):
+        np.testing.assert_array_equal(o, w)
+    assert program._specialized([x]) is None  # that signature stays generic
+
+
+def test_views_of_graph_inputs_stay_in_the_plan():
+    """The caller decides an input's layout: a chain over one is never made direct, so a non-contiguous input
+    after the plan was specialized on contiguous ones runs without a fallback."""
+    g = Graph("input_views")
+    x = g.add_input("x", "float32", [4, 6])
+    r = g.op("Reshape", x, g.add_initializer("s", np.array([2, 2, 6])))
+    g.outputs = [g.op("Relu", g.op("Transpose", r, perm=[0, 2, 1]))]
+    program = Program(g)
+    a = rand(4, 6)
+    for _ in range(3):
+        program.run([a])
+    special = program._specialized([a])
+    assert special is None or special.views == 0
+    b = np.asfortranarray(rand(4, 6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        np.testing.assert_array_equal(program.run([b], as_list=True)[0], evaluate(g, [b])[0])
