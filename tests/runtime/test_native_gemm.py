@@ -343,6 +343,20 @@ def test_products_from_several_python_threads_at_once():
 
 # --------------------------------------------------------------------------- Winograd F(2x2, 3x3)
 @needs_sgemm
+def test_a_winograd_chunk_takes_enough_samples_for_its_minimum_of_tiles(monkeypatch):
+    """Chunks are sized for the cache (WINOGRAD_BYTES) but take at least WINOGRAD_MIN_TILES tiles where the batch
+    has them: 7x7 maps (16 tiles a sample) at batch 4 run as Winograd in chunks of two, not as the GEMM conv."""
+    monkeypatch.setattr(native, "WINOGRAD_BYTES", 1)
+    monkeypatch.setattr(native, "gemm_conv2d", lambda *a, **k: pytest.fail("fell back to the GEMM convolution"))
+    x = RNG.standard_normal((4, 8, 7, 7)).astype(np.float32)
+    w = RNG.standard_normal((6, 8, 3, 3)).astype(np.float32)
+    window = make_window((3, 3), pads=[1, 1, 1, 1])
+    got = native.winograd_conv2d(w, window, None)(x)
+    want = conv_float64(x, w, None, window)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+@needs_sgemm
 @pytest.mark.parametrize("chunk_bytes", [8 << 20, 1])  # one chunk of samples, or one sample per chunk
 def test_winograd_against_float64(monkeypatch, chunk_bytes):
     monkeypatch.setattr(native, "WINOGRAD_BYTES", chunk_bytes)
