@@ -102,6 +102,15 @@ def phase(fns: dict, budget: float, repeat: int, rounds: int = 3) -> dict:
     return {k: (statistics.median(v), len(v)) for k, v in times.items()}
 
 
+def goal_line(rows: list) -> str:
+    """Issue 21's goal, kiln's slowdown at most onnxruntime's, per model, from the unrounded medians."""
+    parts = []
+    for r in rows:
+        k, o = (r["busy"][name][0] / r["quiet"][name][0] for name in ("kiln", "onnxruntime"))
+        parts.append(f"{r['model']} {k:.2f}x against {o:.2f}x ({'met' if k <= o else 'not met'})")
+    return "kiln's slowdown at most onnxruntime's: " + "; ".join(parts)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="mlp,bert2,vit")
@@ -135,7 +144,7 @@ def main() -> int:
         cells = [f"{r['quiet'][k][0] * 1e3:.2f} -> {r['busy'][k][0] * 1e3:.2f} "
                  f"(**{r['busy'][k][0] / r['quiet'][k][0]:.1f}x**)" for k in ("kiln", "onnxruntime", "torch")]
         lines.append(f"| | {r['model']} b{r['batch']} | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
+    table = "\n".join(lines) + "\n\n" + goal_line(rows)
     print(table)
     if args.results and args.results != "-":
         with open(args.results, "a") as f:
