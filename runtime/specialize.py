@@ -208,9 +208,11 @@ def _owner(a: np.ndarray) -> Any:
 
 def _view_record(x: Any, y: Any, input_owners: set) -> Optional[tuple]:
     """What a view instruction's recorded run shows: (source address, source layout, view address, view layout)
-    where ``y`` is a view into ``x``'s buffer (both plain ndarrays of one owner, not a graph input's), else None."""
+    where ``y`` is a view into ``x``'s buffer (both plain ndarrays of one owner, not a graph input's, of a dtype without
+    Python objects: an array over raw memory must not hold references), else None."""
     if x.__class__ is not np.ndarray or y.__class__ is not np.ndarray or _owner(x) is not _owner(y) \
-            or id(_owner(x)) in input_owners or x.dtype != y.dtype or x.flags.writeable != y.flags.writeable:
+            or id(_owner(x)) in input_owners or x.dtype != y.dtype or x.dtype.hasobject \
+            or x.flags.writeable != y.flags.writeable:
         return None
     return (x.__array_interface__["data"][0], (x.shape, x.strides, x.dtype, x.flags.c_contiguous),
             y.__array_interface__["data"][0], (y.shape, y.strides))
