@@ -3073,7 +3073,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     }
 #endif
 #ifdef KILN_X86_DISPATCH
-    has_avx512 = __builtin_cpu_supports("avx512f");
+    has_avx512 = __builtin_cpu_supports("avx512f") != 0;  /* a feature bit mask on some compilers: 0 or 1 here */
     if (has_avx512) gelu_rows = gelu_rows_avx512;
 #endif
     pthread_atfork(NULL, NULL, pool_after_fork);
