@@ -286,3 +286,21 @@ def test_views_of_graph_inputs_stay_in_the_plan():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         np.testing.assert_array_equal(program.run([b], as_list=True)[0], evaluate(g, [b])[0])
+
+
+def test_a_reshape_target_read_through_a_read_only_alias_is_read_each_call():
+    """The same read-only array, its contents changed through a writeable alias between calls: every call reshapes
+    to what it holds then (nothing is remembered by the array's identity)."""
+    g = Graph("target_input")
+    x = g.add_input("x", "float32", [6])
+    s = g.add_input("s", "int64", [2])
+    g.outputs = [g.op("Relu", g.op("Reshape", x, s))]
+    program = Program(g)
+    backing = np.array([2, 3], np.int64)
+    target = backing.view()
+    target.flags.writeable = False
+    a = rand(6)
+    for _ in range(3):
+        assert program.run([a, target], as_list=True)[0].shape == (2, 3)
+    backing[:] = [3, 2]
+    np.testing.assert_array_equal(program.run([a, target], as_list=True)[0], np.maximum(a, 0).reshape(3, 2))

@@ -29,17 +29,9 @@ def reshape(node, attrs) -> Callable[..., Any]:
     allowzero = attrs["allowzero"]
     if target is None:
         # A target computed at run time (Shape -> Gather -> Concat under a dynamic batch): the reference's rule in
-        # one list pass; through the reference's wrapper each of a ViT-style model's 33 Reshapes took 2 us. A
-        # target that is the same read-only array as the last call's (a signature's specialized plan holds its
-        # folded targets that way: runtime/specialize.py) reuses that call's decoded list.
-        last = [(None, None)]
-
+        # one list pass; through the reference's wrapper each of a ViT-style model's 33 Reshapes took 2 us.
         def computed(x, shape):
-            seen, t = last[0]
-            if shape is not seen:
-                t = shape.tolist()
-                if type(shape) is np.ndarray and not shape.flags.writeable:
-                    last[0] = (shape, t)
+            t = shape.tolist()
             if not allowzero and 0 in t:
                 t = [x.shape[i] if s == 0 else s for i, s in enumerate(t)]
             return x.reshape(t)
