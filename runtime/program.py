@@ -466,8 +466,8 @@ def _load(model, device: str, *, optimize: bool, backend: str, threads: Optional
     if native.available():  # a Conv and its activation in one native call (runtime/kernels/cpu/native.py)
         from kiln.ir.passes.fuse import fuse_elementwise, fuse_epilogues
         fuse_epilogues(graph, anchors=("Conv", "MatMul", "Gemm"), accept=native.fusable)
-        # chains of the ops the extension runs in one pass (native.ELEMENTWISE)
-        fuse_elementwise(graph, ops=native.ELEMENTWISE)
+        # chains of the ops the extension runs in one pass (native.CHAIN_OPS)
+        fuse_elementwise(graph, ops=native.CHAIN_OPS)
     return Program(graph, memory_budget=memory_budget if memory_budget is not None else default_memory_budget(),
                    threads=threads)
 

@@ -477,6 +477,40 @@ def test_fused_chains_answer_bit_for_bit_as_the_numpy_kernels(monkeypatch, shape
 
 
 @needs_native
+@pytest.mark.parametrize("bounds", [(0.0, 6.0), (-0.0, None), (None, 0.5), (2.0, -1.0), (np.nan, 1.0),
+                                    (-1.0, np.nan), ((1,), (1,))])
+def test_clip_joins_the_native_chains_bit_for_bit(bounds):
+    """Clip with constant or omitted bounds (0-d or [1]; min above max; NaN bounds) joins a chain of the
+    extension's ops and runs as its Max then Min: every output bit equals the unfused numpy kernels' (the IR's
+    Clip is np.maximum then np.minimum), NaN, infinities and signed zeros included."""
+    from kiln.ir.graph import Graph
+    g = Graph("clip_chain")
+    shape = (3, 2050)
+    x = g.add_input("x", "float32", ["batch", shape[1]])
+    args = []
+    for k, b in enumerate(bounds):
+        if b is None:
+            args.append(None)
+        elif isinstance(b, tuple):  # a one-element [1] bound, as exporters write them
+            args.append(g.add_initializer(f"b{k}", np.array([0.25 if k == 0 else 0.75], np.float32)))
+        else:
+            args.append(g.add_initializer(f"b{k}", np.array(b, np.float32)))
+    while args and args[-1] is None:
+        args.pop()
+    h = g.op("Mul", x, g.add_initializer("s", np.array(1.5, np.float32)))
+    h = g.op("Clip", h, *args)
+    g.outputs = [g.op("Add", h, x)]
+    fused, plain = _load_both(g)
+    assert [n.op for n in fused.graph.nodes] == ["FusedElementwise"]
+    assert fused.plan.instructions[0].kernel.__qualname__.startswith("elementwise_kernel.")
+    feeds = {"x": _special(shape)}
+    got, want = fused.run(feeds), plain.run(feeds)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+        assert np.array_equal(np.signbit(got[name]), np.signbit(want[name])), name
+
+
+@needs_native
 def test_fused_chains_with_a_per_channel_operand_take_the_nested_plan():
     """[1, C, 1, 1] under [N, C, H, W] is neither full, scalar nor a suffix: that call runs the nested plan,
     and answers as the unfused graph does."""

@@ -17,15 +17,15 @@ applies the activation in the output pass (``fusable``, ``epilogue_kernel``).
 Where the CPU has AVX-512F the products are the extension's own sgemm (``has_sgemm``; ``KILN_NATIVE_SGEMM=0``
 keeps numpy's): the GEMM convolutions' (their weights packed once at load), MatMul and Gemm against a constant
 weight (``linear``, the weight packed once; also through a ``Transpose`` node of a constant weight), and MatMul of
-two computed float32 operands (``matmul``: attention's products, batched). numpy's OpenBLAS may run AVX2 kernels
-on such a CPU (a host's ``OPENBLAS_CORETYPE``, or a CPU it does not know: kiln/blas_env.py), at about half the
-speed; measured on a 2-core Zen 5, one thread: 190-230 GFLOP/s against OpenBLAS's Haswell kernels' 100-125. Then
-numpy's BLAS runs on one thread in kiln's runs (threads.own_gemm): its workers, spinning after each
-multi-threaded GEMM, slowed the sgemm's threads beside them 1.7x.
+two computed float32 operands (``matmul``: attention's products, batched), whichever kernels numpy's OpenBLAS
+runs (``sgemm_wanted``): one thread, 190-230 GFLOP/s on a 2-core Zen 5 against OpenBLAS's Haswell kernels'
+100-125 and its SkylakeX kernels' 110-230, and the models faster than on either (bench/RESULTS.md). Then numpy's
+BLAS runs on one thread in kiln's runs (threads.own_gemm): its workers, spinning after each multi-threaded GEMM,
+slowed the sgemm's threads beside them 1.7x.
 Also row kernels for float32 C-contiguous arrays: exact Gelu (the numpy kernel's formula, one pass),
 LayerNormalization and Softmax over the last axis (one or two passes per row where numpy makes 5-15). And
-chains of Add/Sub/Mul/Div/Max/Min/Neg/Abs/Relu/Sqrt, fused at load into a FusedElementwise that runs as one call
-over cache-sized chunks (``elementwise_kernel``): bit for bit the unfused numpy kernels' answers. Standalone
+chains of Add/Sub/Mul/Div/Max/Min/Neg/Abs/Relu/Sqrt and Clip with constant bounds, fused at load into a
+FusedElementwise that runs as one call over cache-sized chunks (``elementwise_kernel``): bit for bit the unfused numpy kernels' answers. Standalone
 HardSwish/HardSigmoid (``activation``) and GlobalAveragePool (``mean_rows``) in one pass.
 """
 from __future__ import annotations
@@ -70,34 +70,25 @@ MACS_PER_THREAD = 1 << 16
 # native thread (MobileNetV3-style b1 1.28 ms on one thread, 1.39 on two). Where the extension's sgemm runs the
 # products (AVX-512), the BLAS stays at one thread; measured on the 2-core Zen 5, MobileNetV3-style, one thread
 # against the pool's two: b1 0.58 -> 0.52 ms, b8 5.5 -> 3.9 ms. Threads stay 1 on a busy host (kernel_threads).
-# OpenBLAS kernel sets with AVX-512 (numpy's BLAS then runs as fast as the extension's sgemm, or faster on many
-# threads: measured on a 16-core Xeon with OpenBLAS's SkylakeX kernels, one thread 94-134 GFLOP/s against 100-133,
-# eight 439-597 against 325-871).
-AVX512_BLAS_KERNELS = frozenset({"SkylakeX", "Cooperlake", "SapphireRapids"})
+# Where the CPU has AVX-512F the extension's sgemm runs the products, whichever kernels numpy's OpenBLAS runs. Until
+# this was measured model by model it deferred to an OpenBLAS on AVX-512 kernels (SkylakeX, Cooperlake,
+# SapphireRapids: one product at a time they were as fast on a 16-core Xeon), which turned off with it everything
+# built on it (Winograd, the packed weights with the bias and activation in the product's output pass, attention's
+# strided products), and `import kiln` itself asks for SkylakeX on a Zen 5 (kiln/blas_env.py). bench/RESULTS.md,
+# "kiln's sgemm or numpy's AVX-512 OpenBLAS": the reference models ran 1.64x faster with it on the 16-core Xeon at 16
+# threads and 1.31x at 2 (one row slower: BERT-style hidden 768 b1 at 2 threads, 68 against 59 ms), and 1.41-3.30x
+# on the 2-core Zen 5. Product by product there (bench/cpu_options_bench.py) it beat MKL and BLIS on every shape
+# and OpenBLAS's SkylakeX kernels on 13 of 18 (the 5 others, large products, by 1.03-1.13x).
 
 
-def sgemm_wanted(setting: str, cpu_has_avx512: bool, blas_kernels: Optional[str]) -> bool:
-    """Whether the extension's sgemm runs the products: ``KILN_NATIVE_SGEMM`` 0 (never), 1 (wherever the CPU has
-    AVX-512F), unset (auto: where the CPU has AVX-512F and numpy's BLAS is an OpenBLAS on kernels without it, as
-    on a Zen 5 that OpenBLAS 0.3.31 does not know, or under OPENBLAS_CORETYPE=Haswell)."""
+def sgemm_wanted(setting: str, cpu_has_avx512: bool) -> bool:
+    """Whether the extension's sgemm runs the products: ``KILN_NATIVE_SGEMM`` 0 (never), else (1, or unset: auto)
+    wherever the CPU has AVX-512F."""
     setting = setting.strip().lower()
-    if setting in ("0", "false", "no", "off") or not cpu_has_avx512:
-        return False
-    if setting in ("1", "true", "yes", "on"):
-        return True
-    return blas_kernels is not None and blas_kernels not in AVX512_BLAS_KERNELS
+    return cpu_has_avx512 and setting not in ("0", "false", "no", "off")
 
 
-def _blas_kernels() -> Optional[str]:
-    from kiln.runtime.threads import blas_kernels
-    try:
-        return blas_kernels()
-    except OSError:
-        return None
-
-
-SGEMM = _native is not None and sgemm_wanted(os.environ.get("KILN_NATIVE_SGEMM", ""), bool(_native.has_sgemm),
-                                             _blas_kernels() if _native.has_sgemm else None)
+SGEMM = _native is not None and sgemm_wanted(os.environ.get("KILN_NATIVE_SGEMM", ""), bool(_native.has_sgemm))
 MAX_THREADS = max(1, int(os.environ.get("KILN_NATIVE_THREADS", "") or (64 if SGEMM else 1)))
 # SGEMM_MR, SGEMM_NR: the rows of the sgemm's A panels and the columns of its B panels (_native.c's GEMM_MR, NR).
 SGEMM_MR, SGEMM_NR = 12, 32
@@ -769,6 +760,11 @@ def softmax(x: np.ndarray) -> np.ndarray:
 # run as one native call over cache-sized chunks; the codes are _native.c's EW_*; the number is the op's inputs.
 ELEMENTWISE = {"Add": (0, 2), "Sub": (1, 2), "Mul": (2, 2), "Div": (3, 2), "Max": (4, 2), "Min": (5, 2),
                "Neg": (6, 1), "Abs": (7, 1), "Relu": (8, 1), "Sqrt": (9, 1)}
+_EW_MAX, _EW_MIN = ELEMENTWISE["Max"][0], ELEMENTWISE["Min"][0]
+# The ops a chain the loader fuses for elementwise_kernel may hold: ELEMENTWISE's, and Clip (the fusion pass takes
+# it only with constant or omitted bounds), run as Max then Min: the IR's own Clip is np.maximum then np.minimum,
+# whose NaN and signed-zero rules EW_MAX and EW_MIN follow.
+CHAIN_OPS = frozenset(ELEMENTWISE) | {"Clip"}
 _FULL, _SCALAR, _PERIODIC = 0, 1, 2
 
 
@@ -777,8 +773,23 @@ def _float32_value(v: Any) -> bool:
     return t is not None and t.dtype is not None and np.dtype(t.dtype.numpy) == np.float32
 
 
+def _chain_steps(n: Any) -> Optional[list]:
+    """Body node ``n`` as the extension's chain instructions, [(code, second operand Value or None)], read in turn
+    from its first input; None where the extension does not run it."""
+    if n.domain != "":
+        return None
+    if n.op == "Clip":
+        _, lo, hi = (tuple(n.inputs) + (None, None))[:3]
+        steps = [(code, bound) for code, bound in ((_EW_MAX, lo), (_EW_MIN, hi)) if bound is not None]
+        return steps if steps and len(n.inputs) <= 3 and n.inputs[0] is not None else None
+    spec = ELEMENTWISE.get(n.op)
+    if spec is None or len(n.inputs) != spec[1] or any(v is None for v in n.inputs):
+        return None
+    return [(spec[0], n.inputs[1] if spec[1] == 2 else None)]
+
+
 def elementwise_kernel(node: Any, attrs: dict, fallback: Callable) -> Optional[Callable]:
-    """The kernel of a ``kiln.FusedElementwise`` whose body is float32 ops of ``ELEMENTWISE``, or None. An
+    """The kernel of a ``kiln.FusedElementwise`` whose body is float32 ops of ``CHAIN_OPS``, or None. An
     operand that is neither full size, a scalar nor a suffix of the output's shape (a per-channel [C, 1, 1]
     under [N, C, H, W]) makes that call take ``fallback`` (the nested plan)."""
     if _native is None:
@@ -804,13 +815,11 @@ def elementwise_kernel(node: Any, attrs: dict, fallback: Callable) -> Optional[C
     nreg = nin
     prog: list = []
     for k, n in enumerate(body.nodes):
-        spec = ELEMENTWISE.get(n.op) if n.domain == "" else None
-        if spec is None or len(n.inputs) != spec[1] or len(n.outputs) != 1 or not _float32_value(n.outputs[0]) \
-                or any(v not in reg for v in n.inputs):
+        steps = _chain_steps(n)
+        if steps is None or len(n.outputs) != 1 or not _float32_value(n.outputs[0]) \
+                or any(v is not None and v not in reg for v in n.inputs):
             return None
-        a = reg[n.inputs[0]]
-        b = reg[n.inputs[1]] if spec[1] == 2 else -1
-        for v in set(n.inputs):  # dead after this op: its temporary may take the result
+        for v in set(n.inputs) - {None}:  # dead after this op: its temporary may take the result
             if reg[v] >= nin and last_use.get(v) == k and v not in keep:
                 free.append(reg[v])
         if free:
@@ -818,7 +827,10 @@ def elementwise_kernel(node: Any, attrs: dict, fallback: Callable) -> Optional[C
         else:
             dst, nreg = nreg, nreg + 1
         reg[n.outputs[0]] = dst
-        prog += [spec[0], dst, a, b]
+        a = reg[n.inputs[0]]
+        for code, operand in steps:  # an op's later steps read its own result: elementwise, so dst may be a
+            prog += [code, dst, a, -1 if operand is None else reg[operand]]
+            a = dst
     outs = [reg.get(v) for v in body.outputs]
     if any(r is None or r < nin for r in outs) or nin > 65536:
         return None  # an output that is an input or a constant: the nested plan copes
