@@ -331,13 +331,8 @@ def main(argv=None) -> int:
         text += [f"Products (median over {args.rounds} rounds of each child's median):", "",
                  gemm_table(gemm(args.rounds)), ""]
     text.append(f"Machine: {machine()}.")
-    out = "\n".join(text) + "\n"
-    print(out)
-    if args.results is None:
-        from results_md import RESULTS, replace_section
-        replace_section(RESULTS, SECTION, out)
-    elif args.results != "-":
-        Path(args.results).write_text(out)
+    from results_md import publish
+    publish(args.results, SECTION, "\n".join(text) + "\n")
     return 0
 
 

@@ -20,6 +20,16 @@ def replace_section(path: Path, title: str, body: str) -> None:
     path.write_text(new)
 
 
+def publish(target, title: str, body: str) -> None:
+    """Print ``body``, then as a benchmark's ``--results`` says: None writes it as RESULTS.md's section ``title``,
+    "-" leaves it printed only, anything else is a file to write it to."""
+    print(body)
+    if target is None:
+        replace_section(RESULTS, title, body)
+    elif target != "-":
+        Path(target).write_text(body)
+
+
 def cpu_name() -> str:
     """The processor's model name from /proc/cpuinfo (the machine type where that is missing)."""
     import platform

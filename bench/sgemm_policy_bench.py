@@ -121,13 +121,8 @@ def main(argv=None) -> int:
               + f". {args.threads} threads (kiln's threads= and OPENBLAS_NUM_THREADS), median over {args.rounds} "
               f"rounds of each child's median. Machine: {cpu_name()}, nproc {os.cpu_count()}, Python "
               f"{platform.python_version()}, numpy {np.__version__}; {utc_now()}."]
-    out = "\n".join(lines) + "\n"
-    print(out)
-    if args.results is None:
-        from results_md import RESULTS, replace_section
-        replace_section(RESULTS, SECTION, out)
-    elif args.results != "-":
-        Path(args.results).write_text(out)
+    from results_md import publish
+    publish(args.results, SECTION, "\n".join(lines) + "\n")
     return 0
 
 
