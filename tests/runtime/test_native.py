@@ -511,12 +511,12 @@ def test_clip_joins_the_native_chains_bit_for_bit(bounds):
 
 
 @needs_native
-@pytest.mark.parametrize("op", ["Exp", "Sigmoid"])
-def test_transcendental_chain_ops_within_a_few_ulp_of_numpy(op):
-    """Exp and Sigmoid in a native chain (x * op(x), as SiLU is written, and op(-x)): NaN where the unfused numpy
-    kernels give NaN, the same infinities, and within a few float32 ulp of the IR's reference (float64, rounded
-    once) over every class of value, a tail shorter than the vectors and arguments up to exp's overflow bound
-    included."""
+@pytest.mark.parametrize("op,ulps", [("Exp", 5), ("Sigmoid", 5), ("Tanh", 8)])
+def test_transcendental_chain_ops_within_a_few_ulp_of_numpy(op, ulps):
+    """Exp, Sigmoid and Tanh in a native chain (x * op(x), as SiLU is written, and op(-x)): NaN where the unfused
+    numpy kernels give NaN, the same infinities, tanh's signed zeros kept, and within a few float32 ulp of the IR's
+    reference (float64, rounded once) over every class of value, a tail shorter than the vectors and arguments up
+    to exp's overflow bound included (tanh: onnxruntime's rational approximation, 6 ulp, and the product's)."""
     from kiln.ir.graph import Graph
     g = Graph("transcendental")
     x = g.add_input("x", "float32", ["n"])
@@ -535,10 +535,13 @@ def test_transcendental_chain_ops_within_a_few_ulp_of_numpy(op):
         assert np.array_equal(a[inf], b[inf]) and np.array_equal(np.isinf(a), inf)  # the same infinities
         finite = np.isfinite(ref)
         err = np.abs(a[finite].astype(np.float64) - ref[finite].astype(np.float64))
-        # 5 ulp of the reference (the op's few and the product's rounding), or 2e-36: exp8 flushes subnormal
+        # a few ulp of the reference (the op's and the product's rounding), or 2e-36: exp flushes subnormal
         # results to 0, and x * exp(x) scales that by x (up to 104 here)
-        allowed = np.maximum(5 * np.spacing(np.abs(ref[finite]).astype(np.float32)), 2e-36)
+        allowed = np.maximum(ulps * np.spacing(np.abs(ref[finite]).astype(np.float32)), 2e-36)
         assert np.all(err <= allowed), (op, float((err / allowed).max()))
+    if op == "Tanh":  # tanh(+-0) = +-0 inside the chain too
+        z = fused.run({"x": np.array([0.0, -0.0], np.float32)}, as_list=True)[1]
+        assert list(np.signbit(z)) == [True, False]
 
 
 @needs_native

@@ -24,9 +24,9 @@ BLAS runs on one thread in kiln's runs (threads.own_gemm): its workers, spinning
 slowed the sgemm's threads beside them 1.7x.
 Also row kernels for float32 C-contiguous arrays: exact Gelu (the numpy kernel's formula, one pass),
 LayerNormalization and Softmax over the last axis (one or two passes per row where numpy makes 5-15). And
-chains of Add/Sub/Mul/Div/Max/Min/Neg/Abs/Relu/Sqrt, Clip with constant bounds, Exp and Sigmoid, fused at load
-into a FusedElementwise that runs as one call over cache-sized chunks (``elementwise_kernel``): bit for bit the
-unfused numpy kernels' answers, but for Exp and Sigmoid (a few ulp from numpy's). Standalone
+chains of Add/Sub/Mul/Div/Max/Min/Neg/Abs/Relu/Sqrt, Clip with constant bounds, Exp, Sigmoid and Tanh, fused at
+load into a FusedElementwise that runs as one call over cache-sized chunks (``elementwise_kernel``): bit for bit
+the unfused numpy kernels' answers, but for Exp, Sigmoid and Tanh (a few ulp from numpy's). Standalone
 HardSwish/HardSigmoid (``activation``) and GlobalAveragePool (``mean_rows``) in one pass.
 """
 from __future__ import annotations
@@ -762,7 +762,7 @@ def softmax(x: np.ndarray) -> np.ndarray:
 ELEMENTWISE = {"Add": (0, 2), "Sub": (1, 2), "Mul": (2, 2), "Div": (3, 2), "Max": (4, 2), "Min": (5, 2),
                "Neg": (6, 1), "Abs": (7, 1), "Relu": (8, 1), "Sqrt": (9, 1),
                # not numpy's bits: within a few ulp of its kernels (_native.c, "elementwise")
-               "Exp": (10, 1), "Sigmoid": (11, 1)}
+               "Exp": (10, 1), "Sigmoid": (11, 1), "Tanh": (12, 1)}
 _EW_MAX, _EW_MIN = ELEMENTWISE["Max"][0], ELEMENTWISE["Min"][0]
 # The ops a chain the loader fuses for elementwise_kernel may hold: ELEMENTWISE's, and Clip (the fusion pass takes
 # it only with constant or omitted bounds), run as Max then Min: the IR's own Clip is np.maximum then np.minimum,
