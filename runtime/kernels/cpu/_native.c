@@ -2003,7 +2003,7 @@ DEFINE_TANH(16, v16sf, v16si, 16)
 DEFINE_UNARY16(ew_exp_avx512, exp16)
 DEFINE_UNARY16(ew_sigmoid_avx512, sigmoid16)
 DEFINE_UNARY16(ew_tanh_avx512, tanh16)
-#define EW_AVX512(FN) if (has_avx512) { FN(d, a, n); break; }
+#define EW_AVX512(FN) if (wide) { FN(d, a, n); break; }
 #else
 #define EW_AVX512(FN)
 #endif
@@ -2029,7 +2029,7 @@ DEFINE_UNARY16(ew_tanh_avx512, tanh16)
 enum { KIND_FULL, KIND_SCALAR, KIND_PERIODIC };
 
 /* d may be a or b (a register reused once its value is dead): element i reads only element i */
-static inline __attribute__((always_inline)) void ew_op(int op, float *d, const float *a, const float *b,
+static inline __attribute__((always_inline)) void ew_op(int op, int wide, float *d, const float *a, const float *b,
                                                         Py_ssize_t n) {
     switch (op) {
     case EW_ADD: for (Py_ssize_t i = 0; i < n; i++) d[i] = a[i] + b[i]; break;
@@ -2076,6 +2076,7 @@ typedef struct {
     Py_ssize_t begin, end;    /* this part of [0, total): whole chunks but the last */
     float *regs;
     const float **src;
+    int wide;                 /* Exp, Sigmoid, Tanh on AVX-512's 16 lanes (else 8) */
 } ew_job;
 
 static inline __attribute__((always_inline)) void ew_body(const ew_job *j, float *regs, const float **src) {
@@ -2104,7 +2105,7 @@ static inline __attribute__((always_inline)) void ew_body(const ew_job *j, float
         for (int r = j->nin; r < j->nreg; r++) src[r] = regs + (Py_ssize_t)r * chunk;
         for (int k = 0; k < j->nprog; k++) {
             const int *ins = j->prog + 4 * k;
-            ew_op(ins[0], (float *)src[ins[1]], src[ins[2]], src[ins[3] >= 0 ? ins[3] : ins[2]], n);
+            ew_op(ins[0], j->wide, (float *)src[ins[1]], src[ins[2]], src[ins[3] >= 0 ? ins[3] : ins[2]], n);
         }
         for (int o = 0; o < j->nout; o++) memcpy(j->out[o] + c0, src[j->outs[o]], sizeof(float) * (size_t)n);
     }
@@ -2865,17 +2866,19 @@ static PyObject *softmax(PyObject *Py_UNUSED(self), PyObject *args) { return row
 
 
 PyDoc_STRVAR(elementwise_doc,
-"elementwise(inputs, kinds, periods, outputs, program, nreg, total): run a compiled FusedElementwise body\n"
-"(native.py). inputs: float32 buffers; kinds: 0 full (total floats), 1 scalar, 2 periodic (periods[i] floats\n"
-"repeated); outputs: float32 buffers of total floats; program: int32 (op, dst, a, b) quadruples then the output\n"
-"registers; nreg: registers in all (inputs first).");
+"elementwise(inputs, kinds, periods, outputs, program, nreg, total, threads=1, impl=0): run a compiled\n"
+"FusedElementwise body (native.py). inputs: float32 buffers; kinds: 0 full (total floats), 1 scalar, 2 periodic\n"
+"(periods[i] floats repeated); outputs: float32 buffers of total floats; program: int32 (op, dst, a, b)\n"
+"quadruples then the output registers; nreg: registers in all (inputs first). impl: 0 Exp, Sigmoid and Tanh on\n"
+"AVX-512 where the CPU has it, 1 on 8 lanes (what a CPU without it runs).");
 
 static PyObject *elementwise(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *ins, *kinds, *periods, *outs, *progo;
     int nreg;
     Py_ssize_t total;
     Py_ssize_t threads = 1;
-    if (!PyArg_ParseTuple(args, "OOOOOin|n", &ins, &kinds, &periods, &outs, &progo, &nreg, &total, &threads))
+    int impl = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOin|ni", &ins, &kinds, &periods, &outs, &progo, &nreg, &total, &threads, &impl))
         return NULL;
     if (!PyList_Check(ins) || !PyList_Check(kinds) || !PyList_Check(periods) || !PyList_Check(outs)) {
         PyErr_SetString(PyExc_TypeError, "elementwise: inputs, kinds, periods and outputs are lists");
@@ -2963,7 +2966,7 @@ static PyObject *elementwise(PyObject *Py_UNUSED(self), PyObject *args) {
         parts[t] = (ew_job){(int)nin, nreg, nprog, (int)nout, prog, outreg, kind, period, inp, (float *const *)outp,
                             total, chunk, chunks * t / threads * chunk,
                             t + 1 == threads ? total : chunks * (t + 1) / threads * chunk,
-                            regs + t * nreg * chunk, (const float **)src + t * nreg};
+                            regs + t * nreg * chunk, (const float **)src + t * nreg, has_avx512 && impl == 0};
         tasks[t] = &parts[t];
     }
     Py_BEGIN_ALLOW_THREADS
