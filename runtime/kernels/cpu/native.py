@@ -757,8 +757,9 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- fused elementwise chains
-# FusedElementwise bodies of these ops (each correctly rounded, so the answers are the unfused kernels' bit for bit)
-# run as one native call over cache-sized chunks; the codes are _native.c's EW_*; the number is the op's inputs.
+# FusedElementwise bodies of these ops (each correctly rounded, so the answers are the unfused kernels' bit for bit,
+# but for Exp, Sigmoid and Tanh) run as one native call over cache-sized chunks; the codes are _native.c's EW_*; the
+# number is the op's inputs.
 ELEMENTWISE = {"Add": (0, 2), "Sub": (1, 2), "Mul": (2, 2), "Div": (3, 2), "Max": (4, 2), "Min": (5, 2),
                "Neg": (6, 1), "Abs": (7, 1), "Relu": (8, 1), "Sqrt": (9, 1),
                # not numpy's bits: within a few ulp of its kernels (_native.c, "elementwise")
