@@ -390,9 +390,12 @@ def test_winograd_against_float64(monkeypatch, chunk_bytes):
 
 
 @needs_sgemm
-def test_weights_are_packed_on_the_second_call_and_every_call_answers_the_same_bits(monkeypatch):
+@pytest.mark.parametrize("background", [True, False])
+def test_weights_are_packed_on_the_second_call_and_every_call_answers_the_same_bits(monkeypatch, background):
     """Until PACK_AT_CALL a kernel reads its weights as they lie (a fresh process's first run makes no packed
-    copies); from it on, packed ones. The sums are the same in the same order: every call's bits agree."""
+    copies); from it on, packed ones, made on the packing thread (the calls read the weights as they lie until the
+    copy is there) or on the caller's. The sums are the same in the same order: every call's bits agree."""
+    monkeypatch.setattr(native, "PACK_IN_BACKGROUND", background)
     packs, transforms = [], []
     real_panels, real_transform = native._panels, native._native.winograd_weights
     monkeypatch.setattr(native, "_panels", lambda *a: packs.append(a[0].shape) or real_panels(*a))
@@ -412,7 +415,9 @@ def test_weights_are_packed_on_the_second_call_and_every_call_answers_the_same_b
         packs.clear()
         first = kernel(arg)
         assert packs == [], name
-        results = [kernel(arg) for _ in range(3)]
+        results = [kernel(arg)]
+        assert native.wait_packed(), name
+        results += [kernel(arg) for _ in range(2)]
         assert len(packs) == 1, name
         for r in results:
             np.testing.assert_array_equal(r, first, err_msg=name)
@@ -421,10 +426,50 @@ def test_weights_are_packed_on_the_second_call_and_every_call_answers_the_same_b
     xw = RNG.standard_normal((1, 64, 9, 9)).astype(np.float32)
     kernel = native.winograd_conv2d(wide, make_window((3, 3), pads=(1, 1, 1, 1)), None)
     first = kernel(xw)
-    results = [kernel(xw) for _ in range(3)]
-    assert len(transforms) == 2  # a temporary on the first call, the kept one on the second
+    results = [kernel(xw)]
+    assert native.wait_packed()
+    results += [kernel(xw) for _ in range(2)]
+    # a temporary on the first call; on the second the kept one, and made on the packing thread, another
+    # temporary for that call itself
+    assert len(transforms) == (3 if background else 2)
     for r in results:
         np.testing.assert_array_equal(r, first)
+
+
+@needs_sgemm
+def test_packing_that_fails_leaves_the_kernel_reading_its_weights_as_they_lie(monkeypatch):
+    """A packed copy that cannot be made (out of memory, say) on the packing thread: the kernel goes on answering
+    from the weights as they lie, the same bits."""
+    monkeypatch.setattr(native, "PACK_IN_BACKGROUND", True)
+
+    def no_memory(*a):
+        raise MemoryError("no room for the packed copy")
+    monkeypatch.setattr(native, "_panels", no_memory)
+    weight = RNG.standard_normal((300, 64)).astype(np.float32)
+    rows = RNG.standard_normal((37, 300)).astype(np.float32)
+    kernel = native.linear(weight, None)
+    first = kernel(rows)
+    kernel(rows)
+    assert native.wait_packed()
+    for _ in range(3):
+        np.testing.assert_array_equal(kernel(rows), first)
+    np.testing.assert_allclose(first, rows @ weight, rtol=1e-4, atol=1e-4)
+
+
+@needs_sgemm
+def test_a_forked_child_packs_what_its_parent_had_not(monkeypatch):
+    """What the parent had submitted but not made when it forked is submitted again by the child's next call (the
+    packing thread does not survive fork): the child's kernels end up on packed weights."""
+    monkeypatch.setattr(native, "PACK_IN_BACKGROUND", True)
+    packer = native._Packer()
+    monkeypatch.setattr(native, "_PACKER", packer)
+    lazy = native._Lazy(lambda: np.ones(3, np.float32))
+    lazy.calls = native.PACK_AT_CALL
+    lazy.submitted = True                    # as if submitted to a packing thread the fork did not copy
+    packer._pending.add(lazy)
+    packer.after_fork_in_child()             # what os.register_at_fork runs in the child
+    assert lazy.get() is None                # resubmitted, to this process's packing thread
+    assert native.wait_packed() and lazy.get() is not None
 
 
 def _g_rows(g: np.ndarray, axis: int) -> np.ndarray:
