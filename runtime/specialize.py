@@ -276,12 +276,17 @@ def _collapse_views(kept: list, origin: list, template: list, viewed: dict, outp
         out.append(ins)
     if carried and out:
         out[-1] = _with_release(out[-1], tuple(sorted(set(out[-1].release) | set(carried))))
-    # A source lives until its last direct view is made: a release before that moves there.
-    for src, at in last_source_read.items():
-        for q in range(at):
-            if src in out[q].release:
-                out[q] = _with_release(out[q], tuple(t for t in out[q].release if t != src))
-                out[at] = _with_release(out[at], tuple(sorted(set(out[at].release) | {src})))
+    # A source lives until its last direct view is made: a release before that moves there (one pass over the
+    # releases: a loop per source over the plan before it was quadratic on a long plan).
+    moved: dict = {}  # position -> sources whose release moves there
+    for q, ins in enumerate(out):
+        early = {t for t in ins.release if last_source_read.get(t, -1) > q}
+        if early:
+            out[q] = _with_release(ins, tuple(t for t in ins.release if t not in early))
+            for t in early:
+                moved.setdefault(last_source_read[t], set()).add(t)
+    for at, sources in moved.items():
+        out[at] = _with_release(out[at], tuple(sorted(set(out[at].release) | sources)))
     return out, len(made)
 
 
