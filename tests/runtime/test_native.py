@@ -66,6 +66,9 @@ def test_direct_conv_equals_the_reference(monkeypatch, x_shape, w_shape, attrs, 
     monkeypatch.setattr(native, "kernel_threads", lambda: threads)
     monkeypatch.setattr(native, "MACS_PER_THREAD", 1)  # every thread asked for, however small the conv
     monkeypatch.setattr(native, "MAX_THREADS", 8)
+    # the direct kernel at every batch (a 1x1 over few channels of several samples is otherwise one batched sgemm:
+    # tests/runtime/test_native_gemm.py)
+    monkeypatch.setattr(native, "BATCHED_POINTWISE", False)
     calls = []
     real = native._native
 

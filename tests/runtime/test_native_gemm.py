@@ -206,6 +206,70 @@ def test_gemm_conv_chunks_samples_of_small_maps(monkeypatch):
                                    rtol=1e-4, atol=1e-4)
 
 
+@needs_sgemm
+@pytest.mark.parametrize("threads_per_mac", [1, 1 << 40])  # both threads however small, and one
+def test_a_batch_of_1x1_convs_is_one_sgemm_answering_the_per_sample_bits(monkeypatch, threads_per_mac):
+    """A 1x1 stride-1 conv of several samples is one batched sgemm (the weights shared, the samples split over the
+    pool), and answers exactly what a product per sample answered: odd batches, K past one k block (GEMM_KC 256),
+    with and without the bias and activation, before and after the weights are packed."""
+    monkeypatch.setattr(native, "SGEMM_MACS_PER_THREAD", threads_per_mac)
+    calls = []
+    real = native._native.sgemm
+    monkeypatch.setattr(native._native, "sgemm", lambda *a: calls.append(a[14] if len(a) > 14 else 1) or real(*a))
+    window = make_window((1, 1))
+    for n, c, m, hw, bias, act in ((3, 40, 24, 9, True, (1, 0.0, 0.0)), (5, 300, 17, 6, False, (0, 0.0, 0.0)),
+                                   (2, 33, 70, 11, True, (4, -0.5, 0.5))):
+        x = RNG.standard_normal((n, c, hw, hw)).astype(np.float32)
+        w = RNG.standard_normal((m, c, 1, 1)).astype(np.float32)
+        b = RNG.standard_normal(m).astype(np.float32) if bias else None
+        answers = {}
+        for batched in (False, True):
+            monkeypatch.setattr(native, "BATCHED_POINTWISE", batched)
+            kernel = native.gemm_conv2d(w, window, b, act)
+            calls.clear()
+            got = [kernel(x)]
+            assert calls == ([n] if batched else [1] * n)
+            got.append(kernel(x))
+            assert native.wait_packed()
+            got.append(kernel(x))
+            answers[batched] = got
+        for loop, batch in zip(answers[False], answers[True]):
+            np.testing.assert_array_equal(batch, loop)
+        want = conv_float64(x, w, b, window)
+        code, lo, hi = act
+        want = np.maximum(want, 0) if code == 1 else np.clip(want, lo, hi) if code == 4 else want
+        np.testing.assert_allclose(answers[True][0], want, rtol=1e-4, atol=1e-4)
+
+
+@needs_sgemm
+def test_a_1x1_conv_over_few_channels_runs_direct_for_one_sample_and_batched_for_several(monkeypatch):
+    calls = []
+    real_direct, real_sgemm = native._native.direct_conv2d_fast, native._native.sgemm
+    monkeypatch.setattr(native._native, "direct_conv2d_fast", lambda *a: calls.append("direct") or real_direct(*a))
+    monkeypatch.setattr(native._native, "sgemm", lambda *a: calls.append("sgemm") or real_sgemm(*a))
+    w = RNG.standard_normal((32, 16, 1, 1)).astype(np.float32)
+    b = RNG.standard_normal(32).astype(np.float32)
+    window = make_window((1, 1))
+    assert native.covers_conv(np.float32, w, window, 1)
+    kernel = native.conv_kernel(w, window, 1, b, (1, 0.0, 0.0))
+    for n, path in ((1, "direct"), (3, "sgemm"), (1, "direct")):
+        x = RNG.standard_normal((n, 16, 10, 10)).astype(np.float32)
+        calls.clear()
+        got = kernel(x)
+        assert calls == [path], n
+        np.testing.assert_allclose(got, np.maximum(conv_float64(x, w, b, window), 0), rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(native, "BATCHED_POINTWISE", False)
+    calls.clear()
+    native.conv_kernel(w, window, 1, b, (1, 0.0, 0.0))(RNG.standard_normal((3, 16, 10, 10)).astype(np.float32))
+    assert calls == ["direct"]
+    # a strided or padded 1x1 is not a plain product of the input: direct at any batch
+    for strided in (make_window((1, 1), strides=(2, 2)), make_window((1, 1), pads=(1, 1, 1, 1))):
+        monkeypatch.setattr(native, "BATCHED_POINTWISE", True)
+        calls.clear()
+        native.conv_kernel(w, strided, 1, b, (1, 0.0, 0.0))(RNG.standard_normal((3, 16, 10, 10)).astype(np.float32))
+        assert calls == ["direct"]
+
+
 def conv_relu_graph(c=32, m=24):  # 288 taps: past the direct kernels, a GEMM convolution
     g = Graph("conv_relu")
     x = g.add_input("x", "float32", ["batch", c, 12, 12])

@@ -60,6 +60,11 @@ else:
 # (the 8-float tiles) only the first measurement stands: 27.
 DIRECT_MAX_TAPS = 200 if _native is not None and _native.has_sgemm else 27
 DIRECT_MAX_POINTWISE = 24
+# A 1x1 stride-1 conv of several samples through the GEMM is one batched sgemm call, the weights shared and the pool
+# splitting the samples, not a call per sample: on the 2-core Zen 5 at batch 8, MobileNetV3-style's pointwise convs
+# over 32-96 channels ran 1.2-2.4x faster (bench/pointwise_bench.py). False: the call per sample (the benchmark's
+# baseline; the answers are the same bits either way).
+BATCHED_POINTWISE = True
 # A thread per this many multiply-adds at most. The threads are the sgemm's pool (kept, spinning briefly between
 # calls), so a second one costs microseconds, not the ~20-30 us a thread created per call did. 1 << 18 left
 # MobileNetV3-style's depthwise convs (0.2-0.5M multiply-adds) on one thread: b1 0.59 -> 0.51 ms with 1 << 16 (one
@@ -433,6 +438,14 @@ def gemm_conv2d(w: np.ndarray, window: Any, bias: Optional[np.ndarray],
             sgemm(w2 if packed is None else packed, cols, out, b if bias_mode else None, m, n_cols, k,
                   _ROWS if packed is None else _PACKED, _ROWS, bias_mode, code if fused else 0, alpha, beta,
                   gemm_threads(m, n_cols, k))
+
+        def batched(x3: np.ndarray, y3: np.ndarray, packed: Optional[np.ndarray]) -> None:
+            """Every sample's product in one call, the weights shared (stride 0), bias and activation fused:
+            the pool splits the samples (or one product's columns)."""
+            n_s, _, span = x3.shape
+            bias_mode = _BIAS_ROWS if b is not None else _BIAS_NONE
+            sgemm(w2 if packed is None else packed, x3, y3, b, m, span, k, _ROWS if packed is None else _PACKED,
+                  _ROWS, bias_mode, code, alpha, beta, gemm_threads(m * n_s, span, k), n_s, 0, k * span, m * span)
     else:
         def product(cols: np.ndarray, out: np.ndarray, fused: bool, packed: None) -> None:
             np.matmul(w2, cols, out=out)
@@ -451,6 +464,9 @@ def gemm_conv2d(w: np.ndarray, window: Any, bias: Optional[np.ndarray],
         packed = None if lazy is None else lazy.get()
         if (kh, kw, sh, sw, pt, pl, oh, ow) == (1, 1, 1, 1, 0, 0, h, wd):  # the columns are the input
             x3 = x.reshape(n, c, span)
+            if n > 1 and lazy is not None and BATCHED_POINTWISE:
+                batched(x3, y3, packed)
+                return y
             for s in range(n):
                 product(x3[s], y3[s], True, packed)
             return y
@@ -623,10 +639,26 @@ def conv_kernel(w: np.ndarray, window: Any, group: int, bias: Optional[np.ndarra
     """The native kernel of a Conv ``_conv_parts`` accepted: direct where ``covers_conv``, Winograd where
     ``covers_winograd``, else the GEMM's."""
     if covers_conv(np.float32, w, window, group):
-        return direct_conv2d(w, window, group, bias, activation=activation)
+        direct = direct_conv2d(w, window, group, bias, activation=activation)
+        if not (BATCHED_POINTWISE and has_sgemm() and group == 1 and _plain_pointwise(w, window)):
+            return direct
+        # A 1x1 over few channels: direct for one sample, one batched sgemm for several (bench/pointwise_bench.py:
+        # at batch 8 it beat the direct kernel on 3 of MobileNetV3-style's 4 such convs, 16 -> 32 channels at 56x56
+        # 134 -> 104 us, and lost on 16 -> 16, 59 -> 67)
+        batched = gemm_conv2d(w, window, bias, activation)
+
+        def run(x: np.ndarray) -> np.ndarray:
+            return batched(x) if x.shape[0] > 1 and BATCHED_POINTWISE else direct(x)
+        return run
     if covers_winograd(w, window, group):
         return winograd_conv2d(w, window, bias, activation)
     return gemm_conv2d(w, window, bias, activation)
+
+
+def _plain_pointwise(w: np.ndarray, window: Any) -> bool:
+    """A 1x1 window at stride 1 without dilation or padding (what gemm_conv2d multiplies without columns)."""
+    return w.shape[2:] == (1, 1) and tuple(window.strides) == (1, 1) and tuple(window.dilations) == (1, 1) \
+        and not any(window.pads or ())
 
 
 def fusable(anchor: Any, consumer: Any) -> bool:
