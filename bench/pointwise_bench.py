@@ -133,7 +133,7 @@ def report(layer_rows: list, model_rows: list, threads: int, rounds: int) -> str
              "|---|---:|---:|---:|---:|"]
     for r in layer_rows:
         c, m, side = r["shape"]
-        direct = f"{r['direct']:.1f}" + (" (taken)" if r["direct_taken"] else "")
+        direct = f"{r['direct']:.1f}" + (" (its kernel at batch 1)" if r["direct_taken"] else "")
         lines.append(f"| {c} -> {m}, {side}x{side} | {r['per sample']:.1f} | {r['batched']:.1f} | {direct} | "
                      f"{r['batched'] / r['per sample']:.2f} |")
     lines += ["", "| MobileNetV3-Small-style | kiln, one call ms | kiln, a call per sample ms | onnxruntime ms | "

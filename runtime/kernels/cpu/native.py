@@ -62,8 +62,8 @@ DIRECT_MAX_TAPS = 200 if _native is not None and _native.has_sgemm else 27
 DIRECT_MAX_POINTWISE = 24
 # A 1x1 stride-1 conv of several samples through the GEMM is one batched sgemm call, the weights shared and the pool
 # splitting the samples, not a call per sample: on the 2-core Zen 5 at batch 8, MobileNetV3-style's pointwise convs
-# over 32-96 channels ran 1.2-2.4x faster (bench/pointwise_bench.py). False: the call per sample (the benchmark's
-# baseline; the answers are the same bits either way).
+# ran 1.2-2.3x faster, the model at b8 1.12-1.16x (bench/pointwise_bench.py). False: the call per sample (the
+# benchmark's baseline; the answers are the same bits either way).
 BATCHED_POINTWISE = True
 # A thread per this many multiply-adds at most. The threads are the sgemm's pool (kept, spinning briefly between
 # calls), so a second one costs microseconds, not the ~20-30 us a thread created per call did. 1 << 18 left
@@ -644,7 +644,7 @@ def conv_kernel(w: np.ndarray, window: Any, group: int, bias: Optional[np.ndarra
             return direct
         # A 1x1 over few channels: direct for one sample, one batched sgemm for several (bench/pointwise_bench.py:
         # at batch 8 it beat the direct kernel on 3 of MobileNetV3-style's 4 such convs, 16 -> 32 channels at 56x56
-        # 134 -> 104 us, and lost on 16 -> 16, 59 -> 67)
+        # 132 -> 107 us, and lost on 16 -> 16, 59 -> 66)
         batched = gemm_conv2d(w, window, bias, activation)
 
         def run(x: np.ndarray) -> np.ndarray:
