@@ -8,6 +8,8 @@ give the same bits (tests/runtime/test_native_gemm.py). Measured here, in one pr
 - each pointwise conv of the MobileNetV3-Small-style model (bench/runtime_models.py) at batch 8, with its bias
   and ReLU: the call per sample, the batched call, and the direct kernel (``direct_conv2d``, which takes the
   convs over at most ``DIRECT_MAX_POINTWISE`` input channels);
+- 1x1 convs at batches 2, 3 and 5 (which do not all divide among the threads) as kiln runs them against a call
+  per sample, MobileNetV3-style's and ResNet-50's (whose products are past ``BATCHED_POINTWISE_MACS``);
 - the whole model (random weights) at batches 1, 8 and 32: kiln with the batched call, kiln with a call per
   sample, and onnxruntime (``intra_op_num_threads`` = the threads), in rounds.
 
@@ -80,6 +82,44 @@ def layers(rounds: int) -> list:
     return rows
 
 
+# Batches that do not divide among the threads, and products past BATCHED_POINTWISE_MACS (ResNet-50's 1x1 convs)
+ODD = ((40, 240, 14), (48, 24, 28), (64, 256, 56), (256, 64, 56))
+ODD_BATCHES = (2, 3, 5)
+
+
+def odd_batches(rounds: int) -> list:
+    """kiln's 1x1 conv as it runs (the batched call where it takes it) against a call per sample."""
+    from kiln.ir.ops.nn import make_window
+    from kiln.runtime.kernels.cpu import native
+    rng = np.random.default_rng(1)
+    window = make_window((1, 1))
+    rows = []
+    for c, m, side in ODD:
+        w = rng.standard_normal((m, c, 1, 1)).astype(np.float32)
+        b = rng.standard_normal(m).astype(np.float32)
+        for batch in ODD_BATCHES:
+            x = rng.standard_normal((batch, c, side, side)).astype(np.float32)
+            kernels = {}
+            for name, batched in (("per sample", False), ("as run", True)):
+                native.BATCHED_POINTWISE = batched
+                kernel = native.gemm_conv2d(w, window, b, (1, 0.0, 0.0))
+                kernel(x)
+                kernel(x)
+                native.wait_packed()
+                kernels[name] = (kernel, batched)
+            times: dict = {k: [] for k in kernels}
+            for _ in range(rounds):
+                for name, (kernel, batched) in kernels.items():
+                    native.BATCHED_POINTWISE = batched
+                    times[name].append(median_us(kernel, x))
+            native.BATCHED_POINTWISE = True
+            row = {"shape": (c, m, side), "batch": batch, **{k: statistics.median(v) for k, v in times.items()}}
+            rows.append(row)
+            print(f"{c}->{m} @{side} b{batch}: per sample {row['per sample']:.1f} us, as run {row['as run']:.1f} us",
+                  flush=True)
+    return rows
+
+
 def models(folder: Path, threads: int, rounds: int) -> list:
     import kiln
     from kiln.runtime.kernels.cpu import native
@@ -120,7 +160,7 @@ def models(folder: Path, threads: int, rounds: int) -> list:
     return rows
 
 
-def report(layer_rows: list, model_rows: list, threads: int, rounds: int) -> str:
+def report(layer_rows: list, odd_rows: list, model_rows: list, threads: int, rounds: int) -> str:
     import onnxruntime
 
     from results_md import cpu_name, utc_now
@@ -136,6 +176,14 @@ def report(layer_rows: list, model_rows: list, threads: int, rounds: int) -> str
         direct = f"{r['direct']:.1f}" + (" (its kernel at batch 1)" if r["direct_taken"] else "")
         lines.append(f"| {c} -> {m}, {side}x{side} | {r['per sample']:.1f} | {r['batched']:.1f} | {direct} | "
                      f"{r['batched'] / r['per sample']:.2f} |")
+    lines += ["", f"Batches of 2, 3 and 5 (us; {threads} threads: as many samples as divide among them go in the "
+              "batched call, the rest a call each; products past `BATCHED_POINTWISE_MACS` a call each):", "",
+              "| conv (in -> out, map) | batch | a call per sample | as kiln runs it | ratio |",
+              "|---|---:|---:|---:|---:|"]
+    for r in odd_rows:
+        c, m, side = r["shape"]
+        lines.append(f"| {c} -> {m}, {side}x{side} | {r['batch']} | {r['per sample']:.1f} | {r['as run']:.1f} | "
+                     f"{r['as run'] / r['per sample']:.2f} |")
     lines += ["", "| MobileNetV3-Small-style | kiln, one call ms | kiln, a call per sample ms | onnxruntime ms | "
               "kiln/onnxruntime |", "|---|---:|---:|---:|---:|"]
     for r in model_rows:
@@ -161,10 +209,11 @@ def main(argv=None) -> int:
         return 1
     _set_kernel_threads(args.threads)
     layer_rows = layers(args.rounds)
+    odd_rows = odd_batches(args.rounds)
     with tempfile.TemporaryDirectory() as d:
         model_rows = models(Path(d), args.threads, args.rounds)
     from results_md import publish
-    publish(args.results, SECTION, report(layer_rows, model_rows, args.threads, args.rounds))
+    publish(args.results, SECTION, report(layer_rows, odd_rows, model_rows, args.threads, args.rounds))
     return 0
 
 

@@ -213,12 +213,17 @@ def test_a_batch_of_1x1_convs_is_one_sgemm_answering_the_per_sample_bits(monkeyp
     pool), and answers exactly what a product per sample answered: odd batches, K past one k block (GEMM_KC 256),
     with and without the bias and activation, before and after the weights are packed."""
     monkeypatch.setattr(native, "SGEMM_MACS_PER_THREAD", threads_per_mac)
+    monkeypatch.setattr(native, "kernel_threads", lambda: 2)
     calls = []
     real = native._native.sgemm
     monkeypatch.setattr(native._native, "sgemm", lambda *a: calls.append(a[14] if len(a) > 14 else 1) or real(*a))
     window = make_window((1, 1))
     for n, c, m, hw, bias, act in ((3, 40, 24, 9, True, (1, 0.0, 0.0)), (5, 300, 17, 6, False, (0, 0.0, 0.0)),
-                                   (2, 33, 70, 11, True, (4, -0.5, 0.5))):
+                                   (2, 33, 70, 11, True, (4, -0.5, 0.5)), (4, 8, 5, 3, True, (1, 0.0, 0.0))):
+        threads = native.gemm_threads(m * n, hw * hw, c)
+        # as many samples as divide evenly among the threads in one call, the rest a call each
+        whole = n - n % threads
+        batched_calls = [whole] + [1] * (n - whole) if whole > 1 else [1] * n
         x = RNG.standard_normal((n, c, hw, hw)).astype(np.float32)
         w = RNG.standard_normal((m, c, 1, 1)).astype(np.float32)
         b = RNG.standard_normal(m).astype(np.float32) if bias else None
@@ -228,7 +233,7 @@ def test_a_batch_of_1x1_convs_is_one_sgemm_answering_the_per_sample_bits(monkeyp
             kernel = native.gemm_conv2d(w, window, b, act)
             calls.clear()
             got = [kernel(x)]
-            assert calls == ([n] if batched else [1] * n)
+            assert calls == (batched_calls if batched else [1] * n)
             got.append(kernel(x))
             assert native.wait_packed()
             got.append(kernel(x))
@@ -239,6 +244,19 @@ def test_a_batch_of_1x1_convs_is_one_sgemm_answering_the_per_sample_bits(monkeyp
         code, lo, hi = act
         want = np.maximum(want, 0) if code == 1 else np.clip(want, lo, hi) if code == 4 else want
         np.testing.assert_allclose(answers[True][0], want, rtol=1e-4, atol=1e-4)
+
+
+@needs_sgemm
+def test_large_1x1_products_stay_a_call_per_sample(monkeypatch):
+    monkeypatch.setattr(native, "BATCHED_POINTWISE_MACS", 24 * 40 * 81 - 1)  # one pixel's worth under the sample's
+    calls = []
+    real = native._native.sgemm
+    monkeypatch.setattr(native._native, "sgemm", lambda *a: calls.append(a[14] if len(a) > 14 else 1) or real(*a))
+    w = RNG.standard_normal((24, 40, 1, 1)).astype(np.float32)
+    x = RNG.standard_normal((4, 40, 9, 9)).astype(np.float32)
+    got = native.gemm_conv2d(w, make_window((1, 1)), None)(x)
+    assert calls == [1, 1, 1, 1]
+    np.testing.assert_allclose(got, conv_float64(x, w, None, make_window((1, 1))), rtol=1e-4, atol=1e-4)
 
 
 @needs_sgemm
@@ -258,6 +276,11 @@ def test_a_1x1_conv_over_few_channels_runs_direct_for_one_sample_and_batched_for
         got = kernel(x)
         assert calls == [path], n
         np.testing.assert_allclose(got, np.maximum(conv_float64(x, w, b, window), 0), rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(native, "BATCHED_POINTWISE_MACS", 32 * 16 * 100 - 1)  # a sample of 10x10 is over it
+    calls.clear()
+    kernel(RNG.standard_normal((3, 16, 10, 10)).astype(np.float32))
+    assert calls == ["direct"]
+    monkeypatch.setattr(native, "BATCHED_POINTWISE_MACS", 1 << 30)
     monkeypatch.setattr(native, "BATCHED_POINTWISE", False)
     calls.clear()
     native.conv_kernel(w, window, 1, b, (1, 0.0, 0.0))(RNG.standard_normal((3, 16, 10, 10)).astype(np.float32))

@@ -62,9 +62,13 @@ DIRECT_MAX_TAPS = 200 if _native is not None and _native.has_sgemm else 27
 DIRECT_MAX_POINTWISE = 24
 # A 1x1 stride-1 conv of several samples through the GEMM is one batched sgemm call, the weights shared and the pool
 # splitting the samples, not a call per sample: on the 2-core Zen 5 at batch 8, MobileNetV3-style's pointwise convs
-# ran 1.2-2.3x faster, the model at b8 1.12-1.16x (bench/pointwise_bench.py). False: the call per sample (the
+# ran 1.4-2.0x faster, the model at b8 1.14-1.22x (bench/pointwise_bench.py). False: the call per sample (the
 # benchmark's baseline; the answers are the same bits either way).
 BATCHED_POINTWISE = True
+# ... for products of at most this many multiply-adds a sample: a call's fixed cost and its two short halves are what
+# the batched call saves, and larger products have none to save (ResNet-50's 1x1 convs at 56x56, 51M a sample: 0.99-
+# 1.20x the per-sample time at batches 2, 3 and 5 on 2 threads)
+BATCHED_POINTWISE_MACS = 8 << 20
 # A thread per this many multiply-adds at most. The threads are the sgemm's pool (kept, spinning briefly between
 # calls), so a second one costs microseconds, not the ~20-30 us a thread created per call did. 1 << 18 left
 # MobileNetV3-style's depthwise convs (0.2-0.5M multiply-adds) on one thread: b1 0.59 -> 0.51 ms with 1 << 16 (one
@@ -440,12 +444,22 @@ def gemm_conv2d(w: np.ndarray, window: Any, bias: Optional[np.ndarray],
                   gemm_threads(m, n_cols, k))
 
         def batched(x3: np.ndarray, y3: np.ndarray, packed: Optional[np.ndarray]) -> None:
-            """Every sample's product in one call, the weights shared (stride 0), bias and activation fused:
-            the pool splits the samples (or one product's columns)."""
+            """The samples' products in one call, the weights shared (stride 0), bias and activation fused: the
+            pool hands each thread whole samples. As many as divide evenly among the threads go in it; the rest
+            (a batch of 3 on 2 threads: 1) are a call each, split by columns (whole samples left one thread with
+            two of three: ResNet-50-sized 1x1 convs at batch 3 ran 1.4x slower than a call per sample)."""
             n_s, _, span = x3.shape
-            bias_mode = _BIAS_ROWS if b is not None else _BIAS_NONE
-            sgemm(w2 if packed is None else packed, x3, y3, b, m, span, k, _ROWS if packed is None else _PACKED,
-                  _ROWS, bias_mode, code, alpha, beta, gemm_threads(m * n_s, span, k), n_s, 0, k * span, m * span)
+            threads = gemm_threads(m * n_s, span, k)
+            whole = n_s - n_s % threads
+            if whole > 1:
+                bias_mode = _BIAS_ROWS if b is not None else _BIAS_NONE
+                sgemm(w2 if packed is None else packed, x3[:whole], y3[:whole], b, m, span, k,
+                      _ROWS if packed is None else _PACKED, _ROWS, bias_mode, code, alpha, beta, threads, whole, 0,
+                      k * span, m * span)
+            else:
+                whole = 0
+            for s in range(whole, n_s):
+                product(x3[s], y3[s], True, packed)
     else:
         def product(cols: np.ndarray, out: np.ndarray, fused: bool, packed: None) -> None:
             np.matmul(w2, cols, out=out)
@@ -464,7 +478,7 @@ def gemm_conv2d(w: np.ndarray, window: Any, bias: Optional[np.ndarray],
         packed = None if lazy is None else lazy.get()
         if (kh, kw, sh, sw, pt, pl, oh, ow) == (1, 1, 1, 1, 0, 0, h, wd):  # the columns are the input
             x3 = x.reshape(n, c, span)
-            if n > 1 and lazy is not None and BATCHED_POINTWISE:
+            if n > 1 and lazy is not None and BATCHED_POINTWISE and m * span * k <= BATCHED_POINTWISE_MACS:
                 batched(x3, y3, packed)
                 return y
             for s in range(n):
@@ -644,11 +658,15 @@ def conv_kernel(w: np.ndarray, window: Any, group: int, bias: Optional[np.ndarra
             return direct
         # A 1x1 over few channels: direct for one sample, one batched sgemm for several (bench/pointwise_bench.py:
         # at batch 8 it beat the direct kernel on 3 of MobileNetV3-style's 4 such convs, 16 -> 32 channels at 56x56
-        # 132 -> 107 us, and lost on 16 -> 16, 59 -> 66)
+        # 131 -> 119 us, and lost on 16 -> 16, 57 -> 76)
         batched = gemm_conv2d(w, window, bias, activation)
+        macs = w.shape[0] * w.shape[1]  # a sample's multiply-adds per pixel
 
         def run(x: np.ndarray) -> np.ndarray:
-            return batched(x) if x.shape[0] > 1 and BATCHED_POINTWISE else direct(x)
+            if x.ndim == 4 and x.shape[0] > 1 and BATCHED_POINTWISE \
+                    and macs * x.shape[2] * x.shape[3] <= BATCHED_POINTWISE_MACS:
+                return batched(x)
+            return direct(x)
         return run
     if covers_winograd(w, window, group):
         return winograd_conv2d(w, window, bias, activation)
