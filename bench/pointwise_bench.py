@@ -47,6 +47,36 @@ def median_us(fn, arg, budget: float = 0.4, least: int = 20) -> float:
     return statistics.median(times) * 1e6
 
 
+def gemm_kernels(w: np.ndarray, b: np.ndarray, x: np.ndarray, names: tuple) -> dict:
+    """name -> (the GEMM conv kernel with its weights packed, BATCHED_POINTWISE for it): off, then on."""
+    from kiln.ir.ops.nn import make_window
+    from kiln.runtime.kernels.cpu import native
+    kernels = {}
+    for name, batched in zip(names, (False, True)):
+        native.BATCHED_POINTWISE = batched
+        kernel = native.gemm_conv2d(w, make_window((1, 1)), b, (1, 0.0, 0.0))
+        kernel(x)
+        kernel(x)
+        native.wait_packed()
+        kernels[name] = (kernel, batched)
+    native.BATCHED_POINTWISE = True
+    return kernels
+
+
+def alternate(kernels: dict, x: np.ndarray, rounds: int) -> tuple:
+    """(name -> per-round median us, name -> answer), the kernels alternating in rounds, each under its setting."""
+    from kiln.runtime.kernels.cpu import native
+    times: dict = {k: [] for k in kernels}
+    answers = {}
+    for _ in range(rounds):
+        for name, (kernel, batched) in kernels.items():
+            native.BATCHED_POINTWISE = batched
+            times[name].append(median_us(kernel, x))
+            answers[name] = kernel(x)
+    native.BATCHED_POINTWISE = True
+    return times, answers
+
+
 def layers(rounds: int) -> list:
     from kiln.ir.ops.nn import make_window
     from kiln.runtime.kernels.cpu import native
@@ -57,23 +87,9 @@ def layers(rounds: int) -> list:
         x = rng.standard_normal((BATCH, c, side, side)).astype(np.float32)
         w = rng.standard_normal((m, c, 1, 1)).astype(np.float32)
         b = rng.standard_normal(m).astype(np.float32)
-        kernels = {}
-        for name, batched in (("per sample", False), ("batched", True)):
-            native.BATCHED_POINTWISE = batched
-            kernel = native.gemm_conv2d(w, window, b, (1, 0.0, 0.0))
-            kernel(x)
-            kernel(x)
-            native.wait_packed()
-            kernels[name] = (kernel, batched)
+        kernels = gemm_kernels(w, b, x, ("per sample", "batched"))
         kernels["direct"] = (native.direct_conv2d(w, window, 1, b, (1, 0.0, 0.0)), True)
-        times: dict = {k: [] for k in kernels}
-        answers = {}
-        for _ in range(rounds):
-            for name, (kernel, batched) in kernels.items():
-                native.BATCHED_POINTWISE = batched
-                times[name].append(median_us(kernel, x))
-                answers[name] = kernel(x)
-        native.BATCHED_POINTWISE = True
+        times, answers = alternate(kernels, x, rounds)
         assert np.array_equal(answers["per sample"], answers["batched"]), (c, m, side)
         row = {"shape": (c, m, side), **{k: statistics.median(v) for k, v in times.items()},
                "direct_taken": c <= native.DIRECT_MAX_POINTWISE}
@@ -89,30 +105,15 @@ ODD_BATCHES = (2, 3, 5)
 
 def odd_batches(rounds: int) -> list:
     """kiln's 1x1 conv as it runs (the batched call where it takes it) against a call per sample."""
-    from kiln.ir.ops.nn import make_window
-    from kiln.runtime.kernels.cpu import native
     rng = np.random.default_rng(1)
-    window = make_window((1, 1))
     rows = []
     for c, m, side in ODD:
         w = rng.standard_normal((m, c, 1, 1)).astype(np.float32)
         b = rng.standard_normal(m).astype(np.float32)
         for batch in ODD_BATCHES:
             x = rng.standard_normal((batch, c, side, side)).astype(np.float32)
-            kernels = {}
-            for name, batched in (("per sample", False), ("as run", True)):
-                native.BATCHED_POINTWISE = batched
-                kernel = native.gemm_conv2d(w, window, b, (1, 0.0, 0.0))
-                kernel(x)
-                kernel(x)
-                native.wait_packed()
-                kernels[name] = (kernel, batched)
-            times: dict = {k: [] for k in kernels}
-            for _ in range(rounds):
-                for name, (kernel, batched) in kernels.items():
-                    native.BATCHED_POINTWISE = batched
-                    times[name].append(median_us(kernel, x))
-            native.BATCHED_POINTWISE = True
+            times, answers = alternate(gemm_kernels(w, b, x, ("per sample", "as run")), x, rounds)
+            assert np.array_equal(answers["per sample"], answers["as run"]), (c, m, side, batch)
             row = {"shape": (c, m, side), "batch": batch, **{k: statistics.median(v) for k, v in times.items()}}
             rows.append(row)
             print(f"{c}->{m} @{side} b{batch}: per sample {row['per sample']:.1f} us, as run {row['as run']:.1f} us",
