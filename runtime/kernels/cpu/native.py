@@ -66,8 +66,8 @@ DIRECT_MAX_POINTWISE = 24
 # benchmark's baseline; the answers are the same bits either way).
 BATCHED_POINTWISE = True
 # ... for products of at most this many multiply-adds a sample: a call's fixed cost and its two short halves are what
-# the batched call saves, and larger products have none to save (ResNet-50's 1x1 convs at 56x56, 51M a sample: 0.99-
-# 1.20x the per-sample time at batches 2, 3 and 5 on 2 threads)
+# the batched call saves, and larger products have none to save (ResNet-50's 1x1 convs at 56x56, 51M a sample: the
+# batched call took 0.99-1.20x the per-sample time at batches 2, 3 and 5 on 2 threads)
 BATCHED_POINTWISE_MACS = 8 << 20
 # A thread per this many multiply-adds at most. The threads are the sgemm's pool (kept, spinning briefly between
 # calls), so a second one costs microseconds, not the ~20-30 us a thread created per call did. 1 << 18 left
