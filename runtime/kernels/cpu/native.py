@@ -69,6 +69,13 @@ BATCHED_POINTWISE = True
 # the batched call saves, and larger products have none to save (ResNet-50's 1x1 convs at 56x56, 51M a sample: the
 # batched call took 0.99-1.20x the per-sample time at batches 2, 3 and 5 on 2 threads)
 BATCHED_POINTWISE_MACS = 8 << 20
+
+
+def _batches_pointwise(n: int, m: int, k: int, span: int) -> bool:
+    """Whether n samples of a plain 1x1 conv (m outputs, k inputs, span pixels) take the one batched sgemm call."""
+    return n > 1 and BATCHED_POINTWISE and m * span * k <= BATCHED_POINTWISE_MACS
+
+
 # A thread per this many multiply-adds at most. The threads are the sgemm's pool (kept, spinning briefly between
 # calls), so a second one costs microseconds, not the ~20-30 us a thread created per call did. 1 << 18 left
 # MobileNetV3-style's depthwise convs (0.2-0.5M multiply-adds) on one thread: b1 0.59 -> 0.51 ms with 1 << 16 (one
@@ -478,7 +485,7 @@ def gemm_conv2d(w: np.ndarray, window: Any, bias: Optional[np.ndarray],
         packed = None if lazy is None else lazy.get()
         if (kh, kw, sh, sw, pt, pl, oh, ow) == (1, 1, 1, 1, 0, 0, h, wd):  # the columns are the input
             x3 = x.reshape(n, c, span)
-            if n > 1 and lazy is not None and BATCHED_POINTWISE and m * span * k <= BATCHED_POINTWISE_MACS:
+            if lazy is not None and _batches_pointwise(n, m, k, span):
                 batched(x3, y3, packed)
                 return y
             for s in range(n):
@@ -660,11 +667,10 @@ def conv_kernel(w: np.ndarray, window: Any, group: int, bias: Optional[np.ndarra
         # at batch 8 it beat the direct kernel on 3 of MobileNetV3-style's 4 such convs, 16 -> 32 channels at 56x56
         # 131 -> 119 us, and lost on 16 -> 16, 57 -> 76)
         batched = gemm_conv2d(w, window, bias, activation)
-        macs = w.shape[0] * w.shape[1]  # a sample's multiply-adds per pixel
+        m, c = w.shape[:2]
 
         def run(x: np.ndarray) -> np.ndarray:
-            if x.ndim == 4 and x.shape[0] > 1 and BATCHED_POINTWISE \
-                    and macs * x.shape[2] * x.shape[3] <= BATCHED_POINTWISE_MACS:
+            if x.ndim == 4 and _batches_pointwise(x.shape[0], m, c, x.shape[2] * x.shape[3]):
                 return batched(x)
             return direct(x)
         return run
